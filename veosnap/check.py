@@ -1,0 +1,71 @@
+"""Check a candidate (a backend applied to the reference model) against its golden."""
+
+from __future__ import annotations
+
+import traceback
+
+import torch
+
+from . import golden as golden_io
+from . import hardware, models
+from .backends import Backend
+from .capture import run_step
+from .compare import CheckReport, compare
+from .errors import GoldenError, MissingGoldenError, VeosnapError
+from .golden import Golden, GoldenKey
+from .routing import replay_routes
+from .zoo import Project, load_config
+
+
+def load_golden(project: Project, key: GoldenKey) -> Golden:
+    """The golden for `key`, validated; a clear error when it (or its whole hardware class) is missing."""
+    path = golden_io.path_for(project.goldens, key)
+    if not path.is_file():
+        classes = sorted(p.name for p in project.goldens.iterdir() if p.is_dir()) if project.goldens.is_dir() else []
+        if key.hardware_class not in classes:
+            raise MissingGoldenError(
+                f"{project.goldens}: no goldens for hardware class {key.hardware_class} "
+                f"(present: {', '.join(classes) or 'none'}); record them on that hardware with "
+                f"`veosnap record --goldens {project.goldens}`, or pick a class with --hardware-class"
+            )
+        raise MissingGoldenError(
+            f"{path}: no golden for {key}; record it with "
+            f"`veosnap record --model {key.model} --dtype {key.dtype}` on {key.hardware_class} hardware"
+        )
+    return golden_io.read(path, root=project.goldens)
+
+
+def check(project: Project, key: GoldenKey, backend: Backend, device: torch.device | None = None) -> CheckReport:
+    """Build the reference model for `key`, apply `backend`, run the golden's batch, compare.
+
+    Bad goldens and configs raise `VeosnapError`; a backend that raises is reported as an error in
+    the returned report so other checks can still run.
+    """
+    gold = load_golden(project, key)
+    toy = load_config(project.configs, key.model)
+    if toy.hash != gold.manifest.config_hash:
+        raise GoldenError(gold.path, f"recorded from another config than {toy.path} (config hash differs); "
+                          f"re-record with `veosnap record --model {key.model} --dtype {key.dtype}`")
+    device = device or hardware.device_for(hardware.detect())
+    fields = {"backend": backend.spec}
+    try:
+        model = models.build(toy, models.dtype_from_name(key.dtype), device, gold.manifest.reference.get("seed", 0))
+        model = backend.apply(model)
+        capture = run_step(model, gold.batch)
+    except VeosnapError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the candidate's own failure is a result, not a crash
+        return CheckReport(golden=str(key), model=key.model, dtype=key.dtype,
+                           error=f"{type(exc).__name__}: {exc}".splitlines()[0] + _origin(exc), **fields)
+    report = compare(gold, capture, **fields)
+    if not report.routes_passed:
+        forced = {int(n.split(".")[1]): t.long() for n, t in gold.tensors.items() if n.endswith(".experts")}
+        with replay_routes(model, forced):
+            replayed = run_step(model, gold.batch)
+        report = compare(gold, capture, replayed=replayed, **fields)
+    return report
+
+
+def _origin(exc: BaseException) -> str:
+    frames = traceback.extract_tb(exc.__traceback__)
+    return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""

@@ -1,0 +1,153 @@
+"""Record goldens from the HF eager reference, with tolerances calibrated against a float64 run."""
+
+from __future__ import annotations
+
+import os
+import platform
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import transformers
+
+from . import __version__, golden, hardware, inputs, models
+from .capture import Capture, run_step
+from .errors import VeosnapError
+from .golden import Golden, GoldenKey, Manifest
+from .tolerance import ALPHA, FLOOR, TIE_EPSILON, Tolerance, noise
+from .zoo import Project, load_config
+
+RECORD_THREADS = 1  # a fixed thread count keeps CPU reductions, and so the bytes, reproducible
+
+
+@contextmanager
+def deterministic() -> Iterator[dict]:
+    """Deterministic algorithms, fixed CPU threads, TF32 off; restores the previous settings."""
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.get_num_threads(),
+             torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.set_num_threads(RECORD_THREADS)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield {"deterministic_algorithms": True, "cpu_threads": RECORD_THREADS, "tf32": False}
+    finally:
+        torch.use_deterministic_algorithms(saved[0])
+        torch.set_num_threads(saved[1])
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[2], saved[3]
+
+
+@dataclass(frozen=True)
+class RecordOutcome:
+    """What `record` did for one key."""
+
+    key: GoldenKey
+    path: Path
+    written: bool  # False when the file already held exactly these bytes
+    min_margin: float | None  # smallest router margin over all MoE layers (None: dense model)
+
+
+def build_golden(project: Project, key: GoldenKey, seed: int = 0, allow_near_ties: bool = False) -> Golden:
+    """Run the reference (and its float64 twin) for `key` and assemble the golden in memory."""
+    if key.scenario not in golden.SCENARIOS:
+        raise VeosnapError(f"unknown scenario {key.scenario!r} (known: {', '.join(golden.SCENARIOS)})")
+    if key.dtype not in golden.DTYPE_NAMES:
+        raise VeosnapError(f"unknown dtype {key.dtype!r} for a golden (expected one of: {', '.join(golden.DTYPE_NAMES)})")
+    if key.hardware_class != hardware.detect():
+        raise VeosnapError(
+            f"cannot record hardware class {key.hardware_class} on this machine ({hardware.detect()}): "
+            "goldens are only recorded on the hardware they describe"
+        )
+    toy = load_config(project.configs, key.model)
+    dtype = models.dtype_from_name(key.dtype)
+    device = hardware.device_for(key.hardware_class)
+    sequence_ids = inputs.DEFAULT_SEQUENCES
+    batch = inputs.padded(inputs.load_sequences(project.testdata, sequence_ids))
+    with deterministic() as settings:
+        torch.manual_seed(seed)
+        model = models.build(toy, dtype, device, seed)
+        reference = run_step(model, batch)
+        high = models.upcast_copy(model, toy, torch.float64)
+        del model
+        with models.KeepFloat64():
+            truth = run_step(high, batch, own_loss=True)
+        del high
+    mask = batch.token_mask
+    min_margin = _check_routes(key, reference, truth, mask, allow_near_ties)
+
+    tensors: dict[str, torch.Tensor] = dict(batch.tensors())
+    tolerance: dict[str, Tolerance] = {}
+    ref_all, truth_all = reference.all_tensors(), truth.all_tensors()
+    for name, value in ref_all.items():
+        if name.endswith((".experts", ".margin")):
+            tensors[name] = value
+            continue
+        if name == "loss":
+            value = value.float()
+        tensors[name] = value
+        tolerance[name] = Tolerance.from_noise(noise(name, value, truth_all[name], mask), key.dtype)
+
+    manifest = Manifest(
+        key=key,
+        config=toy.config,
+        config_hash=toy.hash,
+        inputs_hash=golden.tensors_hash(batch.tensors()),
+        reference={
+            "attn_implementation": models.REFERENCE_ATTN,
+            "experts_implementation": models.REFERENCE_EXPERTS,
+            "seed": seed,
+            "batch": {"layout": "padded", "padding_side": "left", "sequences": list(sequence_ids),
+                      "source": inputs.SEQUENCES_FILE},
+            "noise_run": "float64",
+        },
+        provenance={
+            "veosnap": __version__,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "python": platform.python_version(),
+            **hardware.describe_device(device),
+            **settings,
+        },
+        tolerance=tolerance,
+        alpha=ALPHA[key.dtype],
+        floor=FLOOR[key.dtype],
+        tie_epsilon=TIE_EPSILON[key.dtype],
+        min_margin={str(layer): value for layer, value in min_margin.items()},
+    )
+    return Golden(manifest=manifest, tensors=tensors)
+
+
+def _check_routes(key: GoldenKey, reference: Capture, truth: Capture, mask: torch.Tensor,
+                  allow_near_ties: bool) -> dict[int, float]:
+    """The smallest router margin per MoE layer; refuses near-ties unless allowed."""
+    margins = {layer: float(rec.margin[mask].min()) for layer, rec in sorted(reference.routes.items())}
+    if allow_near_ties:
+        return margins
+    eps = TIE_EPSILON[key.dtype]
+    for layer, value in margins.items():
+        if value < eps:
+            raise VeosnapError(
+                f"{key}: router margin {value:.3g} in layer {layer} is under the tie epsilon {eps:g}: a near-tie "
+                "would make this golden flaky across hardware; make the toy router decide clearly, or pass --allow-near-ties"
+            )
+        flips = (reference.routes[layer].experts != truth.routes[layer].experts).any(dim=-1) & mask
+        if flips.any():
+            raise VeosnapError(f"{key}: layer {layer} routes {int(flips.sum())} token(s) differently in float64; near-ties")
+    return margins
+
+
+def record(project: Project, model: str, dtype: str, scenario: str = "step", seed: int = 0,
+           allow_near_ties: bool = False) -> RecordOutcome:
+    """Record one golden into the project's goldens directory; leaves an identical file untouched."""
+    key = GoldenKey(project.hardware_class, model, scenario, dtype)
+    new = build_golden(project, key, seed=seed, allow_near_ties=allow_near_ties)
+    path = golden.path_for(project.goldens, key)
+    data = golden.encode(new)
+    written = not (path.is_file() and path.read_bytes() == data)
+    if written:
+        golden.write_bytes(data, path)
+    margins = new.manifest.min_margin.values()
+    return RecordOutcome(key=key, path=path, written=written, min_margin=min(margins) if margins else None)
