@@ -44,11 +44,25 @@ def eager(model: nn.Module) -> nn.Module:
     return model
 
 
-@register("sdpa")
-def sdpa(model: nn.Module) -> nn.Module:
-    """PyTorch scaled_dot_product_attention."""
-    model.set_attn_implementation("sdpa")
-    return model
+class Unsupported(Exception):
+    """Raised by a backend that does not apply to this model; the check is reported as skipped."""
+
+
+def attention(implementation: str) -> BackendFn:
+    """A backend that switches the model to transformers' attention `implementation`."""
+
+    def apply(model: nn.Module) -> nn.Module:
+        try:
+            model.set_attn_implementation(implementation)
+        except (ValueError, ImportError) as exc:  # transformers refuses models it has no support for
+            raise Unsupported(str(exc).split(". ")[0].strip()) from None
+        return model
+
+    apply.__doc__ = f"transformers' `{implementation}` attention."
+    return apply
+
+
+register("sdpa")(attention("sdpa"))
 
 
 def _experts(implementation: str) -> BackendFn:

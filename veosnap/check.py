@@ -8,7 +8,7 @@ import torch
 
 from . import golden as golden_io
 from . import hardware, models
-from .backends import Backend
+from .backends import Backend, Unsupported
 from .capture import run_step
 from .compare import CheckReport, compare
 from .errors import GoldenError, MissingGoldenError, VeosnapError
@@ -54,6 +54,8 @@ def check(project: Project, key: GoldenKey, backend: Backend, device: torch.devi
         capture = run_step(model, gold.batch)
     except VeosnapError:
         raise
+    except Unsupported as exc:
+        return CheckReport(golden=str(key), model=key.model, dtype=key.dtype, skipped=str(exc), **fields)
     except Exception as exc:  # noqa: BLE001 - the candidate's own failure is a result, not a crash
         return CheckReport(golden=str(key), model=key.model, dtype=key.dtype,
                            error=f"{type(exc).__name__}: {exc}".splitlines()[0] + _origin(exc), **fields)

@@ -50,6 +50,7 @@ class CheckReport:
     routes: list[RouteDiff] = field(default_factory=list)
     route_replay: bool = False
     error: str = ""  # the candidate could not run: why
+    skipped: str = ""  # the backend does not apply to this model: why
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -58,7 +59,12 @@ class CheckReport:
 
     @property
     def passed(self) -> bool:
+        """True when nothing failed; a skipped check passes (its reason is reported)."""
         return not self.error and self.routes_passed and all(t.passed for t in self.tensors)
+
+    @property
+    def status(self) -> str:
+        return "skip" if self.skipped else "PASS" if self.passed else "ERROR" if self.error else "FAIL"
 
     def ranked(self) -> list[TensorResult]:
         """Tensors worst first."""

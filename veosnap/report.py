@@ -27,8 +27,11 @@ def text(reports: list[CheckReport], width: int = 140, color: bool = False, show
     buf = io.StringIO()
     console = Console(file=buf, width=width, force_terminal=color, no_color=not color, highlight=False)
     for report in reports:
-        verdict = "PASS" if report.passed else "FAIL"
-        console.print(f"[bold]{verdict}[/bold]  {report.golden}  backend={report.backend}  layout={report.layout}")
+        console.print(f"[bold]{report.status}[/bold]  {report.golden}  backend={report.backend}  layout={report.layout}")
+        if report.skipped:
+            console.print(f"  skipped: {report.skipped}")
+            console.print()
+            continue
         if report.error:
             console.print(f"  error: {report.error}")
             console.print()
@@ -64,7 +67,8 @@ def text(reports: list[CheckReport], width: int = 140, color: bool = False, show
             console.print(f"  next: {next_step(report)}")
         console.print()
     failed = sum(not r.passed for r in reports)
-    console.print(f"{len(reports) - failed} passed, {failed} failed")
+    skipped = sum(bool(r.skipped) for r in reports)
+    console.print(f"{len(reports) - failed - skipped} passed, {failed} failed" + (f", {skipped} skipped" if skipped else ""))
     return buf.getvalue()
 
 
@@ -87,7 +91,9 @@ def as_dict(report: CheckReport) -> dict:
         "backend": report.backend,
         "layout": report.layout,
         "passed": report.passed,
+        "status": report.status,
         "error": report.error or None,
+        "skipped": report.skipped or None,
         "worst": {"tensor": worst.name, "ratio": _json_num(worst.ratio)} if worst else None,
         "first_divergence": report.first_divergence,
         "first_gradient_divergence": report.first_gradient_divergence,
