@@ -54,28 +54,34 @@ def find_moe_layers(model: nn.Module) -> list[MoeLayer]:
     return sorted(found, key=lambda m: m.layer)
 
 
-def selection_scores(router: nn.Module, logits: torch.Tensor) -> torch.Tensor:
-    """The scores a router ranks experts by, in float32.
+def selection_scores(router: nn.Module, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scores a router ranks experts by (float32), and their slope against the logits.
 
-    Softmax and plain top-k routers rank by logits (softmax is monotone); sigmoid routers with a
-    score-correction bias (DeepSeek-V3) rank by sigmoid(logits) + bias.
+    Softmax and plain top-k routers rank by logits (softmax is monotone; slope 1); sigmoid routers
+    with a score-correction bias (DeepSeek-V3) rank by sigmoid(logits) + bias.
     """
     logits = logits.detach().float()
     bias = getattr(router, "e_score_correction_bias", None)
     if isinstance(bias, torch.Tensor):
-        return logits.sigmoid() + bias.detach().float().to(logits.device)
-    return logits
+        sig = logits.sigmoid()
+        return sig + bias.detach().float().to(logits.device), sig * (1 - sig)
+    return logits, torch.ones_like(logits)
 
 
-def margins(scores: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-    """Per token: the lowest chosen score minus the highest score not chosen.
+def margins(scores: torch.Tensor, chosen: torch.Tensor, slope: torch.Tensor | None = None) -> torch.Tensor:
+    """Per token, in logit units: how far the lowest chosen expert is from the best one not chosen.
 
-    For group-limited routers this ignores the group mask, so it can only understate a margin.
+    The score gap is divided by the mean slope of the two scores against their logits, so a
+    sigmoid router's margin reads on the same scale as a softmax router's logit gap, and one tie
+    epsilon serves both. For group-limited routers the group mask is ignored, which can only
+    understate a margin.
     """
+    slope = torch.ones_like(scores) if slope is None else slope
     picked = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, chosen.long(), True)
-    lowest_chosen = scores.masked_fill(~picked, float("inf")).amin(dim=1)
-    highest_other = scores.masked_fill(picked, float("-inf")).amax(dim=1)
-    return lowest_chosen - highest_other
+    low_score, low_at = scores.masked_fill(~picked, float("inf")).min(dim=1)
+    high_score, high_at = scores.masked_fill(picked, float("-inf")).max(dim=1)
+    mean_slope = (slope.gather(1, low_at[:, None]) + slope.gather(1, high_at[:, None])).squeeze(1) / 2
+    return (low_score - high_score) / mean_slope.clamp_min(1e-12)
 
 
 @dataclass
@@ -85,7 +91,7 @@ class RouteRecord:
     layer: int
     experts: torch.Tensor  # [tokens, k] int64, sorted ascending per token
     weights: torch.Tensor  # [tokens, k] routing weights in the order of `experts`
-    margin: torch.Tensor  # [tokens] float32: k-th chosen score minus best unchosen score
+    margin: torch.Tensor  # [tokens] float32, logit units: lowest chosen vs best unchosen expert (see `margins`)
 
 
 def sort_route(indices: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,12 +110,12 @@ def record_routes(model: nn.Module) -> Iterator[dict[int, RouteRecord]]:
         def hook(module: nn.Module, _inputs: tuple, output: tuple, layer: int = moe.layer) -> None:
             logits, weights, indices = output[0], output[1], output[2]
             experts, sorted_weights = sort_route(indices.detach(), weights.detach())
-            scores = selection_scores(module, logits.reshape(-1, logits.shape[-1]))
+            scores, slope = selection_scores(module, logits.reshape(-1, logits.shape[-1]))
             records[layer] = RouteRecord(
                 layer=layer,
                 experts=experts.reshape(-1, experts.shape[-1]).cpu(),
                 weights=sorted_weights.reshape(-1, experts.shape[-1]).cpu(),
-                margin=margins(scores, indices.reshape(-1, indices.shape[-1])).cpu(),
+                margin=margins(scores, indices.reshape(-1, indices.shape[-1]), slope).cpu(),
             )
 
         handles.append(moe.router.register_forward_hook(hook))

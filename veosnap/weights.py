@@ -27,7 +27,7 @@ from .routing import MoeLayer, find_moe_layers
 EMBED_STD = 1.0
 CODE_STRENGTH = 4.0  # a token's code dimensions in its embedding; the others there are 0
 CODE_NOISE = 0.02  # how much of a projection's output reaches the code dimensions
-ROUTER_READ = 1.0  # router weight on the code dimension of its expert: logit gaps of about 3
+ROUTER_READ = 1.5  # router weight on the code dimension of its expert: logit gaps of 2 or more
 ROUTER_NOISE = 0.02
 NORM_JITTER = 0.1
 BIAS_STD = 0.1

@@ -1,0 +1,184 @@
+"""Bugs planted on purpose, each a veosnap backend: `--backend tests/faults.py:<name>`.
+
+Each one patches the reference model the way a real kernel or framework bug would, in one layer,
+one token, one row or one parameter where the bug allows, so the tests can show veosnap names the
+tensor at fault. They double as examples of the backend plugin contract: a function that takes the
+built model and returns the model to run.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+from veosnap.backends import Unsupported
+from veosnap.capture import decoder_layers
+from veosnap.routing import find_moe_layers
+
+FAULT_LAYER = 1  # faults confined to one layer go in the second decoder layer
+PAD_LEAK_ROW = 1  # the batch row (a 17-token sequence behind 15 pads) whose mask is broken
+
+
+def _eager_for(module: nn.Module):  # noqa: ANN202
+    """The model family's own eager attention function (GPT-OSS adds sinks, for one)."""
+    return sys.modules[type(module).__module__].eager_attention_forward
+
+
+def _attention_fault(name: str, fault) -> callable:  # noqa: ANN001
+    """A backend that runs `fault` instead of eager attention in layer FAULT_LAYER only."""
+
+    def attention(module, query, key, value, attention_mask, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        if getattr(module, "layer_idx", None) == FAULT_LAYER:
+            return fault(module, query, key, value, attention_mask, **kwargs)
+        return _eager_for(module)(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, eager_mask)  # eager's additive float mask, not sdpa's boolean one
+
+    def backend(model: nn.Module) -> nn.Module:
+        model.set_attn_implementation(name)
+        return model
+
+    return backend
+
+
+def _kv_groups_swapped(module, query, key, value, mask, **kw):  # noqa: ANN001, ANN003, ANN202
+    # GQA bug: key/value heads handed to the wrong group of query heads.
+    return _eager_for(module)(module, query, key.flip(1), value.flip(1), mask, **kw)
+
+
+def _pad_leak(module, query, key, value, mask, **kw):  # noqa: ANN001, ANN003, ANN202
+    # Mask bug: one sequence's padding is not masked (causality kept), so it attends to its pads.
+    if mask is not None:
+        mask = mask.clone()
+        seq = mask.shape[-1]
+        causal = torch.triu(torch.full((seq, seq), torch.finfo(mask.dtype).min, dtype=mask.dtype), 1)
+        mask[PAD_LEAK_ROW] = causal.to(mask.device)
+    return _eager_for(module)(module, query, key, value, mask, **kw)
+
+
+def _scale_off(module, query, key, value, mask, scaling, **kw):  # noqa: ANN001, ANN003, ANN202
+    # Small bug: a softmax scale off by 0.1% (e.g. a rounded 1/sqrt(d) constant).
+    return _eager_for(module)(module, query, key, value, mask, scaling=scaling * 1.001, **kw)
+
+
+def _next_token_visible(module, query, key, value, mask, **kw):  # noqa: ANN001, ANN003, ANN202
+    # Causal mask off by one: every token also sees the next one.
+    if mask is not None:
+        mask = torch.maximum(mask, torch.roll(mask, shifts=-1, dims=-1).masked_fill(
+            torch.eye(mask.shape[-1], dtype=torch.bool, device=mask.device).roll(1, dims=-1), 0.0))
+    return _eager_for(module)(module, query, key, value, mask, **kw)
+
+
+def _low_precision_softmax(module, query, key, value, mask, scaling, dropout=0.0, **kw):  # noqa: ANN001, ANN003, ANN202
+    # Precision regression: attention probabilities computed and kept in the input dtype (bf16).
+    if hasattr(module, "sinks"):
+        return _eager_for(module)(module, query, key, value, mask, scaling=scaling, dropout=dropout, **kw)
+    groups = query.shape[1] // key.shape[1]
+    key = key.repeat_interleave(groups, dim=1)
+    value = value.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if mask is not None:
+        scores = scores + mask
+    probs = F.softmax(scores, dim=-1)  # no float32 upcast: the bug
+    return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
+
+
+kv_groups_swapped = _attention_fault("veosnap_fault_kv_groups", _kv_groups_swapped)
+pad_leak = _attention_fault("veosnap_fault_pad_leak", _pad_leak)
+softmax_scale_off = _attention_fault("veosnap_fault_scale", _scale_off)
+next_token_visible = _attention_fault("veosnap_fault_next_token", _next_token_visible)
+low_precision_softmax = _attention_fault("veosnap_fault_low_precision_softmax", _low_precision_softmax)
+
+
+def swapped_activation(model: nn.Module) -> nn.Module:
+    """The MLP activation of one layer is GELU instead of SiLU."""
+    mlp = decoder_layers(model)[FAULT_LAYER].mlp
+    for module in mlp.modules():
+        if hasattr(module, "act_fn"):
+            module.act_fn = nn.GELU()
+    if not any(hasattr(m, "act_fn") for m in mlp.modules()):  # GPT-OSS experts gate inline
+        experts = mlp.experts
+        experts.alpha = experts.alpha * 0.5
+    return model
+
+
+def _moe_layers(model: nn.Module) -> list:
+    layers = find_moe_layers(model)
+    if not layers:
+        raise Unsupported("no MoE layer to plant this fault in")
+    return layers
+
+
+def unweighted_experts(model: nn.Module) -> nn.Module:
+    """One MoE layer sums its experts' outputs without their routing weights."""
+    moe = _moe_layers(model)[-1]
+    experts = decoder_layers(model)[moe.layer].mlp.experts
+    forward = experts.forward
+
+    def summed(hidden_states, top_k_index, top_k_weights):  # noqa: ANN001, ANN202
+        return forward(hidden_states, top_k_index, torch.ones_like(top_k_weights))
+
+    experts.forward = summed
+    return model
+
+
+def one_token_rerouted(model: nn.Module) -> nn.Module:
+    """One MoE layer sends one token to an expert it did not choose (a clear routing flip)."""
+    moe = _moe_layers(model)[0]
+
+    def hook(_module, _inputs, output):  # noqa: ANN001, ANN202
+        logits, weights, indices = output[0], output[1], output[2].clone()
+        token = indices.shape[0] - 1  # the last token of the batch: a real token (left padding)
+        chosen = set(indices[token].tolist())
+        indices[token, 0] = next(e for e in range(moe.num_experts) if e not in chosen)
+        return (logits, weights, indices)
+
+    moe.router.register_forward_hook(hook)
+    return model
+
+
+def norm_eps_wrong(model: nn.Module) -> nn.Module:
+    """One layer's input RMSNorm uses eps 1e-3 instead of the config's (a small bug)."""
+    norm = decoder_layers(model)[FAULT_LAYER].input_layernorm
+    norm.variance_epsilon = 1e-3
+    return model
+
+
+def dropped_norm_gradient(model: nn.Module) -> nn.Module:
+    """One parameter's gradient is lost (as if it were detached): layer 1's input norm weight."""
+    weight = decoder_layers(model)[FAULT_LAYER].input_layernorm.weight
+    weight.register_hook(torch.zeros_like)
+    return model
+
+
+def loss_counts_padding(model: nn.Module) -> nn.Module:
+    """The fused loss forgets ignore_index: padded positions are trained to predict token 0."""
+    loss_function = model.loss_function
+
+    def loss(logits, labels, vocab_size, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        return loss_function(logits, labels.clamp(min=0), vocab_size, **kwargs)
+
+    model.loss_function = loss
+    return model
+
+
+# Name -> (bug size, what the check must name). "large": fails in float32 and bfloat16;
+# "small": fails in float32, may hide under bfloat16 noise.
+FAULTS = {
+    "swapped_activation": ("large", "layers.1.output"),
+    "kv_groups_swapped": ("large", "layers.1.output"),
+    "pad_leak": ("large", "layers.1.output"),
+    "next_token_visible": ("large", "layers.1.output"),
+    "unweighted_experts": ("large", "moe"),
+    "one_token_rerouted": ("large", "routes"),
+    "loss_counts_padding": ("large", "loss"),
+    "dropped_norm_gradient": ("large", "grad.model.layers.1.input_layernorm.weight"),
+    "softmax_scale_off": ("small", "layers.1.output"),
+    "norm_eps_wrong": ("small", "layers.1.output"),
+}

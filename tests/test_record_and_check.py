@@ -1,0 +1,184 @@
+"""Recording goldens from the HF eager reference and checking candidates against them.
+
+These read as the first session a user has with veosnap: record into a project, check, read the
+report, and meet the errors that guard against checking against the wrong thing.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+import zstandard
+from safetensors import safe_open
+
+from veosnap import golden, models, weights
+from veosnap.cli import main
+from veosnap.errors import VeosnapError
+from veosnap.golden import GoldenKey
+from veosnap.record import record
+from veosnap.zoo import load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def cli(project, *args: str) -> int:  # noqa: ANN001
+    dirs = ["--goldens", str(project.goldens), "--configs", str(project.configs), "--testdata", str(project.testdata)]
+    return main([args[0], *dirs, *args[1:]])
+
+
+def test_record_then_check_passes_and_rerecording_gives_identical_bytes(scratch_project, capsys):
+    assert cli(scratch_project, "record", "--model", "qwen3_moe", "--dtype", "float32") == 0
+    path = scratch_project.goldens / "cpu" / "qwen3_moe" / "step-float32.safetensors.zst"
+    first = path.read_bytes()
+    assert "wrote" in capsys.readouterr().out
+
+    assert cli(scratch_project, "record", "--model", "qwen3_moe", "--dtype", "float32") == 0
+    assert "unchanged" in capsys.readouterr().out
+    assert path.read_bytes() == first
+
+    assert cli(scratch_project, "check", "--model", "qwen3_moe", "--dtype", "float32", "--backend", "sdpa") == 0
+    out = capsys.readouterr().out
+    assert "PASS  cpu/qwen3_moe/step-float32  backend=sdpa" in out
+    assert "1 passed, 0 failed" in out
+
+
+def test_golden_is_zstd_around_a_plain_safetensors_file(repo_project):
+    path = repo_project.goldens / "cpu" / "llama" / "step-float32.safetensors.zst"
+    raw = zstandard.ZstdDecompressor().decompress(path.read_bytes())
+    plain = Path(os.environ.get("TMPDIR", "/tmp")) / f"veosnap-plain-{os.getpid()}.safetensors"
+    plain.write_bytes(raw)
+    try:
+        with safe_open(str(plain), framework="pt") as f:
+            manifest = json.loads(f.metadata()["veosnap"])
+            assert {"loss", "logits", "layers.0.output", "grad.lm_head.weight"} <= set(f.keys())
+    finally:
+        plain.unlink()
+    assert manifest["key"] == {"hardware_class": "cpu", "model": "llama", "scenario": "step", "dtype": "float32"}
+    assert manifest["reference"]["attn_implementation"] == "eager"
+    assert manifest["provenance"]["torch"] and manifest["provenance"]["transformers"]
+    assert manifest["tolerance"]["logits"][1] > manifest["tolerance"]["logits"][0] > 0  # bound > noise > 0
+
+
+def test_json_report_lists_each_check(repo_project, capsys):
+    assert cli(repo_project, "check", "--model", "llama", "--model", "mixtral", "--format", "json",
+               "--hardware-class", "cpu") == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["passed"] is True
+    assert [(r["model"], r["dtype"]) for r in doc["results"]] == [
+        ("llama", "float32"), ("llama", "bfloat16"), ("mixtral", "float32"), ("mixtral", "bfloat16")]
+    first = doc["results"][0]
+    assert set(first) >= {"model", "dtype", "backend", "passed", "worst", "first_divergence"}
+    assert set(first["worst"]) == {"tensor", "ratio"}
+
+
+def test_a_failing_check_exits_1_and_says_what_to_run_next(repo_project, capsys):
+    fault = f"{ROOT / 'tests' / 'faults.py'}:swapped_activation"
+    assert cli(repo_project, "check", "--model", "llama", "--dtype", "float32", "--backend", fault) == 1
+    out = capsys.readouterr().out
+    assert "FAIL  cpu/llama/step-float32" in out
+    assert "first diverging layer: layer 1 (layers.1.output" in out
+    assert "next: veosnap check --model llama --dtype float32" in out
+
+
+def test_missing_golden_says_how_to_record_it(scratch_project, capsys):
+    record(scratch_project, "llama", "float32")
+    assert cli(scratch_project, "check", "--model", "qwen3", "--dtype", "float32") == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("record it with `veosnap record --model qwen3 --dtype float32` on cpu hardware")
+    assert err.count("\n") == 0
+
+
+def test_no_goldens_for_a_hardware_class_never_falls_back(repo_project, capsys, monkeypatch):
+    monkeypatch.setenv("VEOSNAP_HARDWARE_CLASS", "cuda-sm90")
+    assert main(["check", "--goldens", str(repo_project.goldens), "--model", "llama", "--dtype", "float32"]) == 2
+    err = capsys.readouterr().err
+    assert "no goldens for hardware class cuda-sm90 (present: cpu)" in err
+
+
+def test_recording_another_hardware_class_is_refused(scratch_project, capsys):
+    assert cli(scratch_project, "record", "--model", "llama", "--hardware-class", "cuda-sm90") == 2
+    assert "only recorded on the hardware they describe" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["../llama", "a/b", "..", ".hidden"])
+def test_names_that_could_escape_the_goldens_dir_are_refused(repo_project, capsys, name):
+    assert cli(repo_project, "check", "--model", name) == 2
+    assert "invalid model name" in capsys.readouterr().err
+
+
+def test_weights_depend_only_on_seed_and_parameter_name(repo_project):
+    llama = models.build(load_config(repo_project.configs, "llama"), torch.float32)
+    qwen3 = models.build(load_config(repo_project.configs, "qwen3"), torch.float32)
+    name = "model.layers.1.mlp.up_proj.weight"  # same name and shape in both families
+    assert torch.equal(llama.get_parameter(name), qwen3.get_parameter(name))
+    again = models.build(load_config(repo_project.configs, "llama"), torch.float32, seed=0)
+    other = models.build(load_config(repo_project.configs, "llama"), torch.float32, seed=1)
+    assert all(torch.equal(a, b) for a, b in zip(llama.state_dict().values(), again.state_dict().values()))
+    assert not torch.equal(llama.get_parameter(name), other.get_parameter(name))
+    # The bfloat16 model holds the float32 values rounded, nothing else.
+    low = models.build(load_config(repo_project.configs, "llama"), torch.bfloat16)
+    assert torch.equal(low.get_parameter(name), llama.get_parameter(name).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("model", ["qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"])
+def test_committed_moe_goldens_route_clearly_and_use_every_expert(repo_project, model):
+    for dtype in ("float32", "bfloat16"):
+        g = golden.read(golden.path_for(repo_project.goldens, GoldenKey("cpu", model, "step", dtype)))
+        mask = g.batch.token_mask
+        assert g.manifest.min_margin, "an MoE golden records its routers' margins"
+        for layer, margin in g.manifest.min_margin.items():
+            assert margin > 10 * g.manifest.tie_epsilon, f"layer {layer} margin {margin}"
+            experts = g.tensors[f"routes.{layer}.experts"][mask]
+            assert experts.unique().numel() == g.manifest.config.get("num_experts", g.manifest.config.get(
+                "num_local_experts", g.manifest.config.get("n_routed_experts")))
+
+
+def test_recorder_refuses_a_router_with_near_ties(scratch_project, monkeypatch):
+    monkeypatch.setattr(weights, "ROUTER_READ", 0.0)  # a random router: nothing keeps scores apart
+    monkeypatch.setattr(weights, "ROUTER_NOISE", 1e-4)
+    with pytest.raises(VeosnapError, match="under the tie epsilon"):
+        record(scratch_project, "qwen3_moe", "float32")
+    outcome = record(scratch_project, "qwen3_moe", "float32", allow_near_ties=True)
+    assert outcome.written and outcome.min_margin < 1e-3
+
+
+def test_committed_goldens_are_what_the_recorder_writes_here(repo_project, tmp_path):
+    """The bundled cpu goldens are reproducible on this machine (if torch and transformers match)."""
+    g = golden.read(golden.path_for(repo_project.goldens, GoldenKey("cpu", "llama", "step", "float32")))
+    import transformers
+
+    if (g.manifest.provenance["torch"], g.manifest.provenance["transformers"]) != (torch.__version__, transformers.__version__):
+        pytest.skip("goldens were recorded with other torch/transformers versions")
+    from dataclasses import replace
+
+    project = replace(repo_project, goldens=tmp_path)
+    record(project, "llama", "float32")
+    fresh = golden.read(tmp_path / "cpu" / "llama" / "step-float32.safetensors.zst")
+    assert fresh.manifest.payload_hash == g.manifest.payload_hash
+
+
+def test_wheel_bundles_the_zoo_so_check_works_after_a_plain_install(tmp_path):
+    """`pip install veosnap` (non-editable) then `veosnap check` from any directory."""
+    wheel_dir = tmp_path / "wheel"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(wheel_dir), str(ROOT)],
+                   check=True, capture_output=True)
+    wheel = next(wheel_dir.glob("veosnap-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "veosnap/_bundled/goldens/cpu/llama/step-float32.safetensors.zst" in names
+    assert "veosnap/_bundled/toy_configs/llama/config.json" in names
+    site = tmp_path / "site"
+    with zipfile.ZipFile(wheel) as zf:
+        zf.extractall(site)  # what pip would unpack into site-packages
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    run = subprocess.run([sys.executable, "-m", "veosnap.cli", "check", "--model", "llama", "--dtype", "float32"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert "PASS  cpu/llama/step-float32" in run.stdout
