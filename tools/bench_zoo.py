@@ -1,0 +1,61 @@
+"""Time the zoo: one forward+backward per model and dtype, a record, a check; golden sizes.
+
+    python tools/bench_zoo.py
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from veosnap import backends, check, golden, inputs, models, record
+from veosnap.capture import run_step
+from veosnap.golden import GoldenKey
+from veosnap.zoo import Project, load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def best_of(fn, repeat: int = 5) -> float:  # noqa: ANN001
+    fn()  # warm-up
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def main() -> None:
+    project = Project.resolve(goldens=ROOT / "goldens", configs=ROOT / "toy_configs", testdata=ROOT / "testdata")
+    batch = inputs.padded(inputs.load_sequences(project.testdata))
+    table = Table(title=f"zoo timings on {torch.get_num_threads()} CPU threads (best of 5; record/check: one run)")
+    for col in ("model", "params", "dtype", "fwd+bwd", "record", "check (eager)", "golden size"):
+        table.add_column(col, justify="right" if col != "model" else "left")
+    with tempfile.TemporaryDirectory() as tmp:
+        scratch = replace(project, goldens=Path(tmp))
+        for name in project.models():
+            toy = load_config(project.configs, name)
+            for dtype in golden.DTYPE_NAMES:
+                model = models.build(toy, models.dtype_from_name(dtype))
+                step = best_of(lambda: run_step(model, batch))
+                t = time.perf_counter()
+                record.record(scratch, name, dtype)
+                rec = time.perf_counter() - t
+                t = time.perf_counter()
+                check.check(project, GoldenKey("cpu", name, "step", dtype), backends.resolve("eager"))
+                chk = time.perf_counter() - t
+                size = golden.path_for(project.goldens, GoldenKey("cpu", name, "step", dtype)).stat().st_size
+                table.add_row(name, f"{sum(p.numel() for p in model.parameters()):,}", dtype, f"{step * 1000:.0f} ms",
+                              f"{rec:.2f} s", f"{chk:.2f} s", f"{size / 1024:.0f} KiB")
+    Console(width=120).print(table)
+
+
+if __name__ == "__main__":
+    main()
