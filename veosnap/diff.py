@@ -318,7 +318,10 @@ class GitTree:
         top = _git(anchor, "rev-parse", "--show-toplevel", what=f"{goldens_dir}: not inside a git repository "
                    "(give two directories instead of revisions)").strip()
         repo = Path(top)
-        prefix = PurePosixPath(Path(goldens_dir).resolve().relative_to(repo.resolve()).as_posix())
+        try:
+            prefix = PurePosixPath(Path(goldens_dir).resolve().relative_to(repo.resolve()).as_posix())
+        except ValueError:
+            raise VeosnapError(f"{goldens_dir}: resolves outside its git repository {repo}") from None
         if rev.startswith("-"):
             raise VeosnapError(f"{rev!r}: not a directory nor a git revision")
         _git(repo, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}",
