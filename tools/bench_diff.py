@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from veosnap import golden  # noqa: E402
-from veosnap.diff import diff, diff_goldens, open_tree  # noqa: E402
+from veosnap.diff import diff, diff_goldens, one_thread, open_tree  # noqa: E402
 
 
 def _git(cwd: Path, *args: str) -> None:
@@ -83,7 +83,8 @@ def main() -> int:
         else:
             goldens, base, head, cwd = args.goldens, args.base, args.head, Path.cwd()
 
-        rows = per_golden(base, head, goldens)
+        with one_thread():
+            rows = per_golden(base, head, goldens)
         print(f"{'golden':34s} {'KiB (both)':>10s} {'read ms':>8s} {'decode ms':>9s} {'compare ms':>10s} {'total ms':>8s}  verdict")
         for key, size, read, decode, compare, verdict in rows:
             total = read + decode + compare

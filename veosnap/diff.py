@@ -13,9 +13,10 @@ from __future__ import annotations
 import json
 import math
 import subprocess
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Protocol
+from typing import Iterator, Protocol
 
 import torch
 
@@ -416,8 +417,26 @@ def open_tree(spec: str | None, goldens_dir: Path) -> Tree:
 # Comparing two trees
 
 
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """Torch on one CPU thread within the block."""
+    # Golden tensors are small: handing each op to a thread pool costs more than the op itself,
+    # ten times more on a loaded 2-core machine (measured with tools/bench_diff.py).
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
 def diff_trees(base: Tree, head: Tree) -> DiffReport:
     """Goldens added, removed, changed (decoded and measured) and unchanged (same bytes) from base to head."""
+    with one_thread():
+        return _diff_trees(base, head)
+
+
+def _diff_trees(base: Tree, head: Tree) -> DiffReport:
     try:
         old, new = base.entries(), head.entries()
         report = DiffReport(base=base.label, head=head.label)
