@@ -1,6 +1,7 @@
-"""The `veosnap` command: a thin skin over the library (record, check, show, ls).
+"""The `veosnap` command: a thin skin over the library (record, check, diff, refresh, verify, show, ls).
 
-Exit status: 0 all passed, 1 a check failed, 2 usage error, missing golden or bad input.
+Exit status: 0 all passed, 1 a check failed (diff --fail-on-change: a material change; verify: a bad
+golden), 2 usage error, missing golden or bad input.
 """
 
 from __future__ import annotations
@@ -8,12 +9,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Callable, Sequence
 
 from . import backends, golden, report
 from .errors import VeosnapError
 from .golden import GoldenKey
-from .zoo import Project
+from .zoo import Project, resolve_dir
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -55,6 +57,44 @@ def cmd_check(args: argparse.Namespace) -> int:
     out = report.json_text(reports) if args.format == "json" else report.text(reports, color=sys.stdout.isatty())
     sys.stdout.write(out if out.endswith("\n") else out + "\n")
     return EXIT_OK if all(r.passed for r in reports) else EXIT_FAILED
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    from . import diff_report
+    from .diff import diff
+
+    goldens = Path(args.goldens) if args.goldens else resolve_dir("goldens")
+    result = diff(args.base, args.head, goldens)
+    render = {"text": diff_report.text, "markdown": diff_report.markdown, "json": diff_report.json_text}[args.format]
+    out = render(result)
+    sys.stdout.write(out if out.endswith("\n") else out + "\n")
+    return EXIT_FAILED if args.fail_on_change and result.material else EXIT_OK
+
+
+def cmd_refresh(args: argparse.Namespace) -> int:
+    from . import diff_report
+    from .refresh import refresh
+
+    project = _project(args)
+    for model, dtype in _selection(args, project):
+        outcome = refresh(project, model, dtype, args.reason, force=args.force, allow_near_ties=args.allow_near_ties)
+        print(f"{outcome.action:9s} {outcome.path}  ({outcome.why})")
+        if outcome.diff is not None:
+            print("\n".join(diff_report.golden_text(outcome.diff)))
+    return EXIT_OK
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from .verify import verify
+
+    paths = args.paths or [Path(args.goldens) if args.goldens else resolve_dir("goldens")]
+    results = verify(paths)
+    bad = [r for r in results if not r.ok]
+    for r in bad:
+        print(r.line())
+    print(f"verified {len(results)} golden(s): {len(bad)} bad" if results else "no goldens found in " +
+          ", ".join(map(str, paths)))
+    return EXIT_FAILED if bad else EXIT_OK
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -107,6 +147,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"built-in ({', '.join(backends.builtin_names())}), path/file.py:fn, module:fn; join with +")
     p.add_argument("--format", choices=("text", "json"), default="text")
     commands["check"] = cmd_check
+
+    p = sub.add_parser("diff", help="how goldens moved between two git revisions or directories")
+    p.add_argument("base", metavar="BASE", help="git revision (e.g. HEAD~1, origin/main) or goldens directory")
+    p.add_argument("head", metavar="HEAD", nargs="?", help="git revision or directory (default: the working tree)")
+    p.add_argument("--goldens", metavar="DIR", help="goldens directory in the working tree (default: ./goldens)")
+    p.add_argument("--format", choices=("text", "markdown", "json"), default="text")
+    p.add_argument("--fail-on-change", action="store_true",
+                   help="exit 1 on a material change (tensor over 1x bound, routes, config/inputs, goldens added/removed)")
+    commands["diff"] = cmd_diff
+
+    p = sub.add_parser("refresh", help="re-record goldens that moved beyond noise, with an approval reason")
+    _common(p), _selectors(p)
+    p.add_argument("--reason", required=True, metavar="TEXT", help="why the goldens change (kept in the approval trail)")
+    p.add_argument("--force", action="store_true", help="rewrite even goldens that did not move beyond noise")
+    p.add_argument("--allow-near-ties", action="store_true", help="record even if a router has near-ties")
+    commands["refresh"] = cmd_refresh
+
+    p = sub.add_parser("verify", help="check golden files for corruption and inconsistency")
+    p.add_argument("paths", metavar="PATH", nargs="*", type=Path, help="golden files or directories (default: the goldens dir)")
+    p.add_argument("--goldens", metavar="DIR", help="goldens directory (default: ./goldens, else the bundled zoo)")
+    commands["verify"] = cmd_verify
 
     p = sub.add_parser("show", help="print a golden's manifest and tensors")
     p.add_argument("golden", metavar="GOLDEN", help="path to a .safetensors.zst golden")

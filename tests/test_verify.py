@@ -1,0 +1,89 @@
+"""`veosnap verify`: corrupt, hand-edited or inconsistent goldens are named with their cause."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from golden_repo import REPO
+from veosnap import cli, golden
+from veosnap.golden import GoldenKey
+from veosnap.tolerance import Tolerance
+from veosnap.verify import verify, verify_file
+
+LLAMA = GoldenKey("cpu", "llama", "step", "float32")
+
+
+@pytest.fixture
+def goldens(tmp_path):
+    dest = tmp_path / "goldens"
+    shutil.copytree(REPO / "goldens", dest)
+    return dest
+
+
+def test_committed_goldens_verify():
+    results = verify([REPO / "goldens"])
+    assert results and [r.line() for r in results if not r.ok] == []
+
+
+def test_flipping_one_byte_makes_verify_exit_1_naming_that_file(goldens, capsys):
+    path = goldens / LLAMA.relpath
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+    assert cli.main(["verify", "--goldens", str(goldens)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"{path}: ") and "corrupt" in lines[0]
+    assert lines[1] == f"verified {len(golden.list_goldens(goldens))} golden(s): 1 bad"
+
+
+def test_sound_files_given_by_path_exit_0(goldens, capsys):
+    paths = [str(p) for _, p in golden.list_goldens(goldens)[:2]]
+    assert cli.main(["verify", *paths]) == 0
+    assert capsys.readouterr().out == "verified 2 golden(s): 0 bad\n"
+
+
+def _edit_config(g):
+    g.manifest.config["hidden_size"] = 65
+
+
+def _nan_logits(g):
+    g.tensors["logits"][0, -1, 3] = float("nan")
+
+
+def _drop_tolerance(g):
+    del g.manifest.tolerance["grad.lm_head.weight"]
+
+
+def _zero_bound(g):
+    g.manifest.tolerance["loss"] = Tolerance(0.0, 0.0)
+
+
+@pytest.mark.parametrize(("edit", "cause"), [
+    (_edit_config, "config hash mismatch"),
+    (_nan_logits, "tensor 'logits' has 1 non-finite value(s)"),
+    (_drop_tolerance, "tensor 'grad.lm_head.weight' has no tolerance"),
+    (_zero_bound, "tensor 'loss' has an invalid tolerance"),
+])
+def test_hand_edits_that_keep_the_payload_hash_valid_are_caught(goldens, edit, cause):
+    # golden.write recomputes the payload hash, as a careful hand-editor would.
+    path = goldens / LLAMA.relpath
+    g = golden.read(path)
+    edit(g)
+    golden.write(g, path)
+
+    result = verify_file(path)
+    assert not result.ok and cause in result.problem
+
+
+def test_a_golden_under_another_models_path_is_caught(goldens):
+    wrong = goldens / "cpu" / "qwen2" / "step-float32.safetensors.zst"
+    shutil.copy(goldens / LLAMA.relpath, wrong)
+    assert "manifest key cpu/llama/step-float32 disagrees with its path (cpu/qwen2/step-float32)" in verify_file(wrong).problem
+
+
+def test_a_missing_path_is_bad_input(tmp_path, capsys):
+    assert cli.main(["verify", str(tmp_path / "nope.safetensors.zst")]) == 2
+    assert "no such file or directory" in capsys.readouterr().err
