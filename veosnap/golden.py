@@ -263,7 +263,11 @@ def read(path: Path, root: Path | None = None) -> Golden:
     golden = decode(data, path)
     golden.path = path
     if root is not None:
-        expected = GoldenKey.from_relpath(path.resolve().relative_to(Path(root).resolve()))
+        try:
+            relpath = path.resolve().relative_to(Path(root).resolve())
+        except ValueError:
+            raise GoldenError(path, f"not inside the goldens directory {root}") from None
+        expected = GoldenKey.from_relpath(relpath)
         if golden.key != expected:
             raise GoldenError(path, f"manifest key {golden.key} disagrees with its path ({expected})")
     return golden
