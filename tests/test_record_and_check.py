@@ -182,3 +182,17 @@ def test_wheel_bundles_the_zoo_so_check_works_after_a_plain_install(tmp_path):
                          cwd=tmp_path, env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert "PASS  cpu/llama/step-float32" in run.stdout
+
+
+def test_another_class_is_refused_unless_cross_class_asked(repo_project, monkeypatch, capsys):
+    """On a GPU the cpu goldens are refused by default; --cross-class measures the gap instead."""
+    from veosnap import hardware
+
+    monkeypatch.setattr(hardware, "detect", lambda: "cuda-sm90")
+    monkeypatch.setattr(hardware, "device_for", lambda _cls: torch.device("cpu"))
+    args = ["check", "--goldens", str(repo_project.goldens), "--hardware-class", "cpu", "--model", "llama",
+            "--dtype", "float32"]
+    assert main(args) == 2
+    assert "a cpu golden cannot check a candidate running on cuda-sm90" in capsys.readouterr().err
+    assert main([*args, "--cross-class"]) == 0
+    assert "note: cross-class: a cpu golden checked on cuda-sm90" in capsys.readouterr().out

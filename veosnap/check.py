@@ -10,7 +10,7 @@ from . import golden as golden_io
 from . import hardware, models
 from .backends import Backend, Unsupported
 from .capture import run_step
-from .compare import CheckReport, compare
+from .compare import CheckReport, compare, compare_route_sets
 from .errors import GoldenError, MissingGoldenError, VeosnapError
 from .golden import Golden, GoldenKey
 from .routing import replay_routes
@@ -35,18 +35,28 @@ def load_golden(project: Project, key: GoldenKey) -> Golden:
     return golden_io.read(path, root=project.goldens)
 
 
-def check(project: Project, key: GoldenKey, backend: Backend, device: torch.device | None = None) -> CheckReport:
+def check(project: Project, key: GoldenKey, backend: Backend, device: torch.device | None = None,
+          cross_class: bool = False) -> CheckReport:
     """Build the reference model for `key`, apply `backend`, run the golden's batch, compare.
 
     Bad goldens and configs raise `VeosnapError`; a backend that raises is reported as an error in
-    the returned report so other checks can still run.
+    the returned report so other checks can still run. Goldens of another hardware class than this
+    machine's are refused unless `cross_class`, which measures how far the two classes are apart.
     """
     gold = load_golden(project, key)
+    here = hardware.detect()
+    if key.hardware_class != here and not cross_class:
+        raise VeosnapError(
+            f"{gold.path}: a {key.hardware_class} golden cannot check a candidate running on {here}; "
+            f"use the {here} goldens, or pass --cross-class to measure how far the two classes are apart"
+        )
     toy = load_config(project.configs, key.model)
     if toy.hash != gold.manifest.config_hash:
         raise GoldenError(gold.path, f"recorded from another config than {toy.path} (config hash differs); "
                           f"re-record with `veosnap record --model {key.model} --dtype {key.dtype}`")
-    device = device or hardware.device_for(hardware.detect())
+    device = device or hardware.device_for(here)
+    cross = [f"cross-class: a {key.hardware_class} golden checked on {here}; ratios measure how far the classes "
+             "are apart"] if key.hardware_class != here else []
     fields = {"backend": backend.spec}
     try:
         model = models.build(toy, models.dtype_from_name(key.dtype), device, gold.manifest.reference.get("seed", 0))
@@ -59,13 +69,12 @@ def check(project: Project, key: GoldenKey, backend: Backend, device: torch.devi
     except Exception as exc:  # noqa: BLE001 - the candidate's own failure is a result, not a crash
         return CheckReport(golden=str(key), model=key.model, dtype=key.dtype,
                            error=f"{type(exc).__name__}: {exc}".splitlines()[0] + _origin(exc), **fields)
-    report = compare(gold, capture, **fields)
-    if not report.routes_passed:
+    replayed = None
+    if not all(diff.passed for diff in compare_route_sets(gold, capture)):  # routes first: replay on a flip
         forced = {int(n.split(".")[1]): t.long() for n, t in gold.tensors.items() if n.endswith(".experts")}
         with replay_routes(model, forced):
             replayed = run_step(model, gold.batch)
-        report = compare(gold, capture, replayed=replayed, **fields)
-    return report
+    return compare(gold, capture, replayed=replayed, notes=list(cross), **fields)
 
 
 def _origin(exc: BaseException) -> str:

@@ -51,7 +51,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     project = _project(args)
     backend = backends.resolve(args.backend)
     reports = [
-        check(project, GoldenKey(project.hardware_class, model, "step", dtype), backend)
+        check(project, GoldenKey(project.hardware_class, model, "step", dtype), backend, cross_class=args.cross_class)
         for model, dtype in _selection(args, project)
     ]
     out = report.json_text(reports) if args.format == "json" else report.text(reports, color=sys.stdout.isatty())
@@ -146,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default="eager", metavar="SPEC",
                    help=f"built-in ({', '.join(backends.builtin_names())}), path/file.py:fn, module:fn; join with +")
     p.add_argument("--format", choices=("text", "json"), default="text")
+    p.add_argument("--cross-class", action="store_true",
+                   help="allow goldens of another hardware class than this machine's (measures the gap)")
     commands["check"] = cmd_check
 
     p = sub.add_parser("diff", help="how goldens moved between two git revisions or directories")
