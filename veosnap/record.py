@@ -16,7 +16,7 @@ from . import __version__, golden, hardware, inputs, models
 from .capture import Capture, run_step
 from .errors import VeosnapError
 from .golden import Golden, GoldenKey, Manifest
-from .tolerance import ALPHA, FLOOR, TIE_EPSILON, Tolerance, noise
+from .tolerance import ALPHA, FLOOR, TIE_EPSILON, Tolerance, noise, pooled_noises
 from .zoo import Project, load_config
 
 RECORD_THREADS = 1  # a fixed thread count keeps CPU reductions, and so the bytes, reproducible
@@ -79,16 +79,15 @@ def build_golden(project: Project, key: GoldenKey, seed: int = 0, allow_near_tie
     min_margin = _check_routes(key, reference, truth, mask, allow_near_ties)
 
     tensors: dict[str, torch.Tensor] = dict(batch.tensors())
-    tolerance: dict[str, Tolerance] = {}
+    measured = {}
     ref_all, truth_all = reference.all_tensors(), truth.all_tensors()
     for name, value in ref_all.items():
-        if name.endswith((".experts", ".margin")):
-            tensors[name] = value
-            continue
         if name == "loss":
             value = value.float()
         tensors[name] = value
-        tolerance[name] = Tolerance.from_noise(noise(name, value, truth_all[name], mask), key.dtype)
+        if not name.endswith((".experts", ".margin")):  # route ids and margins are not compared numerically
+            measured[name] = noise(name, value, truth_all[name], mask)
+    tolerance = {name: Tolerance.from_noise(value, key.dtype) for name, value in pooled_noises(measured).items()}
 
     manifest = Manifest(
         key=key,
