@@ -35,13 +35,15 @@ def load_golden(project: Project, key: GoldenKey) -> Golden:
     return golden_io.read(path, root=project.goldens)
 
 
-def check(project: Project, key: GoldenKey, backend: Backend, device: torch.device | None = None) -> CheckReport:
+def check(project: Project, key: GoldenKey, backend: Backend, device: torch.device | None = None,
+          gold: Golden | None = None) -> CheckReport:
     """Build the reference model for `key`, apply `backend`, run the golden's batch, compare.
 
+    `gold` is the golden for `key` when the caller has already read it (the pytest plugin does).
     Bad goldens and configs raise `VeosnapError`; a backend that raises is reported as an error in
     the returned report so other checks can still run.
     """
-    gold = load_golden(project, key)
+    gold = gold if gold is not None else load_golden(project, key)
     toy = load_config(project.configs, key.model)
     if toy.hash != gold.manifest.config_hash:
         raise GoldenError(gold.path, f"recorded from another config than {toy.path} (config hash differs); "
