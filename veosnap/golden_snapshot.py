@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from .zoo import Project
 
 SUFFIX = ".safetensors.zst"
+REPORT_WIDTH = 200  # wide enough that pytest's "E   " prefix does not fold the table's rows
 
 
 def key_from_name(name: str) -> GoldenKey:
@@ -87,7 +88,7 @@ class Candidate:
         if self.report is None:
             yield self.missing or f"no golden for {self.key}"
             return
-        yield from text([self.report]).rstrip("\n").splitlines()
+        yield from text([self.report], width=REPORT_WIDTH).rstrip("\n").splitlines()
 
 
 class GoldenExtension(AbstractSyrupyExtension):

@@ -308,6 +308,8 @@ class VeosnapSession:
             return None
         if not syrupy_report.selected_all_collected_items:
             return None  # -k, -m, --deselect, --lf: a golden is shared, so a partial run cannot own one
+        if self.directory("goldens") is None:
+            return None  # checked against veosnap's bundled goldens: this project owns none of them
         project = self.project
         if not self._paths_cover(project.goldens):
             return None
