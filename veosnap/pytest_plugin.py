@@ -280,8 +280,8 @@ class VeosnapSession:
             return
         for report in self.worker_reports:
             self.outcome.merge_wire(report)
-        if not self.outcome.items and not self.outcome.used:
-            return  # no veosnap test in this run
+        if (not self.outcome.items and not self.outcome.used) or self.config.option.collectonly:
+            return  # no veosnap test ran in this session
         self.unused = self._find_unused()
         if self.unused is None or not self.unused.goldens or self.unused.undecided:
             return
