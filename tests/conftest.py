@@ -1,8 +1,12 @@
-"""Shared fixtures: the project as checked out, and a scratch project for tests that record."""
+"""Shared fixtures: the project as checked out, and a scratch project for tests that record.
+
+The project's own suite runs on the veosnap pytest plugin.
+"""
 
 from __future__ import annotations
 
 import shutil
+from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
@@ -10,6 +14,11 @@ import pytest
 from veosnap.zoo import Project
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# An installed veosnap registers the plugin through its `pytest11` entry point; a checkout run with
+# PYTHONPATH pointing at it (and an older install's metadata) does not, so load it here instead.
+if not any(ep.value == "veosnap.pytest_plugin" for ep in entry_points(group="pytest11")):
+    pytest_plugins = ["veosnap.pytest_plugin"]
 
 
 @pytest.fixture(scope="session")

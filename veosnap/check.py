@@ -36,14 +36,15 @@ def load_golden(project: Project, key: GoldenKey) -> Golden:
 
 
 def check(project: Project, key: GoldenKey, backend: Backend, device: torch.device | None = None,
-          cross_class: bool = False) -> CheckReport:
+          cross_class: bool = False, gold: Golden | None = None) -> CheckReport:
     """Build the reference model for `key`, apply `backend`, run the golden's batch, compare.
 
+    `gold` is the golden for `key` when the caller has already read it (the pytest plugin does).
     Bad goldens and configs raise `VeosnapError`; a backend that raises is reported as an error in
     the returned report so other checks can still run. Goldens of another hardware class than this
     machine's are refused unless `cross_class`, which measures how far the two classes are apart.
     """
-    gold = load_golden(project, key)
+    gold = gold if gold is not None else load_golden(project, key)
     here = hardware.detect()
     if key.hardware_class != here and not cross_class:
         raise VeosnapError(

@@ -1,0 +1,203 @@
+"""The pytest plugin, from a downstream project's side.
+
+The project is the complete example of docs/pytest-plugin.md (its files are read from the doc, so the
+doc cannot drift from what is tested), with two toy configs copied in. Each test runs pytest in a
+subprocess in its own copy of that project; goldens are recorded there once per module by the
+plugin itself (`pytest --snapshot-update`), never into this repository.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+
+import veosnap
+
+REPO = Path(__file__).resolve().parents[1]
+DOC = REPO / "docs" / "pytest-plugin.md"
+MODELS = ("llama", "qwen3_moe")
+LLAMA = Path("goldens/cpu/llama/step-float32.safetensors.zst")
+QWEN3_MOE = Path("goldens/cpu/qwen3_moe/step-float32.safetensors.zst")
+PLANTED_BUG = ("running_sum = running_sum * rescale + ", "running_sum = running_sum + ")
+
+
+def example_files() -> dict[str, str]:
+    """The doc's downstream example: every fenced block that starts with `# file: <path>`."""
+    blocks = re.findall(r"```(?:python|toml)\n# file: (\S+)\n(.*?)```", DOC.read_text(encoding="utf-8"), re.S)
+    assert blocks, f"{DOC}: no example files found"
+    return dict(blocks)
+
+
+@dataclass
+class Run:
+    ret: int
+    output: str
+
+
+def pytest_in(project: Path, *args: str) -> Run:
+    """Run pytest in `project` in a fresh interpreter, with this checkout's veosnap."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PYTEST_", "VEOSNAP_")) and k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(Path(veosnap.__file__).resolve().parents[1])
+    plugin = [] if any(ep.value == "veosnap.pytest_plugin" for ep in entry_points(group="pytest11")) \
+        else ["-p", "veosnap.pytest_plugin"]
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *plugin, "-q", *args],
+                          cwd=project, env=env, capture_output=True, text=True, timeout=600)
+    return Run(proc.returncode, proc.stdout + proc.stderr)
+
+
+def git(project: Path, *args: str) -> str:
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=project, check=True,
+                          capture_output=True, text=True).stdout
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The example project with its goldens recorded by `pytest --snapshot-update`."""
+    project = tmp_path_factory.mktemp("downstream")
+    for name, text in example_files().items():
+        (project / name).parent.mkdir(parents=True, exist_ok=True)
+        (project / name).write_text(text, encoding="utf-8")
+    for model in MODELS:
+        shutil.copytree(REPO / "toy_configs" / model, project / "toy_configs" / model)
+    run = pytest_in(project, "--snapshot-update")
+    assert run.ret == 0, run.output
+    assert "3 passed" in run.output
+    assert "2 golden(s) recorded from the HF eager reference: 2 written, 0 unchanged." in run.output
+    assert (project / LLAMA).is_file() and (project / QWEN3_MOE).is_file()
+    return project
+
+
+@pytest.fixture
+def project(recorded: Path, tmp_path: Path) -> Path:
+    """A fresh copy of the recorded example project, under git."""
+    copy = tmp_path / "project"
+    shutil.copytree(recorded, copy)
+    git(copy, "init", "-q", ".")
+    git(copy, "add", "-A")
+    git(copy, "commit", "-qm", "recorded")
+    return copy
+
+
+def test_readme_example_passes(project: Path) -> None:
+    run = pytest_in(project)
+    assert run.ret == 0, run.output
+    assert "3 passed" in run.output
+    assert "unused" not in run.output
+
+
+def test_snapshot_update_on_an_unchanged_tree_leaves_the_goldens_byte_identical(project: Path) -> None:
+    run = pytest_in(project, "--snapshot-update")
+    assert run.ret == 0, run.output
+    assert "2 golden(s) recorded from the HF eager reference: 0 written, 2 unchanged." in run.output
+    assert "3 candidate check(s) ran under --snapshot-update" in run.output
+    assert git(project, "status", "--porcelain") == ""
+
+
+def test_a_deleted_golden_is_reported_missing_and_recreated_by_snapshot_update(project: Path) -> None:
+    original = (project / LLAMA).read_bytes()
+    (project / LLAMA).unlink()
+
+    run = pytest_in(project)
+    assert run.ret == 1, run.output
+    assert "1 failed, 2 passed" in run.output
+    assert "no golden for cpu/llama/step-float32" in run.output
+    assert "pytest --snapshot-update 'tests/test_kernels.py::test_attention_matches_reference[llama-float32-blockwise]'" \
+        in run.output
+    assert "veosnap record --model llama --dtype float32" in run.output
+
+    run = pytest_in(project, "--snapshot-update")
+    assert run.ret == 0, run.output
+    assert "1 written, 1 unchanged" in run.output
+    assert (project / LLAMA).read_bytes() == original
+    assert git(project, "status", "--porcelain") == ""
+
+
+def test_a_planted_bug_in_the_backend_fails_with_veosnaps_report(project: Path) -> None:
+    kernel = project / "mypkg" / "attention.py"
+    old, new = PLANTED_BUG
+    assert old in kernel.read_text()
+    kernel.write_text(kernel.read_text().replace(old, new))
+
+    run = pytest_in(project)
+    assert run.ret == 1, run.output
+    assert "3 failed" in run.output
+    assert "GoldenMismatch" in run.output
+    assert "FAIL  cpu/llama/step-float32  backend=blockwise  layout=single" in run.output
+    assert "first diverging layer: layer 0 (layers.0.output" in run.output
+    assert re.search(r"E\s+logits\s+\S+\s+\S+\s+\S+x\s+FAIL", run.output), run.output
+
+    # --snapshot-update does not bless the bug: the candidate is still checked and writes nothing.
+    run = pytest_in(project, "--snapshot-update", "-k", "llama")
+    assert run.ret == 1, run.output
+    assert "this candidate was checked, not written" in run.output
+    assert "1 candidate check(s) ran under --snapshot-update: checked against the goldens, never written" in run.output
+    assert git(project, "status", "--porcelain") == " M mypkg/attention.py\n"
+
+
+def test_unused_goldens_fail_a_full_run_are_kept_by_partial_runs_and_deleted_by_snapshot_update(project: Path) -> None:
+    unused = project / "goldens" / "cpu" / "llama" / "step-bfloat16.safetensors.zst"
+    shutil.copy(project / LLAMA, unused)  # no test checks llama in bfloat16
+
+    run = pytest_in(project)
+    assert run.ret == 1, run.output
+    assert "3 passed" in run.output
+    assert "1 golden(s) unused." in run.output
+    assert "Unused cpu/llama/step-bfloat16" in run.output
+
+    for partial in (["-k", "grouped"], ["tests/test_kernels.py"]):
+        run = pytest_in(project, "--snapshot-update", *partial)
+        assert run.ret == 0, run.output
+        assert "unused" not in run.output.lower(), run.output
+        assert unused.is_file()
+
+    run = pytest_in(project, "--snapshot-update")
+    assert run.ret == 0, run.output
+    assert "1 unused golden(s) deleted." in run.output
+    assert "Deleted cpu/llama/step-bfloat16" in run.output
+    assert not unused.exists()
+    assert git(project, "status", "--porcelain") == ""
+
+
+def test_a_veosnap_test_skipped_before_its_check_keeps_unused_goldens(project: Path) -> None:
+    unused = project / "goldens" / "cpu" / "llama" / "step-bfloat16.safetensors.zst"
+    shutil.copy(project / LLAMA, unused)
+    (project / "tests" / "test_gpu.py").write_text(
+        "import pytest\n\n\n"
+        "@pytest.mark.skip(reason='needs a GPU')\n"
+        "def test_on_gpu(veosnap_check):\n"
+        "    veosnap_check('llama', dtype='bfloat16')\n"
+    )
+    run = pytest_in(project, "--snapshot-update")
+    assert run.ret == 0, run.output
+    assert "1 golden(s) look unused, but 1 selected veosnap test(s) did not reach their check" in run.output
+    assert unused.is_file()
+
+
+def test_a_hardware_class_without_goldens_skips_with_the_reason(recorded: Path) -> None:
+    run = pytest_in(recorded, "-rs", "--veosnap-hardware-class", "cuda-sm90")
+    assert run.ret == 0, run.output
+    assert "3 skipped" in run.output
+    assert "no goldens for hardware class cuda-sm90" in run.output
+
+
+def test_under_xdist_only_the_unused_golden_is_deleted(project: Path) -> None:
+    pytest.importorskip("xdist")
+    unused = project / "goldens" / "cpu" / "llama" / "step-bfloat16.safetensors.zst"
+    shutil.copy(project / LLAMA, unused)
+
+    run = pytest_in(project, "-n", "2", "--snapshot-update")
+    assert run.ret == 0, run.output
+    assert "3 passed" in run.output
+    assert run.output.count("Deleted cpu/") == 1, run.output
+    assert "Deleted cpu/llama/step-bfloat16" in run.output
+    assert not unused.exists()
+    assert git(project, "status", "--porcelain") == ""
