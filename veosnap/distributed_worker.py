@@ -135,7 +135,6 @@ def run_layout(name: str, golden: Golden, toy: ToyConfig, backend: Backend, me: 
     if differ.item():
         forced = {layer: experts[tokens] for layer, experts in layouts.golden_routes(golden).items()}
         replayed = _gathered(*step(forced), dp_world, me)
-        notes.append("routes differed: gradients compared under route replay")
     capture = _gathered(part, grads, dp_world, me)
     if me.rank == 0:
         layouts.write_capture(out / f"{name}.safetensors", capture, replayed, notes)
@@ -150,7 +149,20 @@ def _gathered(part: layouts.Part, grads: dict[str, torch.Tensor], dp_world: int,
     return layouts.join(parts, grads) if me.rank == 0 else None
 
 
+def _die_with_parent() -> None:
+    """Linux: end this rank when torchrun dies, even by SIGKILL (ranks run in sessions of their own)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
 def main(argv: list[str] | None = None) -> int:
+    _die_with_parent()
     p = argparse.ArgumentParser(prog="veosnap.distributed_worker")
     for flag in ("--goldens", "--configs", "--testdata", "--hardware-class", "--model", "--dtype", "--backend",
                  "--layouts", "--out"):

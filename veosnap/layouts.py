@@ -43,6 +43,7 @@ from .routing import RouteRecord, record_routes, replay_routes
 from .zoo import Project, ToyConfig, load_config
 
 DEFAULT_TIMEOUT_S = 600.0
+END_GRACE_S = 10.0  # how long torchrun gets to end its ranks after a timeout
 # Test-only: planted faults, `layout=fault[,layout=fault]`, so tests can prove each check catches them.
 FAULT_ENV = "VEOSNAP_LAYOUT_FAULTS"
 FAULTS = {
@@ -406,27 +407,43 @@ def _run_group(cmd: list[str], env: dict, out: Path, timeout_s: float) -> str:
         except subprocess.TimeoutExpired:
             code = None
         finally:
-            # Whatever happened, nothing of the group outlives the check (ranks stuck in a collective included).
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
-    rank_errors = sorted(out.glob("error-rank*.txt"), key=lambda p: p.stat().st_mtime_ns)  # the first to fail
-    detail = rank_errors[0].read_text(encoding="utf-8").strip().splitlines()[0] if rank_errors else ""
+            _end(proc)
+    text = log.read_text(encoding="utf-8", errors="replace")
+    errors = {int(p.stem.removeprefix("error-rank")): p.read_text(encoding="utf-8").strip().splitlines()[0]
+              for p in sorted(out.glob("error-rank*.txt"), key=lambda p: p.stat().st_mtime_ns)}
     if code is None:
-        return f"timed out after {timeout_s:g} s (process group killed)" + (f"; {detail}" if detail else "")
+        first = next(iter(errors.values()), "")
+        return f"timed out after {timeout_s:g} s (process group killed)" + (f"; {first}" if first else "")
     if code == 0:
         return ""
-    if detail:
-        return detail
-    text = log.read_text(encoding="utf-8", errors="replace")
-    exits = _RANK_EXIT_RE.findall(text)
-    if exits:
-        rank, status = exits[0]
-        return f"rank {rank} exited with status {status} after {time.monotonic() - started:.0f} s"
+    # torchrun names the first rank that failed; its own message says why, else its exit status does.
+    root = _RANK_EXIT_RE.search(text, max(text.find("Root Cause"), 0))
+    if root:
+        rank, status = int(root.group(1)), root.group(2)
+        return errors.get(rank) or f"rank {rank} exited with status {status} after {time.monotonic() - started:.0f} s"
+    if errors:
+        return next(iter(errors.values()))
     tail = [line for line in text.splitlines() if line.strip()][-1:] or ["no output"]
     return f"torchrun exited with status {code}: {tail[0][:300]}"
+
+
+def _end(proc: subprocess.Popen) -> None:
+    """Nothing of a torchrun outlives the check, ranks stuck in a collective included.
+
+    torchrun puts each rank in its own session, so killing its group is not enough: SIGTERM lets it end
+    its ranks; SIGKILL follows, and ranks whose torchrun is gone die by their parent-death signal.
+    """
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=END_GRACE_S)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 REPLAYED = "replayed."
