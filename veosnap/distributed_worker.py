@@ -129,7 +129,8 @@ def run_layout(name: str, golden: Golden, toy: ToyConfig, backend: Backend, me: 
         return part, layouts.gradients(inner)  # every rank joins the gathers of sharded gradients
 
     part, grads = step(None)
-    differ = torch.tensor([float(layouts._is_moe(golden) and layouts.routes_differ(golden, part.routes, tokens))])
+    differ = torch.tensor([float(layouts._is_moe(golden) and layouts.routes_differ(golden, part.routes, tokens))],
+                          device=me.device)  # NCCL reduces only GPU tensors
     dist.all_reduce(differ, op=dist.ReduceOp.MAX)
     replayed = None
     if differ.item():
