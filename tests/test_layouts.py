@@ -126,6 +126,24 @@ def test_route_flips_under_layouts_are_reported_and_gradients_compared_under_rep
         assert all(t.passed for t in report.tensors)  # the kernels are right; only the routing is not
 
 
+def two_halves(model, golden, forced):  # noqa: ANN001, ANN201 - a user's layout, as the docs show it
+    """Gradient accumulation over two half-batches, from veosnap's public building blocks."""
+    batch, total = golden.batch, layouts.predictions(golden.batch)
+    model.zero_grad(set_to_none=True)
+    parts = []
+    for half in torch.arange(batch.input_ids.shape[0]).chunk(2):
+        mine = {k: v[layouts.token_index(golden, half)] for k, v in forced.items()} if forced else None
+        parts.append(layouts.run_part(model, model, layouts.rows(batch, half), total, forced=mine))
+    return layouts.join(parts, layouts.gradients(model))
+
+
+def test_a_registered_in_process_layout_is_checked_like_the_built_in_ones(project: Project,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(layouts.LAYOUTS, "halves", layouts.Layout("halves", "two half-batches", run=two_halves))
+    report = layouts.check_layout(project, key("qwen3_moe"), backends.resolve("eager"), "halves")
+    assert report.layout == "halves" and report.passed and report.routes
+
+
 def test_data_parallel_shares_cover_every_row_once() -> None:
     for num_rows, world in [(4, 2), (4, 3), (5, 4)]:
         shares = [layouts.shard_rows(num_rows, world, rank) for rank in range(world)]

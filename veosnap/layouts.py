@@ -26,6 +26,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import load_file
@@ -55,6 +56,9 @@ FAULTS = {
 }
 
 
+LocalRun = Callable[[nn.Module, Golden, "dict[int, torch.Tensor] | None"], Capture]
+
+
 @dataclass(frozen=True)
 class Layout:
     """One layout: its name, what it does, and whether it runs under torchrun."""
@@ -64,35 +68,26 @@ class Layout:
     distributed: bool = False
     moe_only: bool = False
     unsupported: str = ""  # why no engine runs it (reported as skipped)
+    # In-process layouts: (model, golden, forced experts or None) -> a capture shaped like the golden's.
+    run: LocalRun | None = None
 
-    def skip_reason(self, golden: Golden, device_type: str) -> str:
+    def skip_reason(self, golden: Golden, device_type: str, nproc: int = 2) -> str:
         """Why this layout does not apply to this golden here, or '' when it does."""
         if self.unsupported:
             return self.unsupported
         if self.moe_only and not _is_moe(golden):
             return f"{golden.key.model} is a dense model: {self.name} shards experts, it has none"
+        config = golden.manifest.config
+        if self.name == "tp":  # transformers does not check this itself; it fails deep in a reshape
+            heads = config.get("num_attention_heads", 0)
+            for what, count in (("attention heads", heads), ("key/value heads", config.get("num_key_value_heads", heads))):
+                if count % nproc:
+                    return f"{nproc} tensor-parallel ranks do not divide {golden.key.model}'s {count} {what}"
+        if self.name == "ep":
+            experts = next((config[k] for k in ("num_experts", "num_local_experts", "n_routed_experts") if k in config), 0)
+            if experts % nproc:
+                return f"{nproc} expert-parallel ranks do not divide {golden.key.model}'s {experts} experts"
         return ""
-
-
-_CP_REASON = ("no engine runs it with an eager reference here: torch's context_parallel rewrites only the CUDA "
-              "SDPA kernels (flash, efficient, cudnn) and cannot take a padding mask, and transformers 5's "
-              "DistributedConfig reserves enable_sequence_parallel without wiring it up")
-
-LAYOUTS: dict[str, Layout] = {layout.name: layout for layout in (
-    Layout("single", "the golden's padded batch in one process (the reference layout)"),
-    Layout("packed", "the batch's sequences packed into one row, position ids restarting per sequence"),
-    Layout("microbatch", "gradient accumulation over one-row micro-batches, each loss weighted by its token share"),
-    Layout("ddp", "DistributedDataParallel, rows split across ranks", distributed=True),
-    Layout("fsdp2", "FSDP2 fully_shard per decoder layer and root, rows split across ranks", distributed=True),
-    Layout("hsdp", "FSDP2 fully_shard on a 2-D (replicate, shard) mesh; 2 ranks: (2, 1), 4 ranks: (2, 2)",
-           distributed=True),
-    Layout("tp", "transformers' tensor-parallel plan (DistributedConfig(tp_size=N)), full batch on every rank",
-           distributed=True),
-    Layout("ep", "transformers' expert parallel (DistributedConfig(ep_size=N, fsdp_size=N)), rows split, "
-           "tokens dispatched all-to-all", distributed=True, moe_only=True),
-    Layout("sp", "sequence parallel", distributed=True, unsupported=_CP_REASON),
-    Layout("cp", "context parallel (ring attention)", distributed=True, unsupported=_CP_REASON),
-)}
 
 
 def names() -> list[str]:
@@ -232,7 +227,8 @@ def _build(golden: Golden, toy: ToyConfig, backend: Backend, device: torch.devic
     return model
 
 
-def _microbatch(model: nn.Module, golden: Golden, forced: dict[int, torch.Tensor] | None) -> Capture:
+def run_microbatch(model: nn.Module, golden: Golden, forced: dict[int, torch.Tensor] | None) -> Capture:
+    """Gradient accumulation over one-row micro-batches, each loss weighted by its token share."""
     batch = golden.batch
     total = predictions(batch)
     model.zero_grad(set_to_none=True)
@@ -244,12 +240,13 @@ def _microbatch(model: nn.Module, golden: Golden, forced: dict[int, torch.Tensor
     return join(parts, gradients(model))
 
 
-def _packed(model: nn.Module, golden: Golden, forced: dict[int, torch.Tensor] | None, restart: bool = True) -> Capture:
+def run_packed(model: nn.Module, golden: Golden, forced: dict[int, torch.Tensor] | None) -> Capture:
+    """The sequences in one row; token outputs and routes mapped back onto the golden's padded positions."""
     gb = golden.batch
     real = gb.token_mask.nonzero().flatten()  # golden flat position of each packed token, in order
     sequences = [ids[m.bool()].tolist() for ids, m in zip(gb.input_ids, gb.attention_mask)]
     batch = inputs.packed(sequences)
-    if not restart:
+    if fault_for("packed") == "no_restart":
         batch.position_ids = torch.arange(batch.input_ids.shape[1])[None]
     model.zero_grad(set_to_none=True)
     part = run_part(model, model, batch, predictions(batch),
@@ -273,21 +270,14 @@ def _packed(model: nn.Module, golden: Golden, forced: dict[int, torch.Tensor] | 
     return Capture(tensors={**tensors, **grads}, routes=routes)
 
 
-def _check_local(golden: Golden, toy: ToyConfig, backend: Backend, layout: str, fields: dict) -> CheckReport:
+def _check_local(golden: Golden, toy: ToyConfig, backend: Backend, layout: Layout, fields: dict) -> CheckReport:
     device = hardware.device_for(golden.key.hardware_class)
-    fault = fault_for(layout)
-    if layout == "packed":
-        def step(model, forced):  # noqa: ANN001, ANN202
-            return _packed(model, golden, forced, restart=fault != "no_restart")
-    else:
-        def step(model, forced):  # noqa: ANN001, ANN202
-            return _microbatch(model, golden, forced)
     try:
         model = _build(golden, toy, backend, device)
-        capture = step(model, None)
+        capture = layout.run(model, golden, None)
         replayed = None
         if _is_moe(golden) and routes_differ(golden, capture.routes, torch.arange(golden.batch.token_mask.numel())):
-            replayed = step(model, golden_routes(golden))
+            replayed = layout.run(model, golden, golden_routes(golden))
     except VeosnapError:
         raise
     except Unsupported as exc:
@@ -299,6 +289,36 @@ def _check_local(golden: Golden, toy: ToyConfig, backend: Backend, layout: str, 
 
 def _report(golden: Golden, fields: dict, **kw: str) -> CheckReport:
     return CheckReport(golden=str(golden.key), model=golden.key.model, dtype=golden.key.dtype, **fields, **kw)
+
+
+_CP_REASON = ("no engine runs it with an eager reference here: torch's context_parallel rewrites only the CUDA "
+              "SDPA kernels (flash, efficient, cudnn) and cannot take a padding mask, and transformers 5's "
+              "DistributedConfig reserves enable_sequence_parallel without wiring it up")
+
+LAYOUTS: dict[str, Layout] = {layout.name: layout for layout in (
+    Layout("single", "the golden's padded batch in one process (the reference layout)"),
+    Layout("packed", "the batch's sequences packed into one row, position ids restarting per sequence", run=run_packed),
+    Layout("microbatch", "gradient accumulation over one-row micro-batches, each loss weighted by its token share",
+           run=run_microbatch),
+    Layout("ddp", "DistributedDataParallel, rows split across ranks", distributed=True),
+    Layout("fsdp2", "FSDP2 fully_shard per decoder layer and root, rows split across ranks", distributed=True),
+    Layout("hsdp", "FSDP2 fully_shard on a 2-D (replicate, shard) mesh; 2 ranks: (2, 1), 4 ranks: (2, 2)",
+           distributed=True),
+    Layout("tp", "transformers' tensor-parallel plan (DistributedConfig(tp_size=N)), full batch on every rank",
+           distributed=True),
+    Layout("ep", "transformers' expert parallel (DistributedConfig(ep_size=N, fsdp_size=N)), rows split, "
+           "tokens dispatched all-to-all", distributed=True, moe_only=True),
+    Layout("sp", "sequence parallel", distributed=True, unsupported=_CP_REASON),
+    Layout("cp", "context parallel (ring attention)", distributed=True, unsupported=_CP_REASON),
+)}
+
+
+def register(layout: Layout) -> Layout:
+    """Add an in-process layout (one with `run`); multi-process layouts need the distributed worker."""
+    if layout.run is None and not layout.unsupported:
+        raise VeosnapError(f"layout {layout.name!r}: a registered layout needs a run function")
+    LAYOUTS[layout.name] = layout
+    return layout
 
 
 # ---------------------------------------------------------------------------------------------
@@ -332,13 +352,13 @@ def check_layouts(project: Project, key: GoldenKey, backend: Backend, layouts: l
     spawned = []
     for spec in specs:
         fields = {"backend": backend.spec, "layout": spec.name}
-        reason = spec.skip_reason(golden, device_type)
+        reason = spec.skip_reason(golden, device_type, nproc)
         if reason:
             reports[spec.name] = _report(golden, fields, skipped=reason)
         elif spec.name == "single":
             reports[spec.name] = check(project, key, backend)
         elif not spec.distributed:
-            reports[spec.name] = _check_local(golden, toy, backend, spec.name, fields)
+            reports[spec.name] = _check_local(golden, toy, backend, spec, fields)
         else:
             spawned.append(spec.name)
     if spawned:
@@ -380,6 +400,7 @@ def _check_spawned(project: Project, golden: Golden, backend: Backend, layouts: 
         env.setdefault("OMP_NUM_THREADS", "1")
         failure = _run_group(cmd, env, out, timeout_s)
         reports = {}
+        ended_in = ""  # the first layout without a result is where the run ended; later ones never ran
         for name in layouts:
             fields = {"backend": backend.spec, "layout": name}
             result = out / f"{name}.safetensors"
@@ -391,7 +412,10 @@ def _check_spawned(project: Project, golden: Golden, backend: Backend, layouts: 
                 report = compare(golden, capture, replayed=replayed, **fields)
                 report.notes.extend(notes)
                 reports[name] = report
+            elif ended_in:
+                reports[name] = _report(golden, fields, error=f"not run: the ranks ended in layout {ended_in} before it")
             else:
+                ended_in = name
                 reports[name] = _report(golden, fields, error=failure or "the worker wrote no result")
         return reports
 
