@@ -394,9 +394,9 @@ def _check_spawned(project: Project, golden: Golden, backend: Backend, layouts: 
                "--backend", backend.spec, "--layouts", ",".join(layouts), "--out", str(out),
                "--timeout", str(timeout_s)]
         env = dict(os.environ)
-        # The worker must import this very veosnap, whatever the child's working directory makes of sys.path.
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent.parent),
-                                                          env.get("PYTHONPATH", "")]))
+        # The ranks import this very veosnap, and the backend's module wherever the parent found it.
+        paths = [str(Path(__file__).resolve().parent.parent), *(p for p in sys.path if p and Path(p).is_dir())]
+        env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
         env.setdefault("OMP_NUM_THREADS", "1")
         failure = _run_group(cmd, env, out, timeout_s)
         reports = {}
