@@ -271,7 +271,7 @@ def run_packed(model: nn.Module, golden: Golden, forced: dict[int, torch.Tensor]
 
 
 def _check_local(golden: Golden, toy: ToyConfig, backend: Backend, layout: Layout, fields: dict) -> CheckReport:
-    device = hardware.device_for(golden.key.hardware_class)
+    device = hardware.device_for(hardware.detect())  # as `check` does: where this process runs
     try:
         model = _build(golden, toy, backend, device)
         capture = layout.run(model, golden, None)
@@ -347,7 +347,7 @@ def check_layouts(project: Project, key: GoldenKey, backend: Backend, layouts: l
     """Check several layouts of one golden; all multi-process ones share one torchrun (one start-up)."""
     specs = [get(name) for name in layouts]
     golden, toy = _load(project, key)
-    device_type = hardware.device_for(key.hardware_class).type
+    device_type = hardware.device_for(hardware.detect()).type
     reports: dict[str, CheckReport] = {}
     spawned = []
     for spec in specs:
