@@ -14,7 +14,7 @@ from .compare import CheckReport, compare, compare_route_sets
 from .errors import GoldenError, MissingGoldenError, VeosnapError
 from .golden import Golden, GoldenKey
 from .routing import replay_routes
-from .zoo import Project, load_config
+from .zoo import Project, ToyConfig, load_config
 
 
 def load_golden(project: Project, key: GoldenKey) -> Golden:
@@ -35,14 +35,12 @@ def load_golden(project: Project, key: GoldenKey) -> Golden:
     return golden_io.read(path, root=project.goldens)
 
 
-def check(project: Project, key: GoldenKey, backend: Backend, device: torch.device | None = None,
-          cross_class: bool = False, gold: Golden | None = None) -> CheckReport:
-    """Build the reference model for `key`, apply `backend`, run the golden's batch, compare.
+def load_checked(project: Project, key: GoldenKey, cross_class: bool = False,
+                 gold: Golden | None = None) -> tuple[Golden, ToyConfig]:
+    """The golden for `key` and the toy config a candidate is built from, both validated.
 
-    `gold` is the golden for `key` when the caller has already read it (the pytest plugin does).
-    Bad goldens and configs raise `VeosnapError`; a backend that raises is reported as an error in
-    the returned report so other checks can still run. Goldens of another hardware class than this
-    machine's are refused unless `cross_class`, which measures how far the two classes are apart.
+    Refuses a golden recorded from another config, and goldens of another hardware class than this
+    machine's unless `cross_class` (which measures how far the two classes are apart).
     """
     gold = gold if gold is not None else load_golden(project, key)
     here = hardware.detect()
@@ -55,9 +53,29 @@ def check(project: Project, key: GoldenKey, backend: Backend, device: torch.devi
     if toy.hash != gold.manifest.config_hash:
         raise GoldenError(gold.path, f"recorded from another config than {toy.path} (config hash differs); "
                           f"re-record with `veosnap record --model {key.model} --dtype {key.dtype}`")
-    device = device or hardware.device_for(here)
-    cross = [f"cross-class: a {key.hardware_class} golden checked on {here}; ratios measure how far the classes "
-             "are apart"] if key.hardware_class != here else []
+    return gold, toy
+
+
+def cross_class_notes(key: GoldenKey) -> list[str]:
+    """The report note for a cross-class check (none for a same-class one)."""
+    here = hardware.detect()
+    if key.hardware_class == here:
+        return []
+    return [f"cross-class: a {key.hardware_class} golden checked on {here}; ratios measure how far the classes are apart"]
+
+
+def check(project: Project, key: GoldenKey, backend: Backend, device: torch.device | None = None,
+          cross_class: bool = False, gold: Golden | None = None) -> CheckReport:
+    """Build the reference model for `key`, apply `backend`, run the golden's batch, compare.
+
+    `gold` is the golden for `key` when the caller has already read it (the pytest plugin does).
+    Bad goldens and configs raise `VeosnapError`; a backend that raises is reported as an error in
+    the returned report so other checks can still run. Goldens of another hardware class than this
+    machine's are refused unless `cross_class`, which measures how far the two classes are apart.
+    """
+    gold, toy = load_checked(project, key, cross_class, gold)
+    device = device or hardware.device_for(hardware.detect())
+    cross = cross_class_notes(key)
     fields = {"backend": backend.spec}
     try:
         model = models.build(toy, models.dtype_from_name(key.dtype), device, gold.manifest.reference.get("seed", 0))

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
-from . import backends, golden, report
+from . import backends, golden, layouts, report
 from .errors import VeosnapError
 from .golden import GoldenKey
 from .zoo import Project, resolve_dir
@@ -46,13 +46,16 @@ def cmd_record(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from .check import check
+    from .layouts import check_layouts
 
     project = _project(args)
     backend = backends.resolve(args.backend)
     reports = [
-        check(project, GoldenKey(project.hardware_class, model, "step", dtype), backend, cross_class=args.cross_class)
+        report_
         for model, dtype in _selection(args, project)
+        for report_ in check_layouts(project, GoldenKey(project.hardware_class, model, "step", dtype), backend,
+                                     args.layout or ["single"], nproc=args.nproc, timeout_s=args.timeout,
+                                     cross_class=args.cross_class)
     ]
     out = report.json_text(reports) if args.format == "json" else report.text(reports, color=sys.stdout.isatty())
     sys.stdout.write(out if out.endswith("\n") else out + "\n")
@@ -145,6 +148,11 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p), _selectors(p)
     p.add_argument("--backend", default="eager", metavar="SPEC",
                    help=f"built-in ({', '.join(backends.builtin_names())}), path/file.py:fn, module:fn; join with +")
+    p.add_argument("--layout", action="append", choices=layouts.names(), metavar="LAYOUT",
+                   help=f"repeatable; default single; one of: {', '.join(layouts.names())}")
+    p.add_argument("--nproc", type=int, default=2, metavar="N", help="processes for multi-process layouts (default 2)")
+    p.add_argument("--timeout", type=float, default=layouts.DEFAULT_TIMEOUT_S, metavar="S",
+                   help="seconds before a multi-process check is ended as an error (default %(default)g)")
     p.add_argument("--format", choices=("text", "json"), default="text")
     p.add_argument("--cross-class", action="store_true",
                    help="allow goldens of another hardware class than this machine's (measures the gap)")

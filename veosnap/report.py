@@ -74,7 +74,8 @@ def text(reports: list[CheckReport], width: int = 140, color: bool = False, show
 
 def next_step(report: CheckReport) -> str:
     """What to run next for a failed check."""
-    cmd = f"veosnap check --model {report.model} --dtype {report.dtype} --backend {report.backend} --format json"
+    layout = "" if report.layout == "single" else f" --layout {report.layout}"
+    cmd = f"veosnap check --model {report.model} --dtype {report.dtype} --backend {report.backend}{layout} --format json"
     if report.error:
         return f"fix the backend error, then {cmd}"
     if not report.routes_passed:

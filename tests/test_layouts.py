@@ -1,0 +1,171 @@
+"""Layouts checked against the single-process golden: every CPU layout passes; planted faults fail.
+
+Each torchrun start costs seconds, so the multi-process layouts of one check share one torchrun
+(`check_layouts`), and each fixture below runs once per module.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from veosnap import backends, layouts
+from veosnap.cli import main
+from veosnap.errors import VeosnapError
+from veosnap.golden import GoldenKey
+from veosnap.zoo import Project
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+RUN_ON_CPU = ["single", "packed", "microbatch", "ddp", "fsdp2", "hsdp", "tp", "ep"]
+TIMEOUT_S = 300
+
+
+@pytest.fixture(scope="module")
+def project() -> Project:
+    return Project.resolve(goldens=ROOT / "goldens", configs=ROOT / "toy_configs", testdata=ROOT / "testdata",
+                           hardware_class="cpu")
+
+
+def key(model: str) -> GoldenKey:
+    return GoldenKey("cpu", model, "step", "float32")
+
+
+def by_layout(reports: list) -> dict:
+    return {r.layout: r for r in reports}
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3_moe"])
+def every_layout(request: pytest.FixtureRequest, project: Project) -> tuple[str, dict]:
+    reports = layouts.check_layouts(project, key(request.param), backends.resolve("eager"), layouts.names(),
+                                    nproc=2, timeout_s=TIMEOUT_S)
+    return request.param, by_layout(reports)
+
+
+def test_every_layout_the_cpu_runs_passes_against_the_single_process_golden(every_layout: tuple[str, dict]) -> None:
+    model, reports = every_layout
+    assert list(reports) == layouts.names()
+    for name in RUN_ON_CPU:
+        report = reports[name]
+        if name == "ep" and model == "llama":
+            assert report.skipped and "dense" in report.skipped
+            continue
+        assert report.passed and not report.skipped, (name, report.error, report.worst)
+        assert {t.name for t in report.tensors} >= {"loss", "logits", "layers.0.output"}
+        assert any(t.name.startswith("grad.") for t in report.tensors)
+        if model == "qwen3_moe":
+            assert report.routes and all(r.clear_flips == 0 for r in report.routes)
+
+
+def test_sequence_and_context_parallel_are_skipped_on_cpu_with_the_reason(every_layout: tuple[str, dict]) -> None:
+    _, reports = every_layout
+    for name in ("sp", "cp"):
+        assert reports[name].status == "skip"
+        assert "CUDA" in reports[name].skipped
+
+
+@pytest.fixture(scope="module")
+def faulty(project: Project) -> dict:
+    # One torchrun for the multi-process faults; `die` comes last because it ends the run.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(layouts.FAULT_ENV, "packed=no_restart,ddp=sum_grads,fsdp2=swap_shard,hsdp=die")
+        reports = layouts.check_layouts(project, key("qwen3_moe"), backends.resolve("eager"),
+                                        ["packed", "ddp", "fsdp2", "hsdp"], nproc=2, timeout_s=TIMEOUT_S)
+    return by_layout(reports)
+
+
+def failing(report) -> set[str]:  # noqa: ANN001
+    return {t.name for t in report.tensors if not t.passed}
+
+
+def test_gradients_summed_across_ranks_fail_on_the_gradients_only(faulty: dict) -> None:
+    report = faulty["ddp"]
+    assert report.status == "FAIL"
+    assert report.worst.name.startswith("grad.")
+    assert all(name.startswith("grad.") for name in failing(report))
+    assert report.first_divergence is None  # the forward pass was right
+    assert "grad." in report.first_gradient_divergence
+
+
+def test_a_rank_trained_on_another_ranks_shard_fails_on_its_rows(faulty: dict) -> None:
+    report = faulty["fsdp2"]
+    assert report.status == "FAIL"
+    assert {"logits", "layers.0.output"} <= failing(report)
+    assert report.first_divergence.startswith("layer 0 ")
+    logits = next(t for t in report.tensors if t.name == "logits")
+    assert logits.where.split()[:2] in (["row", "2"], ["row", "3"])  # the second rank's rows
+
+
+def test_packed_positions_that_do_not_restart_fail_after_the_first_sequence(faulty: dict) -> None:
+    report = faulty["packed"]
+    assert report.status == "FAIL"
+    assert report.first_divergence.startswith("layer 0 ")
+    logits = next(t for t in report.tensors if t.name == "logits")
+    assert not logits.passed and not logits.where.startswith("row 0 ")  # the first sequence is unaffected
+
+
+def test_a_rank_that_dies_ends_the_check_with_an_error_naming_it(faulty: dict) -> None:
+    assert faulty["hsdp"].status == "ERROR"
+    assert "rank 1 exited with status 17" in faulty["hsdp"].error
+
+
+def test_a_rank_that_hangs_is_ended_at_the_time_limit(project: Project, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(layouts.FAULT_ENV, "ddp=hang")
+    report = layouts.check_layout(project, key("llama"), backends.resolve("eager"), "ddp", timeout_s=15)
+    assert report.status == "ERROR" and "timed out after 15 s" in report.error
+
+
+def test_route_flips_under_layouts_are_reported_and_gradients_compared_under_replay(project: Project) -> None:
+    backend = backends.resolve(f"{HERE / 'route_flip_backend.py'}:next_expert")
+    for report in layouts.check_layouts(project, key("qwen3_moe"), backend, ["microbatch", "ddp"], timeout_s=TIMEOUT_S):
+        assert report.status == "FAIL" and report.route_replay, report.layout
+        assert all(r.clear_flips == r.tokens > 0 for r in report.routes)
+        assert "routing differs: layer 0 sends" in report.routes[0].message()
+        assert all(t.passed for t in report.tensors)  # the kernels are right; only the routing is not
+
+
+def two_halves(model, golden, forced):  # noqa: ANN001, ANN201 - a user's layout, as the docs show it
+    """Gradient accumulation over two half-batches, from veosnap's public building blocks."""
+    batch, total = golden.batch, layouts.predictions(golden.batch)
+    model.zero_grad(set_to_none=True)
+    parts = []
+    for half in torch.arange(batch.input_ids.shape[0]).chunk(2):
+        mine = {k: v[layouts.token_index(golden, half)] for k, v in forced.items()} if forced else None
+        parts.append(layouts.run_part(model, model, layouts.rows(batch, half), total, forced=mine))
+    return layouts.join(parts, layouts.gradients(model))
+
+
+def test_a_registered_in_process_layout_is_checked_like_the_built_in_ones(project: Project,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(layouts.LAYOUTS, "halves", layouts.Layout("halves", "two half-batches", run=two_halves))
+    report = layouts.check_layout(project, key("qwen3_moe"), backends.resolve("eager"), "halves")
+    assert report.layout == "halves" and report.passed and report.routes
+
+
+def test_data_parallel_shares_cover_every_row_once() -> None:
+    for num_rows, world in [(4, 2), (4, 3), (5, 4)]:
+        shares = [layouts.shard_rows(num_rows, world, rank) for rank in range(world)]
+        assert torch.cat(shares).tolist() == list(range(num_rows))
+
+
+def test_bad_layout_inputs_are_one_line_errors(project: Project, monkeypatch: pytest.MonkeyPatch) -> None:
+    eager = backends.resolve("eager")
+    with pytest.raises(VeosnapError, match="unknown layout 'zigzag'"):
+        layouts.check_layout(project, key("llama"), eager, "zigzag")
+    with pytest.raises(VeosnapError, match="at least 2 processes"):
+        layouts.check_layout(project, key("llama"), eager, "ddp", nproc=1)
+    with pytest.raises(VeosnapError, match="4 rows"):
+        layouts.check_layout(project, key("llama"), eager, "ddp", nproc=5)
+    monkeypatch.setenv(layouts.FAULT_ENV, "ddp=typo")
+    with pytest.raises(VeosnapError, match="unknown fault 'typo'"):
+        layouts.check_layout(project, key("llama"), eager, "ddp")
+
+
+def test_cli_checks_a_layout(project: Project, capsys: pytest.CaptureFixture) -> None:
+    dirs = ["--goldens", str(project.goldens), "--configs", str(project.configs), "--testdata", str(project.testdata)]
+    assert main(["check", *dirs, "--model", "llama", "--dtype", "float32", "--layout", "packed"]) == 0
+    assert "layout=packed" in capsys.readouterr().out
+    assert main(["check", *dirs, "--model", "llama", "--layout", "ddp", "--nproc", "1"]) == 2
+    assert "at least 2 processes" in capsys.readouterr().err
