@@ -151,12 +151,17 @@ register("batched_mm")(_experts("batched_mm"))
 
 
 @register("compile")
-def compile_(model: nn.Module) -> nn.Module:
+def compile_(model: nn.Module) -> Iterator[nn.Module]:
     """`torch.compile` (inductor) on the model's forward, in place so parameter names are unchanged."""
+    # Dynamo's caches are per code object, shared by every model of a family: after its recompile
+    # limit (8) it silently runs eager, and a matrix's later `compile` cells would check nothing.
+    # Each check starts from a reset (inductor's on-disk cache still spares repeated compiles).
+    torch._dynamo.reset()
     # nn.Module.compile keeps the module (and its parameter names, which name the gradients);
     # torch.compile(model) would wrap it and prefix every name with `_orig_mod.`.
     model.compile(backend="inductor")
-    return model
+    yield model
+    torch._dynamo.reset()
 
 
 def _liger_requires() -> str | None:
