@@ -78,8 +78,10 @@ def test_a_generator_backend_undoes_its_patch_after_the_check(project: Project, 
         def patch_rope(model):
             original = modeling.apply_rotary_pos_emb
             modeling.apply_rotary_pos_emb = lambda q, k, *a, **kw: (seen.append(1), original(q, k, *a, **kw))[1]
-            yield model
-            modeling.apply_rotary_pos_emb = original
+            try:
+                yield model
+            finally:
+                modeling.apply_rotary_pos_emb = original
     """))
     import transformers.models.llama.modeling_llama as modeling
 

@@ -8,8 +8,8 @@ It may also:
   then compares the forward tensors (loss, logits, layer outputs, routes) and says why gradients
   were not checked;
 - raise `Unsupported(reason)` when it does not apply to this model or machine: the check is skipped;
-- be a generator function that yields the model once: code after the `yield` runs when the check is
-  done, to undo process-wide patches (as in a pytest fixture).
+- be a generator function that yields the model once: code after the `yield` (put it in a
+  `finally`) runs when the check is done, to undo process-wide patches (as in a pytest fixture).
 
 SPEC is:
 
@@ -160,8 +160,10 @@ def compile_(model: nn.Module) -> Iterator[nn.Module]:
     # nn.Module.compile keeps the module (and its parameter names, which name the gradients);
     # torch.compile(model) would wrap it and prefix every name with `_orig_mod.`.
     model.compile(backend="inductor")
-    yield model
-    torch._dynamo.reset()
+    try:
+        yield model
+    finally:
+        torch._dynamo.reset()
 
 
 def _liger_requires() -> str | None:
