@@ -1,9 +1,20 @@
 """Backends: how a candidate model is made from the reference one.
 
 A backend is a callable that receives the built reference model (in the golden's dtype, on the
-device) and returns the model to run; it may patch the model in place and return it. SPEC is:
+device) and returns the model to run; it may patch the model in place and return it (or None).
+It may also:
 
-- a registered name: `eager`, `sdpa`, `grouped_mm`, `batched_mm`, or one added with `register`;
+- return `forward_only(model, reason)` when the candidate cannot run a backward pass here: the check
+  then compares the forward tensors (loss, logits, layer outputs, routes) and says why gradients
+  were not checked;
+- raise `Unsupported(reason)` when it does not apply to this model or machine: the check is skipped;
+- be a generator function that yields the model once: code after the `yield` (put it in a
+  `finally`) runs when the check is done, to undo process-wide patches (as in a pytest fixture).
+
+SPEC is:
+
+- a registered name: `eager`, `sdpa`, `flex_attention`, `grouped_mm`, `batched_mm`, `compile`,
+  `liger`, or one added with `register`;
 - `path/to/file.py:function` or `package.module:function`;
 - the name of a `veosnap.backends` entry point;
 - several of these joined by `+` (`sdpa+grouped_mm`), applied left to right.
@@ -13,39 +24,87 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import sys
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
+import torch
 from torch import nn
 
 from .errors import VeosnapError
 
-BackendFn = Callable[[nn.Module], "nn.Module | None"]
+BackendFn = Callable[[nn.Module], object]
 ENTRY_POINT_GROUP = "veosnap.backends"
-_REGISTRY: dict[str, BackendFn] = {}
 
 
-def register(name: str) -> Callable[[BackendFn], BackendFn]:
-    """Decorator: register a backend under `name`."""
+class Unsupported(Exception):
+    """Raised by a backend that does not apply to this model; the check is reported as skipped."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """The model a backend made, and, when it cannot run backward here, why (gradients unchecked)."""
+
+    model: nn.Module
+    forward_only: str = ""
+
+
+def forward_only(model: nn.Module, reason: str) -> Candidate:
+    """What a backend returns when `model` runs forward but not backward here (say why)."""
+    return Candidate(model, forward_only=reason)
+
+
+@dataclass(frozen=True)
+class Registered:
+    """A built-in backend: its function, and a test of whether this machine can run it at all."""
+
+    fn: BackendFn
+    requires: Callable[[], str | None] = lambda: None  # the reason it cannot run here, or None
+
+
+_REGISTRY: dict[str, Registered] = {}
+
+
+def register(name: str, requires: Callable[[], str | None] | None = None) -> Callable[[BackendFn], BackendFn]:
+    """Decorator: register a backend under `name`.
+
+    `requires` returns why this machine cannot run it (None when it can); `veosnap check --matrix`
+    leaves such backends out of its default columns.
+    """
 
     def wrap(fn: BackendFn) -> BackendFn:
-        _REGISTRY[name] = fn
+        _REGISTRY[name] = Registered(fn, requires or (lambda: None))
         return fn
 
     return wrap
+
+
+def builtin_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def unavailable_here(name: str) -> str | None:
+    """Why the registered backend `name` cannot run on this machine, or None when it can."""
+    return _REGISTRY[name].requires()
+
+
+def runnable_builtins() -> list[str]:
+    """Registered backends this machine can run, `eager` first (the matrix's default columns)."""
+    names = [n for n in builtin_names() if unavailable_here(n) is None]
+    return sorted(names, key=lambda n: (n != "eager", n))
+
+
+# --- built-ins -------------------------------------------------------------------------------------
 
 
 @register("eager")
 def eager(model: nn.Module) -> nn.Module:
     """The reference itself (eager attention, eager experts)."""
     return model
-
-
-class Unsupported(Exception):
-    """Raised by a backend that does not apply to this model; the check is reported as skipped."""
 
 
 def attention(implementation: str) -> BackendFn:
@@ -65,6 +124,18 @@ def attention(implementation: str) -> BackendFn:
 register("sdpa")(attention("sdpa"))
 
 
+@register("flex_attention")
+def flex_attention(model: nn.Module) -> nn.Module | Candidate:
+    """transformers' `flex_attention`; forward only where torch has no flex backward (CPU)."""
+    attention("flex_attention")(model)
+    if next(model.parameters()).device.type != "cpu":
+        return model
+    if any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules()):
+        raise Unsupported("flex_attention cannot run attention sinks on CPU")
+    # FlexAttention refuses inputs that require grad on CPU, so only the forward can be checked.
+    return forward_only(model, "flex_attention has no backward on CPU")
+
+
 def _experts(implementation: str) -> BackendFn:
     def apply(model: nn.Module) -> nn.Module:
         if type(model)._can_set_experts_implementation():  # dense models have no experts to swap
@@ -79,8 +150,83 @@ register("grouped_mm")(_experts("grouped_mm"))
 register("batched_mm")(_experts("batched_mm"))
 
 
-def builtin_names() -> list[str]:
-    return sorted(_REGISTRY)
+@register("compile")
+def compile_(model: nn.Module) -> Iterator[nn.Module]:
+    """`torch.compile` (inductor) on the model's forward, in place so parameter names are unchanged."""
+    # Dynamo's caches are per code object, shared by every model of a family: after its recompile
+    # limit (8) it silently runs eager, and a matrix's later `compile` cells would check nothing.
+    # Each check starts from a reset (inductor's on-disk cache still spares repeated compiles).
+    torch._dynamo.reset()
+    # nn.Module.compile keeps the module (and its parameter names, which name the gradients);
+    # torch.compile(model) would wrap it and prefix every name with `_orig_mod.`.
+    model.compile(backend="inductor")
+    try:
+        yield model
+    finally:
+        torch._dynamo.reset()
+
+
+def _liger_requires() -> str | None:
+    if not torch.cuda.is_available():
+        return "liger-kernel's triton kernels need a CUDA GPU"
+    if importlib.util.find_spec("liger_kernel") is None:
+        return "liger-kernel is not installed (pip install liger-kernel)"
+    return None
+
+
+# Liger's fused linear cross-entropy never materializes the logits the golden compares, so the
+# plain fused cross-entropy stands in for it; every other patch is liger's default.
+LIGER_OPTIONS = {"fused_linear_cross_entropy": False, "cross_entropy": True}
+
+
+@register("liger", requires=_liger_requires)
+def liger(model: nn.Module) -> Iterator[nn.Module]:
+    """liger-kernel's patches for this model type (RMSNorm, RoPE, SwiGLU, cross-entropy); GPU only.
+
+    Liger patches transformers' modeling modules process-wide, not just this instance: they are
+    restored when the check is done so later checks in the same process run unpatched code.
+    """
+    reason = _liger_requires()
+    if reason:
+        raise Unsupported(reason)
+    from liger_kernel.transformers import monkey_patch
+
+    model_type = model.config.model_type
+    if model_type not in monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN:
+        raise Unsupported(f"liger-kernel has no patches for model type {model_type!r}")
+    with _restoring_modules(type(model).__module__, "transformers.loss.loss_utils", "torch.nn.functional"):
+        monkey_patch._apply_liger_kernel_to_instance(model=model, **LIGER_OPTIONS)
+        yield model
+
+
+@contextmanager
+def _restoring_modules(*module_names: str) -> Iterator[None]:
+    """Within the block, module attributes and the classes they define may be patched; then restored."""
+    saved = []
+    for name in module_names:
+        module = sys.modules.get(name) or importlib.import_module(name)
+        saved.append((module, dict(vars(module))))
+        for value in list(vars(module).values()):
+            if isinstance(value, type) and value.__module__ == name:
+                saved.append((value, {k: v for k, v in vars(value).items() if k != "__dict__"}))
+    try:
+        yield
+    finally:
+        for owner, attrs in reversed(saved):
+            for key in [k for k in vars(owner) if k not in attrs]:
+                delattr(owner, key)
+            for key, value in attrs.items():
+                if vars(owner).get(key, _MISSING) is not value:
+                    try:
+                        setattr(owner, key, value)
+                    except (AttributeError, TypeError):  # read-only slots of builtin types
+                        pass
+
+
+_MISSING = object()
+
+
+# --- resolving specs -------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -90,11 +236,31 @@ class Backend:
     spec: str
     steps: tuple[BackendFn, ...]
 
+    @contextmanager
+    def prepare(self, model: nn.Module) -> Iterator[Candidate]:
+        """Apply every step to `model`; within the block the candidate runs, after it patches are undone.
+
+        Forward-only is sticky: if any step declares it, the combination is forward only.
+        """
+        reasons: list[str] = []
+        with ExitStack() as stack:
+            for step in self.steps:
+                if inspect.isgeneratorfunction(step):
+                    result = stack.enter_context(contextmanager(step)(model))
+                else:
+                    result = step(model)
+                if isinstance(result, Candidate):
+                    model = result.model
+                    if result.forward_only:
+                        reasons.append(result.forward_only)
+                elif result is not None:
+                    model = result
+            yield Candidate(model, forward_only="; ".join(reasons))
+
     def apply(self, model: nn.Module) -> nn.Module:
-        for step in self.steps:
-            result = step(model)
-            model = model if result is None else result
-        return model
+        """The candidate model with every step applied and left in place (no forward-only flag, no undo)."""
+        # Entered and never exited: the patches stay, the caller owns the model from here on.
+        return self.prepare(model).__enter__().model
 
 
 def resolve(spec: str) -> Backend:
@@ -106,7 +272,7 @@ def resolve(spec: str) -> Backend:
 
 def _resolve_one(spec: str) -> BackendFn:
     if spec in _REGISTRY:
-        return _REGISTRY[spec]
+        return _REGISTRY[spec].fn
     if ":" in spec:
         target, _, attr = spec.rpartition(":")
         module = _load_file(target) if target.endswith(".py") or "/" in target else _import(target, spec)
@@ -116,7 +282,14 @@ def _resolve_one(spec: str) -> BackendFn:
         return fn
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name == spec:
-            return ep.load()
+            try:
+                fn = ep.load()
+            except Exception as exc:  # noqa: BLE001 - a broken plugin, reported in one line
+                raise VeosnapError(f"backend {spec!r}: entry point {ep.value} failed to load "
+                                   f"({type(exc).__name__}: {exc})") from None
+            if not callable(fn):
+                raise VeosnapError(f"backend {spec!r}: entry point {ep.value} is not callable")
+            return fn
     known = ", ".join(builtin_names())
     raise VeosnapError(f"unknown backend {spec!r} (built in: {known}; or path/to/file.py:function, module:function)")
 

@@ -25,6 +25,7 @@ class Capture:
 
     tensors: dict[str, torch.Tensor]
     routes: dict[int, RouteRecord] = field(default_factory=dict)
+    backward: bool = True  # False: a forward-only run, no `grad.*` tensors
 
     def route_tensors(self) -> dict[str, torch.Tensor]:
         """Routes as named tensors: `routes.N.experts`, `routes.N.weights`, `routes.N.margin`."""
@@ -81,23 +82,28 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(shift_logits, shift_labels, ignore_index=IGNORE_INDEX)
 
 
-def run_step(model: nn.Module, batch: Batch, *, own_loss: bool = False) -> Capture:
+def run_step(model: nn.Module, batch: Batch, *, own_loss: bool = False, backward: bool = True) -> Capture:
     """One forward and backward of `model` on `batch`; returns everything captured, on the CPU.
 
     With `own_loss`, the loss is computed here in the logits' precision instead of by the model
-    (used for the float64 noise run).
+    (used for the float64 noise run). Without `backward`, only the forward runs (under no_grad, for
+    kernels that have no backward here) and no gradients are captured.
     """
     device = next(model.parameters()).device
     batch = batch.to(device)
     model.train()
     model.zero_grad(set_to_none=True)
-    with record_layer_outputs(model) as layer_outputs, record_routes(model) as routes:
+    with record_layer_outputs(model) as layer_outputs, record_routes(model) as routes, \
+            torch.set_grad_enabled(backward):
         output = model(**batch.model_kwargs(with_labels=not own_loss), use_cache=False)
         loss = causal_lm_loss(output.logits, batch.labels) if own_loss else output.loss
-    loss.backward()
+    if backward:
+        loss.backward()
     tensors = {"loss": loss.detach().cpu(), "logits": output.logits.detach().cpu()}
     for index, hidden in sorted(layer_outputs.items()):
         tensors[f"layers.{index}.output"] = hidden
+    if not backward:
+        return Capture(tensors=tensors, routes=dict(routes), backward=False)
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue

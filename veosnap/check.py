@@ -8,9 +8,9 @@ import torch
 
 from . import golden as golden_io
 from . import hardware, models
-from .backends import Backend, Unsupported
+from .backends import Backend, Candidate, Unsupported
 from .capture import run_step
-from .compare import CheckReport, compare, compare_route_sets
+from .compare import CheckReport, compare
 from .errors import GoldenError, MissingGoldenError, VeosnapError
 from .golden import Golden, GoldenKey
 from .routing import replay_routes
@@ -79,8 +79,9 @@ def check(project: Project, key: GoldenKey, backend: Backend, device: torch.devi
     fields = {"backend": backend.spec}
     try:
         model = models.build(toy, models.dtype_from_name(key.dtype), device, gold.manifest.reference.get("seed", 0))
-        model = backend.apply(model)
-        capture = run_step(model, gold.batch)
+        with backend.prepare(model) as candidate:
+            report = _run_and_compare(gold, candidate, fields)
+        report.notes[:0] = cross
     except VeosnapError:
         raise
     except Unsupported as exc:
@@ -88,12 +89,24 @@ def check(project: Project, key: GoldenKey, backend: Backend, device: torch.devi
     except Exception as exc:  # noqa: BLE001 - the candidate's own failure is a result, not a crash
         return CheckReport(golden=str(key), model=key.model, dtype=key.dtype,
                            error=f"{type(exc).__name__}: {exc}".splitlines()[0] + _origin(exc), **fields)
-    replayed = None
-    if not all(diff.passed for diff in compare_route_sets(gold, capture)):  # routes first: replay on a flip
+    return report
+
+
+def _run_and_compare(gold: Golden, candidate: Candidate, fields: dict[str, str]) -> CheckReport:
+    """Run the candidate on the golden's batch and compare; routes differ: again under route replay."""
+    backward = not candidate.forward_only
+    capture = run_step(candidate.model, gold.batch, backward=backward)
+    report = compare(gold, capture, **fields)
+    if not report.routes_passed:
         forced = {int(n.split(".")[1]): t.long() for n, t in gold.tensors.items() if n.endswith(".experts")}
-        with replay_routes(model, forced):
-            replayed = run_step(model, gold.batch)
-    return compare(gold, capture, replayed=replayed, notes=list(cross), **fields)
+        with replay_routes(candidate.model, forced):
+            replayed = run_step(candidate.model, gold.batch, backward=backward)
+        report = compare(gold, capture, replayed=replayed, **fields)
+    if candidate.forward_only:
+        unchecked = sum(name.startswith("grad.") for name in gold.compared_names())
+        report.notes.append(f"forward only ({candidate.forward_only}): loss, logits, layer outputs and routes "
+                            f"checked; {unchecked} gradients not checked")
+    return report
 
 
 def _origin(exc: BaseException) -> str:

@@ -46,10 +46,14 @@ def cmd_record(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    if args.matrix:
+        return cmd_matrix(args)
+    if args.backends or args.layouts:
+        raise VeosnapError("--backends and --layouts go with --matrix (for one backend: --backend SPEC)")
     from .layouts import check_layouts
 
     project = _project(args)
-    backend = backends.resolve(args.backend)
+    backend = backends.resolve(args.backend or "eager")
     reports = [
         report_
         for model, dtype in _selection(args, project)
@@ -100,6 +104,43 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return EXIT_FAILED if bad else EXIT_OK
 
 
+def cmd_matrix(args: argparse.Namespace) -> int:
+    from . import matrix
+
+    if args.backend:
+        raise VeosnapError("--matrix takes --backends a,b,c (not --backend)")
+    project = _project(args)
+    selection = _selection(args, project)
+    models = list(dict.fromkeys(m for m, _ in selection))
+    dtypes = list(dict.fromkeys(d for _, d in selection))
+    default_specs, unavailable = matrix.default_backends()
+    specs = _list_option(args.backends, "--backends") or default_specs
+    layouts = _list_option(args.layouts, "--layouts") or [matrix.SINGLE]
+    if args.backends:
+        unavailable = {}
+    progress = _progress if sys.stderr.isatty() else None
+    result = matrix.run_matrix(project, models, dtypes, specs, layouts,
+                               check_cells=matrix.default_check(args.nproc), on_cell=progress,
+                               unavailable=unavailable)
+    out = matrix.json_text(result) if args.format == "json" else matrix.text(result, color=sys.stdout.isatty())
+    sys.stdout.write(out if out.endswith("\n") else out + "\n")
+    return EXIT_OK if result.passed else EXIT_FAILED
+
+
+def _list_option(value: str | None, flag: str) -> list[str]:
+    if value is None:
+        return []
+    items = [v.strip() for v in value.split(",")]
+    if not all(items):
+        raise VeosnapError(f"{flag} {value!r}: empty name in the comma-separated list")
+    return list(dict.fromkeys(items))
+
+
+def _progress(cell, done: int, total: int) -> None:  # noqa: ANN001 - a matrix.Cell
+    print(f"[{done}/{total}] {cell.model} {cell.dtype} {cell.backend}/{cell.layout}: {cell.status} "
+          f"({cell.seconds:.1f} s)", file=sys.stderr)
+
+
 def cmd_show(args: argparse.Namespace) -> int:
     from .show import describe
 
@@ -146,10 +187,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("check", help="check a backend against the goldens")
     _common(p), _selectors(p)
-    p.add_argument("--backend", default="eager", metavar="SPEC",
-                   help=f"built-in ({', '.join(backends.builtin_names())}), path/file.py:fn, module:fn; join with +")
+    p.add_argument("--backend", metavar="SPEC",
+                   help=f"built-in ({', '.join(backends.builtin_names())}), path/file.py:fn, module:fn; "
+                        "join with + (default: eager)")
     p.add_argument("--layout", action="append", choices=layouts.names(), metavar="LAYOUT",
                    help=f"repeatable; default single; one of: {', '.join(layouts.names())}")
+    p.add_argument("--matrix", action="store_true",
+                   help="check every model with every backend and layout; print one table")
+    p.add_argument("--backends", metavar="A,B", help="with --matrix: backend specs (default: built-ins that run here)")
+    p.add_argument("--layouts", metavar="X,Y", help="with --matrix: layouts (default: single)")
     p.add_argument("--nproc", type=int, default=2, metavar="N", help="processes for multi-process layouts (default 2)")
     p.add_argument("--timeout", type=float, default=layouts.DEFAULT_TIMEOUT_S, metavar="S",
                    help="seconds before a multi-process check is ended as an error (default %(default)g)")

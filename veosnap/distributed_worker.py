@@ -76,11 +76,11 @@ def setup(name: str, golden: Golden, toy: ToyConfig, backend: Backend, me: Rank,
 
     if name in ("tp", "ep"):
         config = DistributedConfig(tp_size=me.world) if name == "tp" else DistributedConfig(ep_size=me.world, fsdp_size=me.world)
-        inner = backend.apply(_from_pretrained(golden, toy, me, out, config))
+        inner = layouts.candidate_model(backend, _from_pretrained(golden, toy, me, out, config))
         notes = [f"transformers DistributedConfig({'tp_size' if name == 'tp' else 'ep_size'}={me.world}"
                  f"{'' if name == 'tp' else f', fsdp_size={me.world}'})"]
         return inner, inner, (1 if name == "tp" else me.world), (0 if name == "tp" else me.rank), notes
-    inner = backend.apply(_build(golden, toy, me.device))
+    inner = layouts.candidate_model(backend, _build(golden, toy, me.device))
     if name == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 

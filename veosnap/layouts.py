@@ -221,7 +221,15 @@ def token_index(golden: Golden, row_index: torch.Tensor) -> torch.Tensor:
 
 def _build(golden: Golden, toy: ToyConfig, backend: Backend, device: torch.device) -> nn.Module:
     model = models.build(toy, models.dtype_from_name(golden.key.dtype), device, golden.manifest.reference.get("seed", 0))
-    model = backend.apply(model)
+    return candidate_model(backend, model)
+
+
+def candidate_model(backend: Backend, model: nn.Module) -> nn.Module:
+    """The backend's model, ready to train; a forward-only backend cannot be checked under a layout."""
+    candidate = backend.prepare(model).__enter__()  # patches stay: the layout owns the model from here on
+    if candidate.forward_only:
+        raise Unsupported(f"{backend.spec} runs forward only here ({candidate.forward_only}); layouts check gradients")
+    model = candidate.model
     model.train()
     model.zero_grad(set_to_none=True)
     return model
