@@ -116,7 +116,11 @@ def _resolve_one(spec: str) -> BackendFn:
         return fn
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name == spec:
-            return ep.load()
+            try:
+                return ep.load()
+            except Exception as exc:  # noqa: BLE001 - a broken plugin package, reported in one line
+                raise VeosnapError(f"backend {spec!r}: entry point {ep.value} fails to load "
+                                   f"({type(exc).__name__}: {exc})") from None
     known = ", ".join(builtin_names())
     raise VeosnapError(f"unknown backend {spec!r} (built in: {known}; or path/to/file.py:function, module:function)")
 
@@ -126,6 +130,8 @@ def _import(module_name: str, spec: str) -> object:
         return importlib.import_module(module_name)
     except ImportError as exc:
         raise VeosnapError(f"backend {spec!r}: cannot import {module_name} ({exc})") from None
+    except Exception as exc:  # noqa: BLE001 - the user's module failed while importing
+        raise VeosnapError(f"backend {spec!r}: error while importing {module_name} ({type(exc).__name__}: {exc})") from None
 
 
 def _load_file(path_text: str) -> object:

@@ -58,14 +58,24 @@ def check(project: Project, key: GoldenKey, backend: Backend, device: torch.devi
         return CheckReport(golden=str(key), model=key.model, dtype=key.dtype, skipped=str(exc), **fields)
     except Exception as exc:  # noqa: BLE001 - the candidate's own failure is a result, not a crash
         return CheckReport(golden=str(key), model=key.model, dtype=key.dtype,
-                           error=f"{type(exc).__name__}: {exc}".splitlines()[0] + _origin(exc), **fields)
+                           error=_describe_failure(exc), **fields)
     report = compare(gold, capture, **fields)
     if not report.routes_passed:
         forced = {int(n.split(".")[1]): t.long() for n, t in gold.tensors.items() if n.endswith(".experts")}
-        with replay_routes(model, forced):
-            replayed = run_step(model, gold.batch)
+        try:
+            with replay_routes(model, forced):
+                replayed = run_step(model, gold.batch)
+        except VeosnapError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the candidate failed under route replay: still its result
+            report.error = f"under route replay: {_describe_failure(exc)}"
+            return report
         report = compare(gold, capture, replayed=replayed, **fields)
     return report
+
+
+def _describe_failure(exc: BaseException) -> str:
+    return (f"{type(exc).__name__}: {exc}".splitlines() or [type(exc).__name__])[0] + _origin(exc)
 
 
 def _origin(exc: BaseException) -> str:
