@@ -41,9 +41,9 @@ DTYPE_NAMES = ("float32", "bfloat16")
 MAX_COMPRESSED = 256 << 20
 MAX_DECOMPRESSED = 1 << 30
 MAX_HEADER = 16 << 20
-# Goldens compress about 1.2-1.5x; a frame declaring far more content than its size could hold is a
-# decompression bomb, refused before anything is allocated.
-MAX_RATIO = 1024
+# Goldens compress about 1.2-1.5x (float tensors); a frame declaring far more content than its size
+# could hold is a decompression bomb, refused before anything is allocated.
+MAX_RATIO = 64
 RATIO_SLACK = 1 << 20
 STALE_TMP_SECONDS = 60
 INPUT_NAMES = ("inputs.input_ids", "inputs.attention_mask", "inputs.position_ids", "inputs.labels")
@@ -325,11 +325,17 @@ def _decompress(data: bytes, source: object) -> bytes:
     if size > MAX_RATIO * len(data) + RATIO_SLACK:
         raise GoldenError(source, f"zstd frame declares {size} bytes of content from {len(data)} compressed bytes "
                                   f"(over {MAX_RATIO}x); refusing (decompression bomb?)")
+    # Streaming: memory grows with the content actually decoded (a lying header costs nothing), and
+    # zstd stops with an error as soon as the content outgrows the declared size.
+    decoder = zstandard.ZstdDecompressor().decompressobj()
     try:
-        # With a declared size, zstd decodes into a buffer of exactly that size and never past it.
-        raw = zstandard.ZstdDecompressor().decompress(data, allow_extra_data=False)
+        raw = decoder.decompress(data)
     except zstandard.ZstdError as exc:
         raise GoldenError(source, _zstd_cause(str(exc))) from None
+    if not decoder.eof:
+        raise GoldenError(source, _zstd_cause("did not decompress full frame"))
+    if decoder.unused_data:
+        raise GoldenError(source, _zstd_cause("unused data"))
     if len(raw) != size:
         raise GoldenError(source, f"decompressed {len(raw)} bytes but the frame declares {size}")
     return raw
