@@ -13,8 +13,9 @@ from .capture import run_step
 from .compare import CheckReport, compare
 from .errors import GoldenError, MissingGoldenError, VeosnapError
 from .golden import Golden, GoldenKey
+from .record import deterministic
 from .routing import replay_routes
-from .zoo import Project, load_config
+from .zoo import Project, ToyConfig, load_config
 
 
 def load_golden(project: Project, key: GoldenKey) -> Golden:
@@ -47,6 +48,13 @@ def check(project: Project, key: GoldenKey, backend: Backend, device: torch.devi
         raise GoldenError(gold.path, f"recorded from another config than {toy.path} (config hash differs); "
                           f"re-record with `veosnap record --model {key.model} --dtype {key.dtype}`")
     device = device or hardware.device_for(hardware.detect())
+    # Fixed threads and deterministic algorithms: checking twice gives the same report, even for
+    # kernels whose reductions otherwise vary from run to run (batched_mm on CPU does).
+    with deterministic():
+        return _run_candidate(gold, toy, key, backend, device)
+
+
+def _run_candidate(gold: Golden, toy: ToyConfig, key: GoldenKey, backend: Backend, device: torch.device) -> CheckReport:
     fields = {"backend": backend.spec}
     try:
         model = models.build(toy, models.dtype_from_name(key.dtype), device, gold.manifest.reference.get("seed", 0))
