@@ -397,3 +397,30 @@ def test_backend_module_that_fails_on_import(capsys, goldens, tmp_path, monkeypa
     assert (code, out) == (2, "")
     assert err == ("veosnap: error: backend 'broken_kernels:apply': error while importing broken_kernels "
                    "(OSError: libcuda.so not found)\n")
+
+
+# --- other inputs of a command ---------------------------------------------------------------
+
+def test_a_config_transformers_refuses_is_one_line(capsys, tmp_path):
+    configs = tmp_path / "configs"
+    shutil.copytree(REPO / "toy_configs" / "llama", configs / "llama")
+    config = json.loads((configs / "llama" / "config.json").read_text())
+    config["num_attention_heads"] = 3
+    (configs / "llama" / "config.json").write_text(json.dumps(config))
+    code, out, err = run_cli(capsys, "record", "--goldens", str(tmp_path / "goldens"), "--configs", str(configs),
+                             "--hardware-class", "cpu", "--model", "llama", "--dtype", "float32")
+    assert (code, out) == (2, "")
+    assert err == (f"veosnap: error: {configs / 'llama' / 'config.json'}: transformers cannot build this config "
+                   f"(The hidden size ({config['hidden_size']}) is not a multiple of the number of attention heads (3).)\n")
+    assert not (tmp_path / "goldens").exists()
+
+
+def test_unreadable_token_table_is_one_line(capsys, tmp_path):
+    testdata = tmp_path / "testdata"
+    testdata.mkdir()
+    (testdata / "sequences.parquet").write_text("not parquet")
+    code, out, err = run_cli(capsys, "record", "--goldens", str(tmp_path / "goldens"), "--testdata", str(testdata),
+                             "--hardware-class", "cpu", "--model", "llama", "--dtype", "float32")
+    assert (code, out) == (2, "")
+    assert err.startswith(f"veosnap: error: {testdata / 'sequences.parquet'}: cannot read the token table (")
+    assert err.count("\n") == 1
