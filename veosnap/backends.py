@@ -299,6 +299,8 @@ def _import(module_name: str, spec: str) -> object:
         return importlib.import_module(module_name)
     except ImportError as exc:
         raise VeosnapError(f"backend {spec!r}: cannot import {module_name} ({exc})") from None
+    except Exception as exc:  # noqa: BLE001 - the user's module failed while importing
+        raise VeosnapError(f"backend {spec!r}: error while importing {module_name} ({type(exc).__name__}: {exc})") from None
 
 
 def _load_file(path_text: str) -> object:

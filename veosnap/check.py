@@ -13,6 +13,7 @@ from .capture import run_step
 from .compare import CheckReport, compare
 from .errors import GoldenError, MissingGoldenError, VeosnapError
 from .golden import Golden, GoldenKey
+from .record import deterministic
 from .routing import replay_routes
 from .zoo import Project, ToyConfig, load_config
 
@@ -75,20 +76,26 @@ def check(project: Project, key: GoldenKey, backend: Backend, device: torch.devi
     """
     gold, toy = load_checked(project, key, cross_class, gold)
     device = device or hardware.device_for(hardware.detect())
-    cross = cross_class_notes(key)
+    # Fixed threads and deterministic algorithms: checking twice gives the same report, even for
+    # kernels whose reductions otherwise vary from run to run (batched_mm on CPU does).
+    with deterministic():
+        report = _run_candidate(gold, toy, key, backend, device)
+    report.notes[:0] = cross_class_notes(key)
+    return report
+
+
+def _run_candidate(gold: Golden, toy: ToyConfig, key: GoldenKey, backend: Backend, device: torch.device) -> CheckReport:
     fields = {"backend": backend.spec}
     try:
         model = models.build(toy, models.dtype_from_name(key.dtype), device, gold.manifest.reference.get("seed", 0))
         with backend.prepare(model) as candidate:
             report = _run_and_compare(gold, candidate, fields)
-        report.notes[:0] = cross
     except VeosnapError:
         raise
     except Unsupported as exc:
         return CheckReport(golden=str(key), model=key.model, dtype=key.dtype, skipped=str(exc), **fields)
     except Exception as exc:  # noqa: BLE001 - the candidate's own failure is a result, not a crash
-        return CheckReport(golden=str(key), model=key.model, dtype=key.dtype,
-                           error=f"{type(exc).__name__}: {exc}".splitlines()[0] + _origin(exc), **fields)
+        return CheckReport(golden=str(key), model=key.model, dtype=key.dtype, error=_describe_failure(exc), **fields)
     return report
 
 
@@ -107,6 +114,10 @@ def _run_and_compare(gold: Golden, candidate: Candidate, fields: dict[str, str])
         report.notes.append(f"forward only ({candidate.forward_only}): loss, logits, layer outputs and routes "
                             f"checked; {unchecked} gradients not checked")
     return report
+
+
+def _describe_failure(exc: BaseException) -> str:
+    return (f"{type(exc).__name__}: {exc}".splitlines() or [type(exc).__name__])[0] + _origin(exc)
 
 
 def _origin(exc: BaseException) -> str:

@@ -247,6 +247,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except VeosnapError as exc:
         print(f"veosnap: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except OSError as exc:  # a directory or file the command could not use: still one line, no traceback
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"veosnap: error: {where}{exc.strerror or exc}", file=sys.stderr)
+        return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
 

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 import tempfile
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -23,7 +25,12 @@ from safetensors.torch import save as st_save
 from .errors import GoldenError, VeosnapError
 from .inputs import Batch
 from .tolerance import Tolerance
-from .zoo import check_name
+from .zoo import check_name, config_hash
+
+try:
+    import fcntl
+except ImportError:  # Windows: no stale-temp cleanup, writes are still atomic
+    fcntl = None  # type: ignore[assignment]
 
 SCHEMA_VERSION = 1
 READABLE_SCHEMAS = (1,)
@@ -34,6 +41,12 @@ DTYPE_NAMES = ("float32", "bfloat16")
 MAX_COMPRESSED = 256 << 20
 MAX_DECOMPRESSED = 1 << 30
 MAX_HEADER = 16 << 20
+# Goldens compress about 1.2-1.5x (float tensors); a frame declaring far more content than its size
+# could hold is a decompression bomb, refused before anything is allocated.
+MAX_RATIO = 64
+RATIO_SLACK = 1 << 20
+STALE_TMP_SECONDS = 60
+INPUT_NAMES = ("inputs.input_ids", "inputs.attention_mask", "inputs.position_ids", "inputs.labels")
 ZSTD_LEVEL = 12
 
 
@@ -96,18 +109,64 @@ class Manifest:
     @classmethod
     def from_json(cls, text: str, source: object) -> Manifest:
         try:
-            data = json.loads(text)
+            data = json.loads(text, parse_constant=_refuse_constant)
+            if not isinstance(data, dict):
+                raise TypeError("the manifest is not a JSON object")
             version = data.get("schema_version")
-            if version not in READABLE_SCHEMAS:
+            if type(version) is not int or version not in READABLE_SCHEMAS:
                 readable = ", ".join(map(str, READABLE_SCHEMAS))
-                raise GoldenError(source, f"schema version {version!r} is not one this veosnap reads ({readable}); upgrade veosnap")
+                raise GoldenError(source, f"schema version {version!r} is not one this veosnap reads "
+                                          f"(it reads {readable}); upgrade veosnap")
+            _check_manifest_types(data)
             data["key"] = GoldenKey(**data["key"])
             data["tolerance"] = {n: Tolerance(float(v[0]), float(v[1])) for n, v in data["tolerance"].items()}
-            return cls(**data)
+            manifest = cls(**data)
         except GoldenError:
             raise
-        except (ValueError, TypeError, KeyError, AttributeError, IndexError, VeosnapError) as exc:
+        except (ValueError, TypeError, KeyError, AttributeError, IndexError, RecursionError, VeosnapError) as exc:
             raise GoldenError(source, f"malformed manifest ({type(exc).__name__}: {exc})") from None
+        if config_hash(manifest.config) != manifest.config_hash:
+            raise GoldenError(source, "manifest config hash does not match its config (corrupt or edited)")
+        return manifest
+
+
+def _refuse_constant(name: str) -> float:
+    # json.loads accepts NaN and Infinity; an infinite bound would pass any candidate.
+    raise ValueError(f"{name} is not allowed in a manifest")
+
+
+_MANIFEST_TYPES: dict[str, type | tuple[type, ...]] = {
+    "key": dict, "config": dict, "config_hash": str, "inputs_hash": str, "reference": dict, "provenance": dict,
+    "tolerance": dict, "alpha": (int, float), "floor": (int, float), "tie_epsilon": (int, float),
+    "min_margin": dict, "payload_hash": str, "approvals": list, "schema_version": int,
+}
+
+
+def _finite_non_negative(value: object) -> bool:
+    # 1e400 parses as inf, and bool is an int: both refused
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+
+
+def _check_manifest_types(data: dict) -> None:
+    """Refuse fields of the wrong type or non-finite numbers, so a checked golden never crashes a check
+    halfway or passes everything (a negative or infinite bound)."""
+    for name, expected in _MANIFEST_TYPES.items():
+        if name in data and (not isinstance(data[name], expected) or isinstance(data[name], bool)):
+            raise TypeError(f"field {name!r} is {type(data[name]).__name__}")
+    for name in ("alpha", "floor", "tie_epsilon"):
+        if name in data and not _finite_non_negative(data[name]):
+            raise ValueError(f"field {name!r} is not a finite non-negative number")
+    for name, value in data.get("tolerance", {}).items():
+        if not isinstance(value, list) or len(value) != 2 or not all(map(_finite_non_negative, value)):
+            raise ValueError(f"tolerance of {name!r} is not [noise, bound] with finite non-negative numbers")
+    for name, value in data.get("min_margin", {}).items():
+        if not _finite_non_negative(value):
+            raise ValueError(f"min_margin of layer {name!r} is not a finite non-negative number")
+    seed = data.get("reference", {}).get("seed", 0)
+    if type(seed) is not int:
+        raise TypeError(f"reference seed is {type(seed).__name__}")
+    if not all(isinstance(a, dict) for a in data.get("approvals", [])):
+        raise TypeError("an approval is not an object")
 
 
 @dataclass
@@ -161,10 +220,21 @@ def write(golden: Golden, path: Path) -> None:
 
 
 def write_bytes(data: bytes, path: Path) -> None:
-    """Atomically replace `path` with `data` (temp file in the same directory, fsync, rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    """Atomically replace `path` with `data` (temp file in the same directory, fsync, rename).
+
+    The temp file is locked while it is written, so the next writer can tell a temp file left by a
+    killed writer (unlocked, old) from one still being written, and removes only the former.
+    """
+    path = Path(path)
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temps(path)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise GoldenError(path, f"cannot write ({exc.strerror or exc})") from None
+    try:
+        if fcntl is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX)
         umask = os.umask(0)
         os.umask(umask)
         os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes 0600; a golden is an ordinary shared file
@@ -172,42 +242,59 @@ def write_bytes(data: bytes, path: Path) -> None:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
-        os.replace(tmp, path)
+            os.replace(tmp, path)  # still locked: nobody may take it for stale before it is renamed
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError as exc:
+        Path(tmp).unlink(missing_ok=True)
+        raise GoldenError(path, f"cannot write ({exc.strerror or exc})") from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+
+
+def temp_files(path: Path) -> list[Path]:
+    """Temp files of writes to `path` (in progress, or left by a killed writer)."""
+    return sorted(Path(path).parent.glob(f".{Path(path).name}.*.tmp"))
+
+
+def _remove_stale_temps(path: Path) -> None:
+    if fcntl is None:
+        return
+    now = time.time()
+    for tmp in temp_files(path):
+        try:
+            with open(tmp, "rb") as fh:
+                if now - os.fstat(fh.fileno()).st_mtime < STALE_TMP_SECONDS:
+                    continue  # young: its writer may not have locked it yet
+                try:
+                    fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # a live writer holds it
+                tmp.unlink(missing_ok=True)
+        except OSError:
+            continue  # another writer removed it first, or it is not ours to touch
 
 
 def decode(data: bytes, source: object) -> Golden:
-    """Parse golden bytes, refusing anything oversized, corrupt or inconsistent with one line."""
+    """Parse golden bytes, refusing anything oversized, corrupt or inconsistent with one line.
+
+    Raises only `GoldenError`; nothing is allocated beyond the capped, declared content size.
+    """
     if len(data) > MAX_COMPRESSED:
-        raise GoldenError(source, f"file is {len(data)} bytes, over the {MAX_COMPRESSED} byte cap")
-    try:
-        params = zstandard.get_frame_parameters(data)
-    except zstandard.ZstdError:
-        raise GoldenError(source, "not a zstd frame (a golden is zstd-compressed safetensors)") from None
-    size = params.content_size
-    if size in (0, zstandard.CONTENTSIZE_UNKNOWN, zstandard.CONTENTSIZE_ERROR) or size > MAX_DECOMPRESSED:
-        raise GoldenError(source, f"zstd frame declares {size} bytes of content; refusing (cap {MAX_DECOMPRESSED}, must be known)")
-    try:
-        raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=MAX_DECOMPRESSED)
-    except zstandard.ZstdError as exc:
-        raise GoldenError(source, f"corrupt or truncated zstd data ({exc})") from None
-    if len(raw) != size:
-        raise GoldenError(source, f"decompressed {len(raw)} bytes but the frame declares {size}")
+        raise GoldenError(source, f"file is over the {MAX_COMPRESSED} byte cap")
+    raw = _decompress(data, source)
     metadata = _safetensors_metadata(raw, source)
     if METADATA_KEY not in metadata:
-        raise GoldenError(source, f"safetensors metadata has no '{METADATA_KEY}' manifest")
+        raise GoldenError(source, f"safetensors metadata has no '{METADATA_KEY}' manifest (not a veosnap golden)")
     manifest = Manifest.from_json(metadata[METADATA_KEY], source)
     try:
         tensors = st_load(raw)
     except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
-        raise GoldenError(source, f"malformed safetensors payload ({exc})") from None
+        raise GoldenError(source, f"malformed safetensors payload ({_first_line(exc)})") from None
     golden = Golden(manifest=manifest, tensors=tensors)
     if tensors_hash(tensors) != manifest.payload_hash:
         raise GoldenError(source, "payload hash mismatch: the tensors are not the ones recorded (corrupt or edited)")
@@ -215,62 +302,143 @@ def decode(data: bytes, source: object) -> Golden:
     return golden
 
 
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def _decompress(data: bytes, source: object) -> bytes:
+    if len(data) < 4 or data[:4] != b"\x28\xb5\x2f\xfd":
+        hint = " (this looks like an uncompressed safetensors file)" if data[8:10] == b'{"' else ""
+        raise GoldenError(source, f"not a zstd frame; a golden is zstd-compressed safetensors{hint}")
+    try:
+        params = zstandard.get_frame_parameters(data)
+    except zstandard.ZstdError:
+        raise GoldenError(source, "truncated or corrupt zstd frame header") from None
+    size = params.content_size
+    if size in (zstandard.CONTENTSIZE_UNKNOWN, zstandard.CONTENTSIZE_ERROR):
+        raise GoldenError(source, "zstd frame does not declare its content size; refusing (veosnap always writes it)")
+    if size == 0:
+        raise GoldenError(source, "zstd frame is empty")
+    if size > MAX_DECOMPRESSED:
+        raise GoldenError(source, f"zstd frame declares {size} bytes of content, over the {MAX_DECOMPRESSED} byte cap; "
+                                  "refusing (decompression bomb?)")
+    if size > MAX_RATIO * len(data) + RATIO_SLACK:
+        raise GoldenError(source, f"zstd frame declares {size} bytes of content from {len(data)} compressed bytes "
+                                  f"(over {MAX_RATIO}x); refusing (decompression bomb?)")
+    # Streaming: memory grows with the content actually decoded (a lying header costs nothing), and
+    # zstd stops with an error as soon as the content outgrows the declared size.
+    decoder = zstandard.ZstdDecompressor().decompressobj()
+    try:
+        raw = decoder.decompress(data)
+    except zstandard.ZstdError as exc:
+        raise GoldenError(source, _zstd_cause(str(exc))) from None
+    if not decoder.eof:
+        raise GoldenError(source, _zstd_cause("did not decompress full frame"))
+    if decoder.unused_data:
+        raise GoldenError(source, _zstd_cause("unused data"))
+    if len(raw) != size:
+        raise GoldenError(source, f"decompressed {len(raw)} bytes but the frame declares {size}")
+    return raw
+
+
+def _zstd_cause(message: str) -> str:
+    if "did not decompress full frame" in message:
+        return "truncated: the zstd frame ends early (an interrupted copy or download?)"
+    if "unused data" in message:
+        return "trailing bytes after the zstd frame (a golden is exactly one frame)"
+    # A flipped bit breaks decoding or the checksum depending on where it lands: one cause either way.
+    return "corrupt: the zstd data does not decode or fails its checksum (the file's bytes changed after it was written)"
+
+
 def _safetensors_metadata(raw: bytes, source: object) -> dict[str, str]:
     if len(raw) < 8:
         raise GoldenError(source, "safetensors payload shorter than its 8-byte header length")
     (header_len,) = struct.unpack("<Q", raw[:8])
-    if header_len > MAX_HEADER or 8 + header_len > len(raw):
-        raise GoldenError(source, f"safetensors header of {header_len} bytes is oversized or past the end of the file")
+    if header_len > MAX_HEADER:
+        raise GoldenError(source, f"safetensors header declares {header_len} bytes, over the {MAX_HEADER} byte cap")
+    if 8 + header_len > len(raw):
+        raise GoldenError(source, f"safetensors header declares {header_len} bytes, past the end of the payload")
     try:
         header = json.loads(raw[8 : 8 + header_len])
+        if not isinstance(header, dict):
+            raise TypeError("the header is not a JSON object")
         metadata = header.get("__metadata__") or {}
-        if not isinstance(metadata, dict):
-            raise TypeError("__metadata__ is not an object")
-    except (ValueError, TypeError, AttributeError) as exc:
-        raise GoldenError(source, f"malformed safetensors header ({exc})") from None
+        if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+            raise TypeError("__metadata__ is not an object of strings")
+    except (ValueError, TypeError, RecursionError) as exc:
+        raise GoldenError(source, f"malformed safetensors header ({type(exc).__name__}: {_first_line(exc)})") from None
     return metadata
 
 
 def _check_tensor_set(golden: Golden, source: object) -> None:
+    """The payload holds exactly what a golden holds: the inputs, every toleranced tensor, and each MoE
+    layer's expert ids and margins; an extra or missing tensor would blame the candidate for it."""
     names = set(golden.tensors)
-    for name in golden.manifest.tolerance:
+    tolerance = golden.manifest.tolerance
+    for name in sorted(tolerance):
         if name not in names:
             raise GoldenError(source, f"tensor {name!r} has a tolerance but is missing from the payload")
-    for required in ("loss", "logits", "inputs.input_ids", "inputs.attention_mask", "inputs.position_ids", "inputs.labels"):
+    for required in ("loss", "logits", *INPUT_NAMES):
         if required not in names:
             raise GoldenError(source, f"required tensor {required!r} is missing")
-    for name in names:
-        if name.startswith("inputs.") or name.endswith((".experts", ".margin")):
-            continue
-        if name not in golden.manifest.tolerance:
-            raise GoldenError(source, f"tensor {name!r} has no tolerance in the manifest (extra or hand-added)")
+    route_layers = {name.split(".")[1] for name in tolerance if _is_route(name, "weights")}
+    for layer in sorted(route_layers):
+        for part in ("experts", "margin"):
+            if f"routes.{layer}.{part}" not in names:
+                raise GoldenError(source, f"tensor 'routes.{layer}.{part}' is missing (layer {layer} has routes)")
+    for name in sorted(names):
+        expected = name in tolerance or name in INPUT_NAMES or (
+            (_is_route(name, "experts") or _is_route(name, "margin")) and name.split(".")[1] in route_layers)
+        if not expected:
+            raise GoldenError(source, f"tensor {name!r} is not part of a golden (extra or hand-added)")
+    if set(golden.manifest.min_margin) != route_layers:
+        raise GoldenError(source, "manifest router margins do not match the MoE layers in the payload")
+    shape = golden.tensors["inputs.input_ids"].shape
+    for name in INPUT_NAMES:
+        t = golden.tensors[name]
+        if t.dtype != torch.int64 or t.ndim != 2 or t.shape != shape:
+            raise GoldenError(source, f"tensor {name!r} is {_describe(t)}, expected int64 {list(shape)} (2-D)")
     if tensors_hash(golden.batch.tensors()) != golden.manifest.inputs_hash:
         raise GoldenError(source, "inputs hash mismatch: the stored batch is not the one the manifest describes")
 
 
+def _is_route(name: str, part: str) -> bool:
+    pieces = name.split(".")
+    return len(pieces) == 3 and pieces[0] == "routes" and pieces[1].isdigit() and pieces[2] == part
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)}"
+
+
 def read(path: Path, root: Path | None = None) -> Golden:
-    """Read and validate a golden file; if `root` is given, its key must match its path under root."""
+    """Read and validate a golden file; if `root` is given, it must lie inside root (symlinks
+    resolved, checked before reading) and its key must match its path under root."""
     path = Path(path)
+    expected = _key_from_path(path, root) if root is not None else None
     try:
-        size = path.stat().st_size
-        if size > MAX_COMPRESSED:
-            raise GoldenError(path, f"file is {size} bytes, over the {MAX_COMPRESSED} byte cap")
-        data = path.read_bytes()
+        with open(path, "rb") as fh:
+            data = fh.read(MAX_COMPRESSED + 1)  # read no more than the cap, however large the file
     except FileNotFoundError:
         raise GoldenError(path, "no such file") from None
     except OSError as exc:
-        raise GoldenError(path, f"cannot read ({exc.strerror})") from None
+        raise GoldenError(path, f"cannot read ({exc.strerror or exc})") from None
     golden = decode(data, path)
     golden.path = path
-    if root is not None:
-        try:
-            relpath = path.resolve().relative_to(Path(root).resolve())
-        except ValueError:
-            raise GoldenError(path, f"not inside the goldens directory {root}") from None
-        expected = GoldenKey.from_relpath(relpath)
-        if golden.key != expected:
-            raise GoldenError(path, f"manifest key {golden.key} disagrees with its path ({expected})")
+    if expected is not None and golden.key != expected:
+        raise GoldenError(path, f"manifest key {golden.key} disagrees with its path ({expected})")
     return golden
+
+
+def _key_from_path(path: Path, root: Path) -> GoldenKey:
+    try:
+        relpath = path.resolve().relative_to(Path(root).resolve())
+    except ValueError:  # a symlink out of the goldens directory
+        raise GoldenError(path, f"resolves to {path.resolve()}, outside the goldens directory {root}") from None
+    try:
+        return GoldenKey.from_relpath(relpath)
+    except VeosnapError:
+        raise GoldenError(path, f"not a golden path under {root} (<class>/<model>/<scenario>-<dtype>{SUFFIX})") from None
 
 
 def path_for(root: Path, key: GoldenKey) -> Path:

@@ -36,8 +36,15 @@ def hf_config(toy: ToyConfig) -> transformers.PretrainedConfig:
     model_type = fields.pop("model_type")
     try:
         return transformers.AutoConfig.for_model(model_type, **fields)
-    except (ValueError, TypeError, KeyError) as exc:
-        raise VeosnapError(f"{toy.path}: transformers cannot build this config ({exc})") from None
+    except Exception as exc:  # noqa: BLE001 - transformers' validators raise many types; the user gets one line
+        raise VeosnapError(f"{toy.path}: transformers cannot build this config ({_cause(exc)})") from None
+
+
+def _cause(exc: BaseException, limit: int = 200) -> str:
+    """The first line of the root cause (transformers wraps validation errors), at most `limit` chars."""
+    root = exc.__cause__ or exc
+    text = (str(root).strip().splitlines() or [type(root).__name__])[0]
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def build(
@@ -54,12 +61,15 @@ def build(
     config = hf_config(toy)
     with warnings.catch_warnings(), _quiet_transformers():
         warnings.simplefilter("ignore")
-        model = transformers.AutoModelForCausalLM.from_config(
-            config,
-            attn_implementation=REFERENCE_ATTN,
-            experts_implementation=REFERENCE_EXPERTS,
-            dtype=dtype,
-        )
+        try:
+            model = transformers.AutoModelForCausalLM.from_config(
+                config,
+                attn_implementation=REFERENCE_ATTN,
+                experts_implementation=REFERENCE_EXPERTS,
+                dtype=dtype,
+            )
+        except Exception as exc:  # noqa: BLE001 - a config transformers accepts but cannot instantiate
+            raise VeosnapError(f"{toy.path}: transformers cannot build this model ({_cause(exc)})") from None
     weights.initialize(model, seed)
     return model.to(device)
 
