@@ -11,7 +11,6 @@ from __future__ import annotations
 import sys
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask

@@ -222,7 +222,7 @@ def test_manifest_is_not_json(capsys, goldens):
                                     "double quotes: line 1 column 2 (char 1))")
 
 
-NOT_A_BOUND = "tolerance of 'logits' is not [noise, bound] with finite non-negative numbers"
+NOT_A_BOUND = "tolerance of 'logits' is not [noise, bound] with finite numbers, noise >= 0 and bound > 0"
 
 
 @pytest.mark.parametrize("bound, cause", [

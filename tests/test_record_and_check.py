@@ -6,7 +6,6 @@ report, and meet the errors that guard against checking against the wrong thing.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import subprocess

@@ -62,10 +62,10 @@ def _zero_bound(g):
 
 
 @pytest.mark.parametrize(("edit", "cause"), [
-    (_edit_config, "config hash mismatch"),
+    (_edit_config, "manifest config hash does not match its config"),
     (_nan_logits, "tensor 'logits' has 1 non-finite value(s)"),
-    (_drop_tolerance, "tensor 'grad.lm_head.weight' has no tolerance"),
-    (_zero_bound, "tensor 'loss' has an invalid tolerance"),
+    (_drop_tolerance, "tensor 'grad.lm_head.weight' is not part of a golden"),
+    (_zero_bound, "tolerance of 'loss' is not [noise, bound]"),
 ])
 def test_hand_edits_that_keep_the_payload_hash_valid_are_caught(goldens, edit, cause):
     # golden.write recomputes the payload hash, as a careful hand-editor would.

@@ -124,6 +124,53 @@ def attention(implementation: str) -> BackendFn:
 register("sdpa")(attention("sdpa"))
 
 
+def _flash_attn_requires() -> str | None:
+    if not torch.cuda.is_available():
+        return "flash-attn needs a CUDA GPU"
+    if importlib.util.find_spec("flash_attn") is None:
+        return "flash-attn is not installed (it has no binary wheel; build it for your GPU)"
+    return None
+
+
+register("flash_attention_2", requires=_flash_attn_requires)(attention("flash_attention_2"))
+
+
+def _sdpa_kernel(kernel: str) -> BackendFn:
+    """SDPA pinned to one of torch's kernels (flash, efficient, cudnn, math), where it applies."""
+
+    def apply(model: nn.Module) -> Iterator[nn.Module]:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        backend = getattr(SDPBackend, {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
+                                        "cudnn": "CUDNN_ATTENTION", "math": "MATH"}[kernel])
+        param = next(model.parameters())
+        # The golden's batch is padded: HF passes a mask, which some kernels refuse. Ask first, on a
+        # tiny call shaped like HF's, so an inapplicable kernel is a skip and not an error.
+        q = torch.zeros(1, 2, 4, 16, device=param.device, dtype=param.dtype)
+        mask = torch.zeros(1, 1, 4, 4, device=param.device, dtype=param.dtype)
+        try:
+            with sdpa_kernel(backend):
+                torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+        except RuntimeError as exc:
+            raise Unsupported(f"SDPA's {kernel} kernel cannot run a masked {param.dtype} attention here "
+                              f"({str(exc).splitlines()[0][:120]})") from None
+        attention("sdpa")(model)
+        with sdpa_kernel(backend):
+            yield model
+
+    apply.__doc__ = f"SDPA restricted to torch's `{kernel}` kernel."
+    return apply
+
+
+def _cuda_requires() -> str | None:
+    return None if torch.cuda.is_available() else "a CUDA GPU"
+
+
+for _kernel in ("flash", "efficient", "cudnn"):
+    register(f"sdpa_{_kernel}", requires=_cuda_requires)(_sdpa_kernel(_kernel))
+register("sdpa_math")(_sdpa_kernel("math"))
+
+
 @register("flex_attention")
 def flex_attention(model: nn.Module) -> nn.Module | Candidate:
     """transformers' `flex_attention`; forward only where torch has no flex backward (CPU)."""

@@ -86,21 +86,29 @@ class CheckReport:
 
     @property
     def first_gradient_divergence(self) -> str | None:
-        """The earliest parameter group (layer, module) whose gradient exceeds its bound."""
+        """The first parameter group (layer, module), in the order backward computes them (the LM head
+        first, the embeddings last), whose gradient exceeds its bound: where the backward pass first
+        went wrong. After a forward divergence the whole backward differs, and the line says so."""
         failing = [t for t in self.tensors if t.name.startswith("grad.") and not t.passed]
         if not failing:
             return None
 
-        def order(t: TensorResult) -> tuple[int, str]:
+        def backward_order(t: TensorResult) -> tuple[int, int, str]:
             m = _LAYER_RE.search(t.name)
-            return (int(m.group(1)) if m else (-1 if "embed" in t.name else 10**6), t.name)
+            if m:
+                return (2, -int(m.group(1)), t.name)
+            return (4 if "embed" in t.name else 0 if "lm_head" in t.name else 1, 0, t.name)
 
-        first = min(failing, key=order)
+        first = min(failing, key=backward_order)
         m = _LAYER_RE.search(first.name)
         module = first.name.removeprefix("grad.").rsplit(".", 1)[0]
         group = module.split(f"layers.{m.group(1)}.", 1)[1] if m else module
         where = f"layer {m.group(1)} {group}" if m else group
-        return f"{where} ({first.name}, {_ratio_text(first.ratio)} bound)"
+        after = "; downstream of the forward divergence" if self.first_divergence or self._forward_failed() else ""
+        return f"{where} ({first.name}, {_ratio_text(first.ratio)} bound{after})"
+
+    def _forward_failed(self) -> bool:
+        return any(not t.passed for t in self.tensors if t.name in ("loss", "logits"))
 
 
 def _ratio_text(ratio: float) -> str:

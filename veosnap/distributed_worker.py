@@ -29,6 +29,7 @@ from torch import nn
 
 from . import backends, layouts, models
 from .backends import Backend, Unsupported
+from .check import load_checked
 from .capture import decoder_layers
 from .golden import Golden, GoldenKey
 from .zoo import Project, ToyConfig
@@ -183,7 +184,9 @@ def main(argv: list[str] | None = None) -> int:
         dist.init_process_group("nccl" if me.device.type == "cuda" else "gloo", timeout=timedelta(seconds=args.timeout))
         project = Project.resolve(goldens=args.goldens, configs=args.configs, testdata=args.testdata,
                                   hardware_class=args.hardware_class)
-        golden, toy = layouts._load(project, GoldenKey(args.hardware_class, args.model, args.scenario, args.dtype))
+        # The parent already refused a cross-class check it was not asked for.
+        golden, toy = load_checked(project, GoldenKey(args.hardware_class, args.model, args.scenario, args.dtype),
+                                   cross_class=True)
         backend = backends.resolve(args.backend)
         for name in args.layouts.split(","):
             run_layout(name, golden, toy, backend, me, out)

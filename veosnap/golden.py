@@ -157,8 +157,9 @@ def _check_manifest_types(data: dict) -> None:
         if name in data and not _finite_non_negative(data[name]):
             raise ValueError(f"field {name!r} is not a finite non-negative number")
     for name, value in data.get("tolerance", {}).items():
-        if not isinstance(value, list) or len(value) != 2 or not all(map(_finite_non_negative, value)):
-            raise ValueError(f"tolerance of {name!r} is not [noise, bound] with finite non-negative numbers")
+        if not isinstance(value, list) or len(value) != 2 or not all(map(_finite_non_negative, value)) or value[1] <= 0:
+            # every bound has a positive floor: a zero one was written by hand
+            raise ValueError(f"tolerance of {name!r} is not [noise, bound] with finite numbers, noise >= 0 and bound > 0")
     for name, value in data.get("min_margin", {}).items():
         if not _finite_non_negative(value):
             raise ValueError(f"min_margin of layer {name!r} is not a finite non-negative number")

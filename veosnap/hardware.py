@@ -9,6 +9,9 @@ import torch
 
 from .errors import VeosnapError
 
+# cuBLAS reads this once, when CUDA starts: deterministic GEMMs need it set before any CUDA call.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
 ENV_VAR = "VEOSNAP_HARDWARE_CLASS"
 _CLASS_RE = re.compile(r"^(cpu|cuda-sm\d{2,3})$")
 

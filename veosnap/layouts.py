@@ -78,6 +78,8 @@ class Layout:
         if self.moe_only and not _is_moe(golden):
             return f"{golden.key.model} is a dense model: {self.name} shards experts, it has none"
         config = golden.manifest.config
+        if self.name == "packed" and config.get("model_type") in NO_PACKING:
+            return NO_PACKING[config["model_type"]]
         if self.name == "tp":  # transformers does not check this itself; it fails deep in a reshape
             heads = config.get("num_attention_heads", 0)
             for what, count in (("attention heads", heads), ("key/value heads", config.get("num_key_value_heads", heads))):
@@ -88,6 +90,15 @@ class Layout:
             if experts % nproc:
                 return f"{nproc} expert-parallel ranks do not divide {golden.key.model}'s {experts} experts"
         return ""
+
+
+# Model families whose transformers implementation cannot run packed sequences: checked anyway, they
+# fail at ~1e5x bound from layers.0.output (sequences attend to each other), a transformers bug that
+# no candidate can fix, so the cell says why instead of failing every support matrix.
+NO_PACKING = {
+    "gpt_oss": "transformers' GptOssModel builds its attention masks without position_ids, so packed sequences "
+               "attend to each other (a transformers bug, seen with 5.24)",
+}
 
 
 def names() -> list[str]:
@@ -440,7 +451,14 @@ def _run_group(cmd: list[str], env: dict, out: Path, timeout_s: float) -> str:
         return f"timed out after {timeout_s:g} s (process group killed)" + (f"; {first}" if first else "")
     if code == 0:
         return ""
-    # torchrun names the first rank that failed; its own message says why, else its exit status does.
+    # A rank that died without writing why (killed, crashed, exited) is the cause; the others' errors
+    # (a collective whose peer vanished) are its consequences, whatever order torchrun saw them in.
+    exits = {int(m.group(1)): m.group(2) for m in _RANK_EXIT_RE.finditer(text)}
+    silent = sorted(rank for rank in exits if rank not in errors)
+    if silent:
+        rank = silent[0]
+        return f"rank {rank} exited with status {exits[rank]} after {time.monotonic() - started:.0f} s"
+    # Otherwise torchrun names the first rank that failed, and its own message says why.
     root = _RANK_EXIT_RE.search(text, max(text.find("Root Cause"), 0))
     if root:
         rank, status = int(root.group(1)), root.group(2)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import platform
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -27,7 +26,6 @@ def deterministic() -> Iterator[dict]:
     """Deterministic algorithms, fixed CPU threads, TF32 off; restores the previous settings."""
     saved = (torch.are_deterministic_algorithms_enabled(), torch.get_num_threads(),
              torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.set_num_threads(RECORD_THREADS)
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -1,0 +1,143 @@
+"""Everything veosnap does on a GPU machine, in phases that fit one device command each.
+
+    python tools/gpu_session.py record  --out DIR   # cuda-<sm> goldens (float32 TF32 off, bfloat16), verified
+    python tools/gpu_session.py matrix  --out DIR   # GPU backends x zoo; precision regression; cross-class
+    python tools/gpu_session.py layouts --out DIR   # layouts on this machine's GPUs (NCCL), all models
+
+Each phase writes JSON and a text table under DIR (and `record` a tar of the goldens) so a lent
+machine's results come back whole. It runs with the machine's own torch/triton and whichever
+transformers is first on the path (a newer wheel can be carried); the versions are recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+from veosnap import backends, check, hardware, matrix, record, report, verify  # noqa: E402
+from veosnap.golden import GoldenKey  # noqa: E402
+from veosnap.zoo import Project  # noqa: E402
+
+GPU_BACKENDS = ["eager", "sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "sdpa_math", "flex_attention",
+                "grouped_mm", "batched_mm", "sdpa+grouped_mm", "liger", "flash_attention_2"]
+COMPILE_MODELS = ["llama", "qwen3_moe"]  # inductor compiles take tens of seconds per model
+LAYOUTS = ["packed", "microbatch", "ddp", "fsdp2", "hsdp", "tp", "ep", "cp"]
+
+
+def environment() -> dict:
+    import triton
+
+    props = torch.cuda.get_device_properties(0)
+    return {"date": time.strftime("%Y-%m-%d"), "gpu": props.name, "gpus": torch.cuda.device_count(),
+            "capability": f"{props.major}.{props.minor}", "torch": torch.__version__, "cuda": torch.version.cuda,
+            "transformers": transformers.__version__, "triton": triton.__version__,
+            "python": platform.python_version(), "hardware_class": hardware.detect()}
+
+
+def save(out: Path, name: str, data: object) -> None:
+    (out / name).write_text(json.dumps(data, indent=2, default=str))
+
+
+def phase_record(project: Project, out: Path) -> None:
+    rows = []
+    for model in project.models():
+        for dtype in ("float32", "bfloat16"):
+            t = time.perf_counter()
+            outcome = record.record(project, model, dtype)
+            rows.append({"model": model, "dtype": dtype, "seconds": round(time.perf_counter() - t, 2),
+                         "min_margin": outcome.min_margin, "bytes": outcome.path.stat().st_size})
+            print(f"recorded {outcome.key} in {rows[-1]['seconds']} s, min margin {outcome.min_margin}", flush=True)
+    results = verify.verify([project.goldens / project.hardware_class])
+    bad = [r.line() for r in results if not r.ok]
+    print(f"verified {len(results)} goldens: {len(bad)} bad", *bad, sep="\n", flush=True)
+    save(out, "record.json", {"env": environment(), "goldens": rows, "verify_bad": bad})
+    with tarfile.open(out / f"goldens-{project.hardware_class}.tar", "w") as tar:
+        tar.add(project.goldens / project.hardware_class, arcname=project.hardware_class)
+
+
+def phase_matrix(project: Project, out: Path) -> None:
+    models = project.models()
+    progress = lambda cell, done, total: print(f"[{done}/{total}] {cell.model} {cell.dtype} {cell.backend}: "  # noqa: E731
+                                              f"{cell.status} {cell.worst_ratio} {cell.reason[:100]}", flush=True)
+    results: dict = {"env": environment()}
+    single = matrix.run_matrix(project, models, ["float32", "bfloat16"], GPU_BACKENDS, on_cell=progress)
+    results["single"] = json.loads(matrix.json_text(single))
+    (out / "matrix.txt").write_text(matrix.text(single))
+    save(out, "matrix.json", results)  # saved as each part ends: a run cut short still brings back the rest
+    print(matrix.text(single), flush=True)
+
+    # A precision regression: exact in float32, it must fail the bfloat16 goldens.
+    precision = []
+    for model in models:
+        for dtype in ("float32", "bfloat16"):
+            for fault in ("fp8_attention_probabilities", "low_precision_attention"):
+                r = check.check(project, GoldenKey(project.hardware_class, model, "step", dtype),
+                                backends.resolve(f"{ROOT}/tests/faults.py:{fault}"))
+                precision.append(report.as_dict(r))
+                print(f"precision {fault} {model} {dtype}: {r.status} {r.worst.ratio if r.worst else ''}", flush=True)
+    results["precision"] = precision
+    save(out, "matrix.json", results)
+
+    # Cross-class: the cpu goldens checked here, explicitly (the default refuses).
+    cross = []
+    cpu = Project.resolve(goldens=project.goldens, configs=project.configs, testdata=project.testdata,
+                          hardware_class="cpu")
+    for model in models:
+        for dtype in ("float32", "bfloat16"):
+            r = check.check(cpu, GoldenKey("cpu", model, "step", dtype), backends.resolve("eager"), cross_class=True)
+            cross.append(report.as_dict(r))
+            print(f"cross-class cpu golden {model} {dtype}: {r.status} worst {r.worst.name if r.worst else ''} "
+                  f"{r.worst.ratio if r.worst else ''}", flush=True)
+    results["cross_class"] = cross
+    save(out, "matrix.json", results)
+
+    compiled = matrix.run_matrix(project, COMPILE_MODELS, ["float32", "bfloat16"], ["compile"], on_cell=progress)
+    results["compile"] = json.loads(matrix.json_text(compiled))
+    save(out, "matrix.json", results)
+    with open(out / "matrix.txt", "a") as fh:
+        fh.write("\n" + matrix.text(compiled))
+    print(matrix.text(compiled), flush=True)
+
+
+def phase_layouts(project: Project, out: Path, nproc: int) -> None:
+    progress = lambda cell, done, total: print(f"[{done}/{total}] {cell.model} {cell.dtype} {cell.layout}: "  # noqa: E731
+                                              f"{cell.status} {cell.worst_ratio} {cell.reason[:120]}", flush=True)
+    result = matrix.run_matrix(project, project.models(), ["float32", "bfloat16"], ["eager"], LAYOUTS,
+                               check_cells=matrix.default_check(nproc), on_cell=progress)
+    (out / "layouts.txt").write_text(matrix.text(result))
+    print(matrix.text(result), flush=True)
+    save(out, "layouts.json", {"env": environment(), "nproc": nproc, "layouts": json.loads(matrix.json_text(result))})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("phase", choices=("record", "matrix", "layouts"))
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-out")))
+    parser.add_argument("--nproc", type=int, default=0, help="layouts: processes (default: every GPU)")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    print(json.dumps(environment()), flush=True)
+    project = Project.resolve(goldens=ROOT / "goldens", configs=ROOT / "toy_configs", testdata=ROOT / "testdata")
+    if args.phase == "record":
+        phase_record(project, args.out)
+    elif args.phase == "matrix":
+        phase_matrix(project, args.out)
+    else:
+        phase_layouts(project, args.out, args.nproc or torch.cuda.device_count())
+
+
+if __name__ == "__main__":
+    main()
