@@ -61,7 +61,8 @@ def record_layer_outputs(model: nn.Module) -> Iterator[dict[int, torch.Tensor]]:
 
         def hook(_module: nn.Module, _inputs: tuple, output: object, index: int = index) -> None:
             hidden = output[0] if isinstance(output, (tuple, list)) else output
-            outputs[index] = hidden.detach().cpu()
+            # A copy now: a kernel may reuse this buffer in place later (on the CPU .cpu() is no copy).
+            outputs[index] = hidden.detach().to("cpu", copy=True)
 
         handles.append(layer.register_forward_hook(hook))
     try:
@@ -69,6 +70,29 @@ def record_layer_outputs(model: nn.Module) -> Iterator[dict[int, torch.Tensor]]:
     finally:
         for handle in handles:
             handle.remove()
+
+
+@contextmanager
+def record_logits(model: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
+    """The logits as the LM head produced them, copied at once.
+
+    Fused cross-entropy kernels (liger's) write the gradient into the logits' own buffer inside the
+    model's forward, so by the time the forward returns `output.logits` holds something else.
+    """
+    produced: dict[str, torch.Tensor] = {}
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None:
+        yield produced
+        return
+
+    def hook(_module: nn.Module, _inputs: tuple, output: torch.Tensor) -> None:
+        produced["logits"] = output.detach().to("cpu", copy=True)
+
+    handle = head.register_forward_hook(hook)
+    try:
+        yield produced
+    finally:
+        handle.remove()
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -94,12 +118,13 @@ def run_step(model: nn.Module, batch: Batch, *, own_loss: bool = False, backward
     model.train()
     model.zero_grad(set_to_none=True)
     with record_layer_outputs(model) as layer_outputs, record_routes(model) as routes, \
-            torch.set_grad_enabled(backward):
+            record_logits(model) as produced, torch.set_grad_enabled(backward):
         output = model(**batch.model_kwargs(with_labels=not own_loss), use_cache=False)
+        logits = produced.get("logits", output.logits.detach().to("cpu", copy=True))
         loss = causal_lm_loss(output.logits, batch.labels) if own_loss else output.loss
     if backward:
         loss.backward()
-    tensors = {"loss": loss.detach().cpu(), "logits": output.logits.detach().cpu()}
+    tensors = {"loss": loss.detach().cpu(), "logits": logits}
     for index, hidden in sorted(layer_outputs.items()):
         tensors[f"layers.{index}.output"] = hidden
     if not backward:
