@@ -34,7 +34,7 @@ from veosnap.zoo import Project  # noqa: E402
 GPU_BACKENDS = ["eager", "sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "sdpa_math", "flex_attention",
                 "grouped_mm", "batched_mm", "sdpa+grouped_mm", "liger", "flash_attention_2"]
 COMPILE_MODELS = ["llama", "qwen3_moe"]  # inductor compiles take tens of seconds per model
-LAYOUTS = ["packed", "microbatch", "ddp", "fsdp2", "hsdp", "tp", "ep", "cp"]
+LAYOUTS = ["packed", "microbatch", "ddp", "fsdp2", "hsdp", "ep", "tp", "cp"]  # ep before tp: a tp crash ends the torchrun
 
 
 def environment() -> dict:
@@ -112,10 +112,10 @@ def phase_matrix(project: Project, out: Path) -> None:
     print(matrix.text(compiled), flush=True)
 
 
-def phase_layouts(project: Project, out: Path, nproc: int) -> None:
+def phase_layouts(project: Project, out: Path, nproc: int, models: list[str]) -> None:
     progress = lambda cell, done, total: print(f"[{done}/{total}] {cell.model} {cell.dtype} {cell.layout}: "  # noqa: E731
                                               f"{cell.status} {cell.worst_ratio} {cell.reason[:120]}", flush=True)
-    result = matrix.run_matrix(project, project.models(), ["float32", "bfloat16"], ["eager"], LAYOUTS,
+    result = matrix.run_matrix(project, models or project.models(), ["float32", "bfloat16"], ["eager"], LAYOUTS,
                                check_cells=matrix.default_check(nproc), on_cell=progress)
     (out / "layouts.txt").write_text(matrix.text(result))
     print(matrix.text(result), flush=True)
@@ -127,6 +127,7 @@ def main() -> None:
     parser.add_argument("phase", choices=("record", "matrix", "layouts"))
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-out")))
     parser.add_argument("--nproc", type=int, default=0, help="layouts: processes (default: every GPU)")
+    parser.add_argument("--model", action="append", help="layouts: only these models (default: all)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     print(json.dumps(environment()), flush=True)
@@ -136,7 +137,7 @@ def main() -> None:
     elif args.phase == "matrix":
         phase_matrix(project, args.out)
     else:
-        phase_layouts(project, args.out, args.nproc or torch.cuda.device_count())
+        phase_layouts(project, args.out, args.nproc or torch.cuda.device_count(), args.model or [])
 
 
 if __name__ == "__main__":
