@@ -96,10 +96,10 @@ def test_missing_golden_says_how_to_record_it(scratch_project, capsys):
 
 
 def test_no_goldens_for_a_hardware_class_never_falls_back(repo_project, capsys, monkeypatch):
-    monkeypatch.setenv("VEOSNAP_HARDWARE_CLASS", "cuda-sm90")
+    monkeypatch.setenv("VEOSNAP_HARDWARE_CLASS", "cuda-sm89")  # an Ada GPU: no goldens recorded for it
     assert main(["check", "--goldens", str(repo_project.goldens), "--model", "llama", "--dtype", "float32"]) == 2
     err = capsys.readouterr().err
-    assert "no goldens for hardware class cuda-sm90 (present: cpu)" in err
+    assert "no goldens for hardware class cuda-sm89 (present: cpu, cuda-sm90)" in err
 
 
 def test_recording_another_hardware_class_is_refused(scratch_project, capsys):
