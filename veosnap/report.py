@@ -22,7 +22,7 @@ def _status(t: TensorResult) -> str:
     return "ok" if t.passed else "FAIL"
 
 
-def text(reports: list[CheckReport], width: int = 140, color: bool = False, shown: int = SHOWN_ROWS) -> str:
+def text(reports: list[CheckReport], width: int = 180, color: bool = False, shown: int = SHOWN_ROWS) -> str:
     """The terminal report for each check, then a one-line summary."""
     buf = io.StringIO()
     console = Console(file=buf, width=width, force_terminal=color, no_color=not color, highlight=False)
