@@ -31,7 +31,8 @@ def load_golden(project: Project, key: GoldenKey) -> Golden:
             )
         raise MissingGoldenError(
             f"{path}: no golden for {key}; record it with "
-            f"`veosnap record --model {key.model} --dtype {key.dtype}` on {key.hardware_class} hardware"
+            f"`veosnap record --model {key.model} --dtype {key.dtype}"
+            f"{'' if key.scenario == 'step' else f' --scenario {key.scenario}'}` on {key.hardware_class} hardware"
         )
     return golden_io.read(path, root=project.goldens)
 
