@@ -7,3 +7,9 @@ from veosnap.pytest_plugin import matrix
 def test_backend_matches_golden(veosnap_check, model, dtype, backend):
     report = veosnap_check(model, backend=backend, dtype=dtype)
     assert report.tensors, "a passing check compared tensors"
+
+
+@matrix(dtypes=["float32", "bfloat16"])
+def test_train_steps_match_golden(veosnap_check, model, dtype):
+    report = veosnap_check(model, dtype=dtype, scenario="train")
+    assert any(t.name == "train.grad_norm" for t in report.tensors)

@@ -7,7 +7,7 @@ import traceback
 import torch
 
 from . import golden as golden_io
-from . import hardware, models
+from . import hardware, models, train
 from .backends import Backend, Candidate, Unsupported
 from .capture import run_step
 from .compare import CheckReport, compare
@@ -31,7 +31,8 @@ def load_golden(project: Project, key: GoldenKey) -> Golden:
             )
         raise MissingGoldenError(
             f"{path}: no golden for {key}; record it with "
-            f"`veosnap record --model {key.model} --dtype {key.dtype}` on {key.hardware_class} hardware"
+            f"`veosnap record --model {key.model} --dtype {key.dtype}"
+            f"{'' if key.scenario == 'step' else f' --scenario {key.scenario}'}` on {key.hardware_class} hardware"
         )
     return golden_io.read(path, root=project.goldens)
 
@@ -101,6 +102,8 @@ def _run_candidate(gold: Golden, toy: ToyConfig, key: GoldenKey, backend: Backen
 
 def _run_and_compare(gold: Golden, candidate: Candidate, fields: dict[str, str]) -> CheckReport:
     """Run the candidate on the golden's batch and compare; routes differ: again under route replay."""
+    if gold.key.scenario == train.SCENARIO:
+        return _train_and_compare(gold, candidate, fields)
     backward = not candidate.forward_only
     capture = run_step(candidate.model, gold.batch, backward=backward)
     report = compare(gold, capture, **fields)
@@ -113,6 +116,18 @@ def _run_and_compare(gold: Golden, candidate: Candidate, fields: dict[str, str])
         unchecked = sum(name.startswith("grad.") for name in gold.compared_names())
         report.notes.append(f"forward only ({candidate.forward_only}): loss, logits, layer outputs and routes "
                             f"checked; {unchecked} gradients not checked")
+    return report
+
+
+def _train_and_compare(gold: Golden, candidate: Candidate, fields: dict[str, str]) -> CheckReport:
+    """The golden's optimizer steps on the candidate; compared as a step is (routes first)."""
+    if candidate.forward_only:
+        raise Unsupported(f"runs forward only here ({candidate.forward_only}); the train scenario needs gradients")
+    hyper = train.Hyper.from_reference(gold.manifest.reference, gold.path or gold.key)
+    report = compare(gold, train.run_train(candidate.model, gold.batch, hyper).capture, **fields)
+    if not report.routes_passed:
+        # Only the first step's routes are recorded, so later steps cannot be replayed onto the golden's.
+        report.notes.append("routes differ in the first step: updates are compared without route replay")
     return report
 
 

@@ -38,7 +38,8 @@ def cmd_record(args: argparse.Namespace) -> int:
 
     project = _project(args)
     for model, dtype in _selection(args, project):
-        outcome = record(project, model, dtype, seed=args.seed, allow_near_ties=args.allow_near_ties)
+        outcome = record(project, model, dtype, scenario=args.scenario, seed=args.seed,
+                         allow_near_ties=args.allow_near_ties)
         margin = "" if outcome.min_margin is None else f"  min router margin {outcome.min_margin:.3g}"
         state = "wrote" if outcome.written else "unchanged"
         print(f"{state:9s} {outcome.path}{margin}")
@@ -57,7 +58,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     reports = [
         report_
         for model, dtype in _selection(args, project)
-        for report_ in check_layouts(project, GoldenKey(project.hardware_class, model, "step", dtype), backend,
+        for report_ in check_layouts(project, GoldenKey(project.hardware_class, model, args.scenario, dtype), backend,
                                      args.layout or ["single"], nproc=args.nproc, timeout_s=args.timeout,
                                      cross_class=args.cross_class)
     ]
@@ -121,7 +122,7 @@ def cmd_matrix(args: argparse.Namespace) -> int:
     progress = _progress if sys.stderr.isatty() else None
     result = matrix.run_matrix(project, models, dtypes, specs, layouts,
                                check_cells=matrix.default_check(args.nproc), on_cell=progress,
-                               unavailable=unavailable)
+                               unavailable=unavailable, scenario=args.scenario)
     out = matrix.json_text(result) if args.format == "json" else matrix.text(result, color=sys.stdout.isatty())
     sys.stdout.write(out if out.endswith("\n") else out + "\n")
     return EXIT_OK if result.passed else EXIT_FAILED
@@ -174,6 +175,11 @@ def _selectors(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", action="append", choices=golden.DTYPE_NAMES, help="repeatable; default: both")
 
 
+def _scenario(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--scenario", choices=golden.SCENARIOS, default="step",
+                   help="step: one forward and backward; train: a few AdamW steps with clipping (default step)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="veosnap", description="Golden-reference snapshot regression for HF models.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -181,12 +187,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("record", help="record goldens from the HF eager reference on this machine")
     _common(p), _selectors(p)
+    _scenario(p)
     p.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     p.add_argument("--allow-near-ties", action="store_true", help="record even if a router has near-ties")
     commands["record"] = cmd_record
 
     p = sub.add_parser("check", help="check a backend against the goldens")
     _common(p), _selectors(p)
+    _scenario(p)
     p.add_argument("--backend", metavar="SPEC",
                    help=f"built-in ({', '.join(backends.builtin_names())}), path/file.py:fn, module:fn; "
                         "join with + (default: eager)")

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import backends, layouts, models
+from . import backends, layouts, models, train
 from .backends import Backend, Unsupported
 from .check import load_checked
 from .capture import decoder_layers
@@ -114,6 +114,8 @@ def run_layout(name: str, golden: Golden, toy: ToyConfig, backend: Backend, me: 
             (out / f"{name}.skip").write_text(str(exc), encoding="utf-8")
         return
     inner.train()
+    if golden.key.scenario == train.SCENARIO:
+        return run_train_layout(name, fault, golden, model, inner, dp_world, dp_rank, notes, me, out)
     batch = golden.batch
     total = layouts.predictions(batch)
     my_rows = layouts.shard_rows(batch.input_ids.shape[0], dp_world, dp_rank)
@@ -140,6 +142,46 @@ def run_layout(name: str, golden: Golden, toy: ToyConfig, backend: Backend, me: 
     capture = _gathered(part, grads, dp_world, me)
     if me.rank == 0:
         layouts.write_capture(out / f"{name}.safetensors", capture, replayed, notes)
+
+
+def run_train_layout(name: str, fault: str, golden: Golden, model: nn.Module, inner: nn.Module, dp_world: int,
+                     dp_rank: int, notes: list[str], me: Rank, out: Path) -> None:
+    """The golden's optimizer steps on this rank's share: the reducer (DDP, FSDP2) combines the gradients,
+    clip_grad_norm_ takes the global norm (over DTensor shards: a collective), AdamW steps on what this
+    rank holds; rank 0 writes the per-step losses (summed over ranks), norms and full updates."""
+    hyper = train.Hyper.from_reference(golden.manifest.reference, golden.path or golden.key)
+    batch = golden.batch
+    total = layouts.predictions(batch)
+    my_rows = layouts.shard_rows(batch.input_ids.shape[0], dp_world, dp_rank)
+    mine = layouts.rows(batch, my_rows)
+    first: list[layouts.Part] = []
+
+    def forward_backward() -> tuple[torch.Tensor, dict]:
+        inner.zero_grad(set_to_none=True)
+        part = layouts.run_part(model, inner, mine, total, float(dp_world))
+        first.append(part)
+        loss = part.loss.to(me.device)
+        if dp_world > 1:
+            dist.all_reduce(loss)  # each share's loss is its token-weighted part of the batch mean
+        return loss.cpu(), part.routes
+
+    clip = _clip_local if fault == "clip_local" else train.clip_global
+    capture = train.train(inner, hyper, forward_backward, clip).capture
+    step0 = _gathered(first[0], {}, dp_world, me)  # the first step's routes, rows in the golden's order
+    if me.rank == 0:
+        capture.routes = step0.routes
+        layouts.write_capture(out / f"{name}.safetensors", capture, None, notes)
+
+
+def _clip_local(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Planted fault: each rank clips by the norm of the gradient shard it holds, not the global norm."""
+    with torch.no_grad():
+        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads)
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for grad in grads:
+            grad.mul_(coef.to(grad.dtype))
+    return norm
 
 
 def _gathered(part: layouts.Part, grads: dict[str, torch.Tensor], dp_world: int, me: Rank):  # noqa: ANN202

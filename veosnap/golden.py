@@ -36,7 +36,9 @@ SCHEMA_VERSION = 1
 READABLE_SCHEMAS = (1,)
 SUFFIX = ".safetensors.zst"
 METADATA_KEY = "veosnap"
-SCENARIOS = ("step",)
+SCENARIOS = ("step", "train")
+# What each scenario's golden must hold besides its inputs (train: per-step loss and gradient norm).
+REQUIRED = {"step": ("loss", "logits"), "train": ("train.loss", "train.grad_norm")}
 DTYPE_NAMES = ("float32", "bfloat16")
 MAX_COMPRESSED = 256 << 20
 MAX_DECOMPRESSED = 1 << 30
@@ -379,7 +381,7 @@ def _check_tensor_set(golden: Golden, source: object) -> None:
     for name in sorted(tolerance):
         if name not in names:
             raise GoldenError(source, f"tensor {name!r} has a tolerance but is missing from the payload")
-    for required in ("loss", "logits", *INPUT_NAMES):
+    for required in (*REQUIRED.get(golden.key.scenario, REQUIRED["step"]), *INPUT_NAMES):
         if required not in names:
             raise GoldenError(source, f"required tensor {required!r} is missing")
     route_layers = {name.split(".")[1] for name in tolerance if _is_route(name, "weights")}

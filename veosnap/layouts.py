@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from contextlib import nullcontext
+from functools import partial
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -32,7 +33,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from . import hardware, inputs, models
+from . import hardware, inputs, models, train
 from .backends import Backend, Unsupported
 from .capture import Capture, _full, record_layer_outputs
 from .check import check, load_checked
@@ -53,6 +54,9 @@ FAULTS = {
     "no_restart": "a packed batch whose position ids run on instead of restarting per sequence",
     "die": "the last rank exits with status 17 before its step",
     "hang": "the last rank sleeps before its step (hangs the others in their first collective)",
+    # train scenario only: bugs that leave every gradient right and the next parameters wrong
+    "clip_micro": "gradients clipped after every micro-batch instead of once after accumulation",
+    "clip_local": "gradients clipped by each rank's own shard norm instead of the global norm",
 }
 
 
@@ -68,6 +72,7 @@ class Layout:
     distributed: bool = False
     moe_only: bool = False
     unsupported: str = ""  # why no engine runs it (reported as skipped)
+    no_train: str = ""  # why it does not run the train scenario (reported as skipped)
     # In-process layouts: (model, golden, forced experts or None) -> a capture shaped like the golden's.
     run: LocalRun | None = None
 
@@ -75,6 +80,8 @@ class Layout:
         """Why this layout does not apply to this golden here, or '' when it does."""
         if self.unsupported:
             return self.unsupported
+        if self.no_train and golden.key.scenario == train.SCENARIO:
+            return self.no_train
         if self.moe_only and not _is_moe(golden):
             return f"{golden.key.model} is a dense model: {self.name} shards experts, it has none"
         config = golden.manifest.config
@@ -246,8 +253,10 @@ def candidate_model(backend: Backend, model: nn.Module) -> nn.Module:
     return model
 
 
-def run_microbatch(model: nn.Module, golden: Golden, forced: dict[int, torch.Tensor] | None) -> Capture:
-    """Gradient accumulation over one-row micro-batches, each loss weighted by its token share."""
+def run_microbatch(model: nn.Module, golden: Golden, forced: dict[int, torch.Tensor] | None,
+                   after_part: Callable[[], object] | None = None) -> Capture:
+    """Gradient accumulation over one-row micro-batches, each loss weighted by its token share
+    (`after_part` runs after each micro-batch's backward: how a planted fault gets in)."""
     batch = golden.batch
     total = predictions(batch)
     model.zero_grad(set_to_none=True)
@@ -256,6 +265,8 @@ def run_microbatch(model: nn.Module, golden: Golden, forced: dict[int, torch.Ten
         index = torch.tensor([row])
         sub_forced = {k: v[token_index(golden, index)] for k, v in forced.items()} if forced else None
         parts.append(run_part(model, model, rows(batch, index), total, forced=sub_forced))
+        if after_part is not None:
+            after_part()
     return join(parts, gradients(model))
 
 
@@ -279,9 +290,11 @@ def run_packed(model: nn.Module, golden: Golden, forced: dict[int, torch.Tensor]
         out[real] = packed_value.reshape(real.numel(), *out.shape[1:]).to(out.dtype)
         return out.reshape(gold.shape)
 
-    tensors = {"loss": part.loss, "logits": unpack("logits", part.logits)}
-    for layer, hidden in part.layers.items():
-        tensors[f"layers.{layer}.output"] = unpack(f"layers.{layer}.output", hidden)
+    tensors = {"loss": part.loss}
+    if "logits" in golden.tensors:  # a train golden holds no logits or layer outputs: nothing to map them onto
+        tensors["logits"] = unpack("logits", part.logits)
+        for layer, hidden in part.layers.items():
+            tensors[f"layers.{layer}.output"] = unpack(f"layers.{layer}.output", hidden)
     routes = {layer: RouteRecord(layer, unpack(f"routes.{layer}.experts", rec.experts).long(),
                                  unpack(f"routes.{layer}.weights", rec.weights),
                                  unpack(f"routes.{layer}.margin", rec.margin))
@@ -291,6 +304,8 @@ def run_packed(model: nn.Module, golden: Golden, forced: dict[int, torch.Tensor]
 
 def _check_local(golden: Golden, toy: ToyConfig, backend: Backend, layout: Layout, fields: dict) -> CheckReport:
     device = hardware.device_for(hardware.detect())  # as `check` does: where this process runs
+    if golden.key.scenario == train.SCENARIO:
+        return _train_local(golden, toy, backend, layout, fields, device)
     try:
         model = _build(golden, toy, backend, device)
         capture = layout.run(model, golden, None)
@@ -306,10 +321,41 @@ def _check_local(golden: Golden, toy: ToyConfig, backend: Backend, layout: Layou
     return compare(golden, capture, replayed=replayed, **fields)
 
 
+def _train_local(golden: Golden, toy: ToyConfig, backend: Backend, layout: Layout, fields: dict,
+                 device: torch.device) -> CheckReport:
+    """The golden's optimizer steps, each step's forward and backward run by the layout."""
+    hyper = train.Hyper.from_reference(golden.manifest.reference, golden.path or golden.key)
+    try:
+        model = _build(golden, toy, backend, device)
+        run = layout.run
+        if layout.name == "microbatch" and fault_for("microbatch") == "clip_micro":
+            params = [p for p in model.parameters() if p.requires_grad]
+            run = partial(run_microbatch, after_part=lambda: train.clip_global(params, hyper.max_norm))
+        capture = train.train(model, hyper, train.of_capture(lambda: run(model, golden, None))).capture
+    except VeosnapError:
+        raise
+    except Unsupported as exc:
+        return _report(golden, fields, skipped=str(exc))
+    except Exception as exc:  # noqa: BLE001 - the candidate's failure is a result
+        return _report(golden, fields, error=f"{type(exc).__name__}: {exc}".splitlines()[0])
+    return train_report(golden, capture, fields)
+
+
+def train_report(golden: Golden, capture: Capture, fields: dict, notes: list[str] = ()) -> CheckReport:
+    """A train capture against its golden (routes first; later steps' routes are not recorded, so no replay)."""
+    report = compare(golden, capture, **fields)
+    report.notes.extend(notes)
+    if not report.routes_passed:
+        report.notes.append("routes differ in the first step: updates are compared without route replay")
+    return report
+
+
 def _report(golden: Golden, fields: dict, **kw: str) -> CheckReport:
     return CheckReport(golden=str(golden.key), model=golden.key.model, dtype=golden.key.dtype, **fields, **kw)
 
 
+_NO_TRAIN = ("not wired for the train scenario yet: the worker's train loop runs the data-parallel layouts "
+             "(ddp, fsdp2, hsdp); transformers' tensor/expert-parallel plans are checked on step only")
 _CP_REASON = ("no engine runs it with an eager reference here: torch's context_parallel rewrites only the CUDA "
               "SDPA kernels (flash, efficient, cudnn) and cannot take a padding mask, and transformers 5's "
               "DistributedConfig reserves enable_sequence_parallel without wiring it up")
@@ -324,9 +370,9 @@ LAYOUTS: dict[str, Layout] = {layout.name: layout for layout in (
     Layout("hsdp", "FSDP2 fully_shard on a 2-D (replicate, shard) mesh; 2 ranks: (2, 1), 4 ranks: (2, 2)",
            distributed=True),
     Layout("tp", "transformers' tensor-parallel plan (DistributedConfig(tp_size=N)), full batch on every rank",
-           distributed=True),
+           distributed=True, no_train=_NO_TRAIN),
     Layout("ep", "transformers' expert parallel (DistributedConfig(ep_size=N, fsdp_size=N)), rows split, "
-           "tokens dispatched all-to-all", distributed=True, moe_only=True),
+           "tokens dispatched all-to-all", distributed=True, moe_only=True, no_train=_NO_TRAIN),
     Layout("sp", "sequence parallel", distributed=True, unsupported=_CP_REASON),
     Layout("cp", "context parallel (ring attention)", distributed=True, unsupported=_CP_REASON),
 )}
@@ -420,6 +466,9 @@ def _check_spawned(project: Project, golden: Golden, backend: Backend, layouts: 
                 reports[name] = _report(golden, fields, skipped=skip.read_text(encoding="utf-8").strip())
             elif result.is_file():
                 capture, replayed, notes = read_capture(result)
+                if golden.key.scenario == train.SCENARIO:
+                    reports[name] = train_report(golden, capture, fields, notes)
+                    continue
                 report = compare(golden, capture, replayed=replayed, **fields)
                 report.notes.extend(notes)
                 reports[name] = report

@@ -149,6 +149,7 @@ def run_matrix(
     check_cells: LayoutsCheck | None = None,
     on_cell: Callable[[Cell, int, int], None] | None = None,
     unavailable: dict[str, str] | None = None,
+    scenario: str = "step",
 ) -> Matrix:
     """Check every (model, dtype) with every (backend, layout); `on_cell(cell, done, total)` reports progress.
 
@@ -163,7 +164,7 @@ def run_matrix(
     start = time.perf_counter()
     total = len(rows) * len(columns)
     for row in rows:
-        key = GoldenKey(project.hardware_class, row.model, "step", row.dtype)
+        key = GoldenKey(project.hardware_class, row.model, scenario, row.dtype)
         for spec in backend_specs:
             t0 = time.perf_counter()
             try:

@@ -266,7 +266,8 @@ class VeosnapSession:
                  ("goldens", "configs", "testdata", "hardware_class")
                  if (value := self.config.getoption(f"veosnap_{kind}"))]
         pytest_cmd = shlex.join(["pytest", "--snapshot-update", *flags, request.node.nodeid])
-        cli = shlex.join(["veosnap", "record", "--model", key.model, "--dtype", key.dtype,
+        scenario = ["--scenario", key.scenario] if key.scenario != "step" else []
+        cli = shlex.join(["veosnap", "record", "--model", key.model, "--dtype", key.dtype, *scenario,
                           "--goldens", _shown(project.goldens), "--configs", _shown(project.configs),
                           "--testdata", _shown(project.testdata)])
         return (f"veosnap: no golden for {key} (expected {_shown(path)}); record it on {key.hardware_class} "

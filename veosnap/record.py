@@ -11,10 +11,11 @@ from typing import Iterator
 import torch
 import transformers
 
-from . import __version__, golden, hardware, inputs, models
-from .capture import Capture, run_step
+from . import __version__, golden, hardware, inputs, models, train
+from .capture import run_step
 from .errors import VeosnapError
 from .golden import Golden, GoldenKey, Manifest
+from .routing import RouteRecord
 from .tolerance import ALPHA, FLOOR, TIE_EPSILON, Tolerance, noise, pooled_noises
 from .zoo import Project, load_config
 
@@ -64,17 +65,33 @@ def build_golden(project: Project, key: GoldenKey, seed: int = 0, allow_near_tie
     device = hardware.device_for(key.hardware_class)
     sequence_ids = inputs.DEFAULT_SEQUENCES
     batch = inputs.padded(inputs.load_sequences(project.testdata, sequence_ids))
+    hyper = train.Hyper() if key.scenario == train.SCENARIO else None
     with deterministic() as settings:
         torch.manual_seed(seed)
         model = models.build(toy, dtype, device, seed)
-        reference = run_step(model, batch)
-        high = models.upcast_copy(model, toy, torch.float64)
+        high = models.upcast_copy(model, toy, torch.float64)  # before training moves the weights
+        if hyper is None:
+            reference = run_step(model, batch)
+            reference_steps = [reference.routes]
+        else:
+            run = train.run_train(model, batch, hyper)
+            reference, reference_steps = run.capture, run.step_routes
         del model
         with models.KeepFloat64():
-            truth = run_step(high, batch, own_loss=True)
+            if hyper is None:
+                truth = run_step(high, batch, own_loss=True)
+                truth_steps = [truth.routes]
+            else:
+                run = train.run_train(high, batch, hyper, own_loss=True)
+                truth, truth_steps = run.capture, run.step_routes
         del high
     mask = batch.token_mask
-    min_margin = _check_routes(key, reference, truth, mask, allow_near_ties)
+    # A train golden holds the first step's routes, but every step must route clearly: a near-tie in a
+    # later step would flip a candidate's routes there, and its updates with them.
+    min_margin = {}
+    for ref_routes, truth_routes in zip(reference_steps, truth_steps):
+        for layer, value in _check_routes(key, ref_routes, truth_routes, mask, allow_near_ties).items():
+            min_margin[layer] = min(value, min_margin.get(layer, value))
 
     tensors: dict[str, torch.Tensor] = dict(batch.tensors())
     measured = {}
@@ -99,6 +116,7 @@ def build_golden(project: Project, key: GoldenKey, seed: int = 0, allow_near_tie
             "batch": {"layout": "padded", "padding_side": "left", "sequences": list(sequence_ids),
                       "source": inputs.SEQUENCES_FILE},
             "noise_run": "float64",
+            **({train.SCENARIO: hyper.as_dict()} if hyper is not None else {}),
         },
         provenance={
             "veosnap": __version__,
@@ -117,10 +135,10 @@ def build_golden(project: Project, key: GoldenKey, seed: int = 0, allow_near_tie
     return Golden(manifest=manifest, tensors=tensors)
 
 
-def _check_routes(key: GoldenKey, reference: Capture, truth: Capture, mask: torch.Tensor,
-                  allow_near_ties: bool) -> dict[int, float]:
+def _check_routes(key: GoldenKey, reference: dict[int, RouteRecord], truth: dict[int, RouteRecord],
+                  mask: torch.Tensor, allow_near_ties: bool) -> dict[int, float]:
     """The smallest router margin per MoE layer; refuses near-ties unless allowed."""
-    margins = {layer: float(rec.margin[mask].min()) for layer, rec in sorted(reference.routes.items())}
+    margins = {layer: float(rec.margin[mask].min()) for layer, rec in sorted(reference.items())}
     if allow_near_ties:
         return margins
     eps = TIE_EPSILON[key.dtype]
@@ -130,7 +148,7 @@ def _check_routes(key: GoldenKey, reference: Capture, truth: Capture, mask: torc
                 f"{key}: router margin {value:.3g} in layer {layer} is under the tie epsilon {eps:g}: a near-tie "
                 "would make this golden flaky across hardware; make the toy router decide clearly, or pass --allow-near-ties"
             )
-        flips = (reference.routes[layer].experts != truth.routes[layer].experts).any(dim=-1) & mask
+        flips = (reference[layer].experts != truth[layer].experts).any(dim=-1) & mask
         if flips.any():
             raise VeosnapError(f"{key}: layer {layer} routes {int(flips.sum())} token(s) differently in float64; near-ties")
     return margins

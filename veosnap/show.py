@@ -26,12 +26,12 @@ def describe(g: Golden, full: bool = False) -> str:
         lines.append(f"approved    {approval.get('reason')!r} (replaced {approval.get('previous_payload_hash', 'nothing')})")
     names = sorted(g.tensors)
     lines.append(f"tensors     {len(names)}")
-    shown = names if full else [n for n in names if not n.startswith("grad.")]
+    shown = names if full else [n for n in names if not n.startswith(("grad.", "update."))]
     for name in shown:
         t = g.tensors[name]
         tol = m.tolerance.get(name)
         tol_text = f"noise {tol.noise:.3g} bound {tol.bound:.3g}" if tol else ""
         lines.append(f"  {name:55s} {str(t.dtype).removeprefix('torch.'):9s} {str(list(t.shape)):16s} {tol_text}")
     if not full:
-        lines.append(f"  ... {len(names) - len(shown)} gradients (--full lists them)")
+        lines.append(f"  ... {len(names) - len(shown)} gradients or updates (--full lists them)")
     return "\n".join(lines)

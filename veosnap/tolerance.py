@@ -112,11 +112,19 @@ def noise(name: str, reference: torch.Tensor, high_precision: torch.Tensor, toke
 MIN_SAMPLED_ROWS = 32
 
 
+PER_PARAMETER = ("grad.", "update.")  # one tensor per parameter: gradients (step), updates (train)
+
+
 def pooled_noises(measured: dict[str, RowError]) -> dict[str, float]:
-    """Each tensor's noise, with few-row gradients raised to the median of the well-sampled ones."""
-    sampled = sorted(e.error for n, e in measured.items() if n.startswith("grad.") and e.rows >= MIN_SAMPLED_ROWS)
-    median = sampled[len(sampled) // 2] if sampled else 0.0
-    return {
-        name: max(err.error, median) if name.startswith("grad.") and err.rows < MIN_SAMPLED_ROWS else err.error
-        for name, err in measured.items()
-    }
+    """Each tensor's noise, with few-row per-parameter tensors (gradients, updates) raised to the median
+    of the well-sampled ones of their kind."""
+    medians = {}
+    for prefix in PER_PARAMETER:
+        sampled = sorted(e.error for n, e in measured.items() if n.startswith(prefix) and e.rows >= MIN_SAMPLED_ROWS)
+        medians[prefix] = sampled[len(sampled) // 2] if sampled else 0.0
+    pooled = {}
+    for name, err in measured.items():
+        prefix = next((p for p in PER_PARAMETER if name.startswith(p)), None)
+        few = prefix is not None and err.rows < MIN_SAMPLED_ROWS
+        pooled[name] = max(err.error, medians[prefix]) if few else err.error
+    return pooled
