@@ -169,3 +169,32 @@ def test_cli_checks_a_layout(project: Project, capsys: pytest.CaptureFixture) ->
     assert "layout=packed" in capsys.readouterr().out
     assert main(["check", *dirs, "--model", "llama", "--layout", "ddp", "--nproc", "1"]) == 2
     assert "at least 2 processes" in capsys.readouterr().err
+
+
+# torchrun's summary when the last rank exits on its own and rank 0 then fails in a collective:
+# torchrun may call rank 0 the root cause, but rank 0 only lost its peer.
+TORCHRUN_LOG = """\
+E1130 11:40:46.819000 29273 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 1) local_rank: 0 (pid: 29277) of binary: python
+Failures:
+[1]:
+  time      : 2026-11-30_11:40:46
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : 17 (pid: 29278)
+  error_file: <N/A>
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-30_11:40:46
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 29277)
+  error_file: <N/A>
+"""
+
+
+def test_a_rank_that_died_is_named_over_the_peer_that_lost_it() -> None:
+    errors = {0: "rank 0: RuntimeError: Connection closed by peer [127.0.0.1]:48811"}
+    assert layouts.explain_failure(TORCHRUN_LOG, errors, 1, 9.4) == "rank 1 exited with status 17 after 9 s"
+    # With every rank's own message, the root cause's message is the answer.
+    both = {**errors, 1: "rank 1: ValueError: bad shard"}
+    assert layouts.explain_failure(TORCHRUN_LOG, both, 1, 9.4) == errors[0]

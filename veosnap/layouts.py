@@ -434,7 +434,8 @@ def _check_nproc(golden: Golden, device_type: str, nproc: int) -> None:
         raise VeosnapError(f"--nproc {nproc}: only {torch.cuda.device_count()} GPU(s) visible")
 
 
-_RANK_EXIT_RE = re.compile(r"rank\s*:\s*(\d+).*?\n\s*exitcode\s*:\s*(-?\d+)", re.S)
+# torchrun's failure summary: a "rank : N (local_rank: M)" line followed by its "exitcode : S" line.
+_RANK_EXIT_RE = re.compile(r"^\s*rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)", re.M)
 
 
 def _check_spawned(project: Project, golden: Golden, backend: Backend, layouts: list[str], nproc: int,
@@ -500,21 +501,28 @@ def _run_group(cmd: list[str], env: dict, out: Path, timeout_s: float) -> str:
         return f"timed out after {timeout_s:g} s (process group killed)" + (f"; {first}" if first else "")
     if code == 0:
         return ""
+    return explain_failure(text, errors, code, time.monotonic() - started)
+
+
+def explain_failure(log: str, errors: dict[int, str], code: int, seconds: float) -> str:
+    """One line saying why a torchrun failed, from its log and the ranks' own error lines."""
     # A rank that died without writing why (killed, crashed, exited) is the cause; the others' errors
     # (a collective whose peer vanished) are its consequences, whatever order torchrun saw them in.
-    exits = {int(m.group(1)): m.group(2) for m in _RANK_EXIT_RE.finditer(text)}
-    silent = sorted(rank for rank in exits if rank not in errors)
+    # Ranks torchrun itself stopped once another failed end on a signal (negative status): those are
+    # consequences too, so a rank that exited by itself comes first.
+    exits = {int(m.group(1)): m.group(2) for m in _RANK_EXIT_RE.finditer(log)}
+    silent = sorted((rank for rank in exits if rank not in errors), key=lambda r: (int(exits[r]) < 0, r))
     if silent:
         rank = silent[0]
-        return f"rank {rank} exited with status {exits[rank]} after {time.monotonic() - started:.0f} s"
+        return f"rank {rank} exited with status {exits[rank]} after {seconds:.0f} s"
     # Otherwise torchrun names the first rank that failed, and its own message says why.
-    root = _RANK_EXIT_RE.search(text, max(text.find("Root Cause"), 0))
+    root = _RANK_EXIT_RE.search(log, max(log.find("Root Cause"), 0))
     if root:
         rank, status = int(root.group(1)), root.group(2)
-        return errors.get(rank) or f"rank {rank} exited with status {status} after {time.monotonic() - started:.0f} s"
+        return errors.get(rank) or f"rank {rank} exited with status {status} after {seconds:.0f} s"
     if errors:
         return next(iter(errors.values()))
-    tail = [line for line in text.splitlines() if line.strip()][-1:] or ["no output"]
+    tail = [line for line in log.splitlines() if line.strip()][-1:] or ["no output"]
     return f"torchrun exited with status {code}: {tail[0][:300]}"
 
 
