@@ -1,6 +1,6 @@
 """Crashes and concurrency never lose a golden or show a torn one.
 
-The kills and races run in tools/faults.py (a subprocess, so its forks never copy pytest's state);
+The kills and races run in tools/kill_and_race.py (a subprocess, so its forks never copy pytest's state);
 these tests run it small enough for CI and judge its counts.
 """
 
@@ -24,7 +24,7 @@ SOURCE = REPO / "goldens" / "cpu" / "llama" / "step-float32.safetensors.zst"
 
 def faults(tmp_path: Path, *argv: str) -> dict:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, str(REPO / "tools" / "faults.py"), *argv, "--dir", str(tmp_path), "--json"],
+    done = subprocess.run([sys.executable, str(REPO / "tools" / "kill_and_race.py"), *argv, "--dir", str(tmp_path), "--json"],
                           capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)

@@ -1,8 +1,8 @@
 """Fault injection for golden writes: recorders SIGKILLed at random moments, and recorders racing
 each other and a reader. Prints a table (or JSON with --json); tests/test_crashes.py runs it small.
 
-    python tools/faults.py kill --kills 100 [--mode record|write] [--seed 0] [--dir DIR]
-    python tools/faults.py race --rounds 6 [--dir DIR]
+    python tools/kill_and_race.py kill --kills 100 [--mode record|write] [--seed 0] [--dir DIR]
+    python tools/kill_and_race.py race --rounds 6 [--dir DIR]
 
 Recorders run `veosnap.cli.main(["record", ...])` in children forked from this process, which has
 already imported torch and transformers, so a kill costs a fork instead of a ~4 s interpreter start.
