@@ -11,7 +11,8 @@ from rich.table import Table
 
 from .compare import CheckReport, TensorResult
 
-SHOWN_ROWS = 12
+SHOWN_ROWS = 12  # rows of a failed check's table: every failing tensor, then the closest passing ones
+SHOWN_PASSING = 3  # a passed check shows only its closest calls
 
 
 def _num(x: float) -> str:
@@ -47,17 +48,25 @@ def text(reports: list[CheckReport], width: int = 180, color: bool = False, show
             console.print(f"  first diverging gradient: {report.first_gradient_divergence}")
         for note in report.notes:
             console.print(f"  note: {note}")
+        if report.tensors and all(t.passed and t.error == 0 for t in report.tensors):
+            hint = "" if report.backend == "eager" else " (a swapped kernel rarely reproduces every bit: is it applied?)"
+            console.print(f"  all {len(report.tensors)} tensors bit-identical to the golden{hint}")
+            console.print()
+            continue
         table = Table(box=None, pad_edge=False, show_edge=False, header_style="bold")
         for col, justify in (("tensor", "left"), ("error", "right"), ("bound", "right"), ("ratio", "right"),
                              ("", "left"), ("worst at", "left")):
             table.add_column(col, justify=justify, overflow="fold")
         ranked = report.ranked()
         failing = [t for t in ranked if not t.passed]
-        rows = failing + [t for t in ranked if t.passed][: max(0, shown - len(failing))]
+        room = shown if failing else min(shown, SHOWN_PASSING)
+        rows = failing + [t for t in ranked if t.passed][: max(0, room - len(failing))]
         for t in rows:
             where = t.problem or t.where
             if t.rows_over and not t.problem:
                 where = f"{t.rows_over}/{t.rows} rows over; {where}"
+            elif t.error == 0 and not t.problem:
+                where = "bit-identical to the golden"
             table.add_row(t.name, _num(t.error), _num(t.bound), _num(t.ratio) + "x", _status(t), where)
         console.print(table)
         hidden = len(ranked) - len(rows)
