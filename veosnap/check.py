@@ -96,7 +96,7 @@ def _run_candidate(gold: Golden, toy: ToyConfig, key: GoldenKey, backend: Backen
     except Unsupported as exc:
         return CheckReport(golden=str(key), model=key.model, dtype=key.dtype, skipped=str(exc), **fields)
     except Exception as exc:  # noqa: BLE001 - the candidate's own failure is a result, not a crash
-        return CheckReport(golden=str(key), model=key.model, dtype=key.dtype, error=_describe_failure(exc), **fields)
+        return CheckReport(golden=str(key), model=key.model, dtype=key.dtype, error=describe_failure(exc), **fields)
     return report
 
 
@@ -131,7 +131,8 @@ def _train_and_compare(gold: Golden, candidate: Candidate, fields: dict[str, str
     return report
 
 
-def _describe_failure(exc: BaseException) -> str:
+def describe_failure(exc: BaseException) -> str:
+    """A candidate's exception in one line, with where it was raised."""
     return (f"{type(exc).__name__}: {exc}".splitlines() or [type(exc).__name__])[0] + _origin(exc)
 
 

@@ -36,7 +36,7 @@ from torch import nn
 from . import hardware, inputs, models, train
 from .backends import Backend, Unsupported
 from .capture import Capture, _full, record_layer_outputs
-from .check import check, load_checked
+from .check import check, describe_failure, load_checked
 from .compare import CheckReport, compare
 from .errors import VeosnapError
 from .golden import Golden, GoldenKey
@@ -306,39 +306,46 @@ def _check_local(golden: Golden, toy: ToyConfig, backend: Backend, layout: Layou
     device = hardware.device_for(hardware.detect())  # as `check` does: where this process runs
     if golden.key.scenario == train.SCENARIO:
         return _train_local(golden, toy, backend, layout, fields, device)
-    try:
+
+    def run() -> CheckReport:
         model = _build(golden, toy, backend, device)
         capture = layout.run(model, golden, None)
         replayed = None
         if _is_moe(golden) and routes_differ(golden, capture.routes, torch.arange(golden.batch.token_mask.numel())):
             replayed = layout.run(model, golden, golden_routes(golden))
+        return compare(golden, capture, replayed=replayed, **fields)
+
+    return _candidate_result(golden, fields, run)
+
+
+def _candidate_result(golden: Golden, fields: dict, run: Callable[[], CheckReport]) -> CheckReport:
+    """`run()`'s report; a backend's Unsupported is a skip and the candidate's own failure an error
+    report (a bad golden or input still raises)."""
+    try:
+        return run()
     except VeosnapError:
         raise
     except Unsupported as exc:
         return _report(golden, fields, skipped=str(exc))
     except Exception as exc:  # noqa: BLE001 - the candidate's failure is a result
-        return _report(golden, fields, error=f"{type(exc).__name__}: {exc}".splitlines()[0])
-    return compare(golden, capture, replayed=replayed, **fields)
+        return _report(golden, fields, error=describe_failure(exc))
 
 
 def _train_local(golden: Golden, toy: ToyConfig, backend: Backend, layout: Layout, fields: dict,
                  device: torch.device) -> CheckReport:
     """The golden's optimizer steps, each step's forward and backward run by the layout."""
     hyper = train.Hyper.from_reference(golden.manifest.reference, golden.path or golden.key)
-    try:
+
+    def run() -> CheckReport:
         model = _build(golden, toy, backend, device)
-        run = layout.run
+        step = layout.run
         if layout.name == "microbatch" and fault_for("microbatch") == "clip_micro":
             params = [p for p in model.parameters() if p.requires_grad]
-            run = partial(run_microbatch, after_part=lambda: train.clip_global(params, hyper.max_norm))
-        capture = train.train(model, hyper, train.of_capture(lambda: run(model, golden, None))).capture
-    except VeosnapError:
-        raise
-    except Unsupported as exc:
-        return _report(golden, fields, skipped=str(exc))
-    except Exception as exc:  # noqa: BLE001 - the candidate's failure is a result
-        return _report(golden, fields, error=f"{type(exc).__name__}: {exc}".splitlines()[0])
-    return train_report(golden, capture, fields)
+            step = partial(run_microbatch, after_part=lambda: train.clip_global(params, hyper.max_norm))
+        capture = train.train(model, hyper, train.of_capture(lambda: step(model, golden, None))).capture
+        return train_report(golden, capture, fields)
+
+    return _candidate_result(golden, fields, run)
 
 
 def train_report(golden: Golden, capture: Capture, fields: dict, notes: list[str] = ()) -> CheckReport:
