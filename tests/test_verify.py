@@ -87,3 +87,22 @@ def test_a_golden_under_another_models_path_is_caught(goldens):
 def test_a_missing_path_is_bad_input(tmp_path, capsys):
     assert cli.main(["verify", str(tmp_path / "nope.safetensors.zst")]) == 2
     assert "no such file or directory" in capsys.readouterr().err
+
+
+def test_a_bound_loosened_by_hand_in_the_manifest_is_caught(goldens):
+    """Editing the JSON inside the file (not through veosnap) leaves the manifest hash stale."""
+    import json
+
+    import zstandard
+    from safetensors.torch import load, save
+
+    path = goldens / LLAMA.relpath
+    raw = zstandard.ZstdDecompressor().decompress(path.read_bytes())
+    header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
+    manifest = json.loads(header["__metadata__"]["veosnap"])
+    manifest["tolerance"]["logits"][1] *= 1000  # a bound that would pass a real bug
+    edited = save(load(raw), metadata={"veosnap": json.dumps(manifest, sort_keys=True, separators=(",", ":"))})
+    path.write_bytes(zstandard.ZstdCompressor(write_content_size=True, write_checksum=True).compress(edited))
+
+    result = verify_file(path)
+    assert not result.ok and "manifest hash mismatch: the manifest was edited after recording" in result.problem

@@ -14,7 +14,7 @@ import os
 import struct
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -102,6 +102,13 @@ class Manifest:
     payload_hash: str = ""
     approvals: list[dict] = field(default_factory=list)  # refresh trail: reason, previous payload hash
     schema_version: int = SCHEMA_VERSION
+    # SHA-256 of this manifest's JSON with this field empty, so a hand-edited bound or seed is caught
+    # like a hand-edited tensor. Goldens written before it have none and are read without the check.
+    manifest_hash: str = ""
+
+    def own_hash(self) -> str:
+        """What `manifest_hash` should be for the manifest as it stands."""
+        return "sha256:" + hashlib.sha256(replace(self, manifest_hash="").to_json().encode()).hexdigest()
 
     def to_json(self) -> str:
         data = asdict(self)
@@ -129,6 +136,8 @@ class Manifest:
             raise GoldenError(source, f"malformed manifest ({type(exc).__name__}: {exc})") from None
         if config_hash(manifest.config) != manifest.config_hash:
             raise GoldenError(source, "manifest config hash does not match its config (corrupt or edited)")
+        if manifest.manifest_hash and manifest.manifest_hash != manifest.own_hash():
+            raise GoldenError(source, "manifest hash mismatch: the manifest was edited after recording (corrupt or edited)")
         return manifest
 
 
@@ -140,7 +149,7 @@ def _refuse_constant(name: str) -> float:
 _MANIFEST_TYPES: dict[str, type | tuple[type, ...]] = {
     "key": dict, "config": dict, "config_hash": str, "inputs_hash": str, "reference": dict, "provenance": dict,
     "tolerance": dict, "alpha": (int, float), "floor": (int, float), "tie_epsilon": (int, float),
-    "min_margin": dict, "payload_hash": str, "approvals": list, "schema_version": int,
+    "min_margin": dict, "payload_hash": str, "approvals": list, "schema_version": int, "manifest_hash": str,
 }
 
 
@@ -211,6 +220,7 @@ def encode(golden: Golden) -> bytes:
     """The golden's file bytes. Same golden, same bytes."""
     manifest = golden.manifest
     manifest.payload_hash = tensors_hash(golden.tensors)
+    manifest.manifest_hash = manifest.own_hash()
     tensors = {name: t.detach().cpu().contiguous() for name, t in golden.tensors.items()}
     raw = st_save(tensors, metadata={METADATA_KEY: manifest.to_json()})
     compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True, write_content_size=True, threads=0)
