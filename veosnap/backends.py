@@ -124,14 +124,20 @@ def attention(implementation: str) -> BackendFn:
 register("sdpa")(attention("sdpa"))
 
 
-def _flash_attn_requires() -> str | None:
-    if not torch.cuda.is_available():
-        return "flash-attn needs a CUDA GPU"
-    if importlib.util.find_spec("flash_attn") is None:
-        return "flash-attn is not installed (it has no binary wheel; build it for your GPU)"
-    return None
+def _gpu_with(module: str | None, what: str, missing: str = "") -> Callable[[], str | None]:
+    """A `requires` test: a CUDA GPU and, if named, an importable `module`."""
+
+    def requires() -> str | None:
+        if not torch.cuda.is_available():
+            return f"{what} needs a CUDA GPU"
+        if module and importlib.util.find_spec(module) is None:
+            return f"{what} is not installed ({missing})"
+        return None
+
+    return requires
 
 
+_flash_attn_requires = _gpu_with("flash_attn", "flash-attn", "it has no binary wheel; build it for your GPU")
 register("flash_attention_2", requires=_flash_attn_requires)(attention("flash_attention_2"))
 
 
@@ -162,12 +168,8 @@ def _sdpa_kernel(kernel: str) -> BackendFn:
     return apply
 
 
-def _cuda_requires() -> str | None:
-    return None if torch.cuda.is_available() else "a CUDA GPU"
-
-
 for _kernel in ("flash", "efficient", "cudnn"):
-    register(f"sdpa_{_kernel}", requires=_cuda_requires)(_sdpa_kernel(_kernel))
+    register(f"sdpa_{_kernel}", requires=_gpu_with(None, f"SDPA's {_kernel} kernel"))(_sdpa_kernel(_kernel))
 register("sdpa_math")(_sdpa_kernel("math"))
 
 
@@ -213,12 +215,7 @@ def compile_(model: nn.Module) -> Iterator[nn.Module]:
         torch._dynamo.reset()
 
 
-def _liger_requires() -> str | None:
-    if not torch.cuda.is_available():
-        return "liger-kernel's triton kernels need a CUDA GPU"
-    if importlib.util.find_spec("liger_kernel") is None:
-        return "liger-kernel is not installed (pip install liger-kernel)"
-    return None
+_liger_requires = _gpu_with("liger_kernel", "liger-kernel", "pip install liger-kernel")
 
 
 # Liger's fused linear cross-entropy never materializes the logits the golden compares, so the
