@@ -14,7 +14,7 @@ import torch
 from veosnap import backends
 from veosnap.check import check
 from veosnap.cli import main
-from veosnap.golden import GoldenKey
+from veosnap.golden.key import GoldenKey
 from veosnap.zoo import Project
 
 REPO = Path(__file__).resolve().parents[1]

@@ -14,7 +14,8 @@ import torch
 from veosnap import backends, layouts
 from veosnap.cli import main
 from veosnap.errors import VeosnapError
-from veosnap.golden import GoldenKey
+from veosnap.golden.key import GoldenKey
+from veosnap.inputs import Batch
 from veosnap.zoo import Project
 
 HERE = Path(__file__).resolve().parent
@@ -128,7 +129,8 @@ def test_route_flips_under_layouts_are_reported_and_gradients_compared_under_rep
 
 def two_halves(model, golden, forced):  # noqa: ANN001, ANN201 - a user's layout, as the docs show it
     """Gradient accumulation over two half-batches, from veosnap's public building blocks."""
-    batch, total = golden.batch, layouts.predictions(golden.batch)
+    batch = Batch.from_golden(golden)
+    total = layouts.predictions(batch)
     model.zero_grad(set_to_none=True)
     parts = []
     for half in torch.arange(batch.input_ids.shape[0]).chunk(2):

@@ -11,7 +11,7 @@ import pytest
 from veosnap import backends
 from veosnap.cli import main
 from veosnap.compare import CheckReport, TensorResult
-from veosnap.golden import GoldenKey
+from veosnap.golden.key import GoldenKey
 from veosnap.matrix import Cell, Column, Row, default_backends, run_matrix, text
 from veosnap.zoo import Project
 

@@ -13,7 +13,7 @@ import pytest
 import faults
 from veosnap import backends, check
 from veosnap.compare import CheckReport
-from veosnap.golden import GoldenKey
+from veosnap.golden.key import GoldenKey
 from veosnap.routing import find_moe_layers
 
 FAULTS_FILE = Path(__file__).with_name("faults.py")

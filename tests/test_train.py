@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import pytest
 
-from veosnap import backends, golden, layouts, train
+from veosnap import backends, layouts, train
+from veosnap.golden import store
 from veosnap.check import check
 from veosnap.cli import main
-from veosnap.golden import GoldenKey
+from veosnap.golden.key import GoldenKey
 from veosnap.zoo import Project
 
 TIMEOUT_S = 300
@@ -40,8 +41,8 @@ def test_backends_pass_the_train_golden(repo_project: Project, model: str, dtype
 
 
 def test_a_train_golden_records_its_steps_and_clips_at_every_one(repo_project: Project) -> None:
-    gold = golden.read(golden.path_for(repo_project.goldens, key("llama")))
-    hyper = train.Hyper.from_reference(gold.manifest.reference)
+    gold = store.read(store.path_for(repo_project.goldens, key("llama")))
+    hyper = gold.manifest.reference.train
     assert gold.tensors[train.LOSS].shape == (hyper.steps,)
     assert (gold.tensors[train.GRAD_NORM] > hyper.max_norm).all(), "clipping is active at every step"
     assert "logits" not in gold.tensors and not any(n.startswith("grad.") for n in gold.tensors)

@@ -22,7 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from veosnap import golden  # noqa: E402
+from veosnap.golden import codec, store  # noqa: E402
 from veosnap.diff import diff, diff_goldens, one_thread, open_tree  # noqa: E402
 
 
@@ -38,11 +38,11 @@ def worst_case_repo(dest: Path) -> Path:
     _git(dest, "init", "-q")
     _git(dest, "add", "-A")
     _git(dest, "commit", "-qm", "base")
-    for _, path in golden.list_goldens(goldens):
-        g = golden.read(path)
+    for _, path in store.list_goldens(goldens):
+        g = store.read(path)
         for name in g.manifest.tolerance:
             g.tensors[name] = g.tensors[name] * (1 + 1e-3)
-        golden.write(g, path)
+        store.write(g, path)
     _git(dest, "commit", "-qam", "every tensor moved")
     return goldens
 
@@ -59,7 +59,7 @@ def per_golden(base: str, head: str | None, goldens_dir: Path) -> list[tuple[str
         if a == b:
             rows.append((str(key), len(a) + len(b), t1 - t0, 0.0, 0.0, "unchanged"))
             continue
-        ga, gb = golden.decode(a, key), golden.decode(b, key)
+        ga, gb = codec.decode(a, key), codec.decode(b, key)
         t2 = time.perf_counter()
         d = diff_goldens(ga, gb)
         t3 = time.perf_counter()

@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from veosnap import backends, layouts
-from veosnap.golden import GoldenKey
+from veosnap.golden.key import GoldenKey
 from veosnap.zoo import Project
 
 

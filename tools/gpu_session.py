@@ -28,7 +28,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from veosnap import backends, check, hardware, matrix, record, report, verify  # noqa: E402
-from veosnap.golden import GoldenKey  # noqa: E402
+from veosnap.golden.key import GoldenKey  # noqa: E402
 from veosnap.zoo import Project  # noqa: E402
 
 GPU_BACKENDS = ["eager", "sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "sdpa_math", "flex_attention",

@@ -6,13 +6,15 @@ import traceback
 
 import torch
 
-from . import golden as golden_io
 from . import hardware, models, train
 from .backends import Backend, Candidate, Unsupported
 from .capture import run_step
 from .compare import CheckReport, compare
 from .errors import GoldenError, MissingGoldenError, VeosnapError
-from .golden import Golden, GoldenKey
+from .golden import store
+from .golden.codec import Golden
+from .golden.key import GoldenKey
+from .inputs import Batch
 from .record import deterministic
 from .routing import replay_routes
 from .zoo import Project, ToyConfig, load_config
@@ -20,7 +22,7 @@ from .zoo import Project, ToyConfig, load_config
 
 def load_golden(project: Project, key: GoldenKey) -> Golden:
     """The golden for `key`, validated; a clear error when it (or its whole hardware class) is missing."""
-    path = golden_io.path_for(project.goldens, key)
+    path = store.path_for(project.goldens, key)
     if not path.is_file():
         classes = sorted(p.name for p in project.goldens.iterdir() if p.is_dir()) if project.goldens.is_dir() else []
         if key.hardware_class not in classes:
@@ -34,7 +36,7 @@ def load_golden(project: Project, key: GoldenKey) -> Golden:
             f"`veosnap record --model {key.model} --dtype {key.dtype}"
             f"{'' if key.scenario == 'step' else f' --scenario {key.scenario}'}` on {key.hardware_class} hardware"
         )
-    return golden_io.read(path, root=project.goldens)
+    return store.read(path, root=project.goldens)
 
 
 def load_checked(project: Project, key: GoldenKey, cross_class: bool = False,
@@ -88,7 +90,7 @@ def check(project: Project, key: GoldenKey, backend: Backend, device: torch.devi
 def _run_candidate(gold: Golden, toy: ToyConfig, key: GoldenKey, backend: Backend, device: torch.device) -> CheckReport:
     fields = {"backend": backend.spec}
     try:
-        model = models.build(toy, models.dtype_from_name(key.dtype), device, gold.manifest.reference.get("seed", 0))
+        model = models.build(toy, models.dtype_from_name(key.dtype), device, gold.manifest.reference.seed)
         with backend.prepare(model) as candidate:
             report = _run_and_compare(gold, candidate, fields)
     except VeosnapError:
@@ -105,12 +107,12 @@ def _run_and_compare(gold: Golden, candidate: Candidate, fields: dict[str, str])
     if gold.key.scenario == train.SCENARIO:
         return _train_and_compare(gold, candidate, fields)
     backward = not candidate.forward_only
-    capture = run_step(candidate.model, gold.batch, backward=backward)
+    capture = run_step(candidate.model, Batch.from_golden(gold), backward=backward)
     report = compare(gold, capture, **fields)
     if not report.routes_passed:
         forced = {int(n.split(".")[1]): t.long() for n, t in gold.tensors.items() if n.endswith(".experts")}
         with replay_routes(candidate.model, forced):
-            replayed = run_step(candidate.model, gold.batch, backward=backward)
+            replayed = run_step(candidate.model, Batch.from_golden(gold), backward=backward)
         report = compare(gold, capture, replayed=replayed, **fields)
     if candidate.forward_only:
         unchecked = sum(name.startswith("grad.") for name in gold.compared_names())
@@ -123,8 +125,8 @@ def _train_and_compare(gold: Golden, candidate: Candidate, fields: dict[str, str
     """The golden's optimizer steps on the candidate; compared as a step is (routes first)."""
     if candidate.forward_only:
         raise Unsupported(f"runs forward only here ({candidate.forward_only}); the train scenario needs gradients")
-    hyper = train.Hyper.from_reference(gold.manifest.reference, gold.path or gold.key)
-    report = compare(gold, train.run_train(candidate.model, gold.batch, hyper).capture, **fields)
+    hyper = gold.manifest.reference.train
+    report = compare(gold, train.run_train(candidate.model, Batch.from_golden(gold), hyper).capture, **fields)
     if not report.routes_passed:
         # Only the first step's routes are recorded, so later steps cannot be replayed onto the golden's.
         report.notes.append("routes differ in the first step: updates are compared without route replay")

@@ -12,9 +12,11 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
-from . import backends, golden, layouts, report
+from . import backends, layouts, report
+from .golden import store
+from .golden.key import DTYPE_NAMES, SCENARIOS
 from .errors import VeosnapError
-from .golden import GoldenKey
+from .golden.key import GoldenKey
 from .zoo import Project, resolve_dir
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -29,7 +31,7 @@ def _selection(args: argparse.Namespace, project: Project) -> list[tuple[str, st
     models = args.model or project.models()
     if not models:
         raise VeosnapError(f"{project.configs}: no toy configs found (expected <name>/config.json)")
-    dtypes = args.dtype or list(golden.DTYPE_NAMES)
+    dtypes = args.dtype or list(DTYPE_NAMES)
     return [(m, d) for m in models for d in dtypes]
 
 
@@ -145,13 +147,13 @@ def _progress(cell, done: int, total: int) -> None:  # noqa: ANN001 - a matrix.C
 def cmd_show(args: argparse.Namespace) -> int:
     from .show import describe
 
-    print(describe(golden.read(args.golden), full=args.full))
+    print(describe(store.read(args.golden), full=args.full))
     return EXIT_OK
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
     project = _project(args)
-    entries = golden.list_goldens(project.goldens)
+    entries = store.list_goldens(project.goldens)
     if args.format == "json":
         print(json.dumps([{"key": str(k), "path": str(p), "bytes": p.stat().st_size} for k, p in entries], indent=2))
         return EXIT_OK
@@ -172,11 +174,11 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def _selectors(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", action="append", metavar="NAME", help="a zoo model (repeatable; default: all)")
-    p.add_argument("--dtype", action="append", choices=golden.DTYPE_NAMES, help="repeatable; default: both")
+    p.add_argument("--dtype", action="append", choices=DTYPE_NAMES, help="repeatable; default: both")
 
 
 def _scenario(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--scenario", choices=golden.SCENARIOS, default="step",
+    p.add_argument("--scenario", choices=SCENARIOS, default="step",
                    help="step: one forward and backward; train: a few AdamW steps with clipping (default step)")
 
 

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .capture import Capture
-from .golden import Golden
+from .golden.codec import Golden
+from .inputs import Batch
 from .routing import RouteDiff, compare_routes
 from .tolerance import is_token_tensor, row_error
 
@@ -117,7 +118,7 @@ def _ratio_text(ratio: float) -> str:
 
 def compare_route_sets(golden: Golden, capture: Capture) -> list[RouteDiff]:
     """Routes first: per MoE layer, tokens sent to other experts (clear flips and near-ties apart)."""
-    mask = golden.batch.token_mask
+    mask = Batch.from_golden(golden).token_mask
     diffs = []
     for name in sorted(n for n in golden.tensors if n.startswith("routes.") and n.endswith(".experts")):
         layer = int(name.split(".")[1])
@@ -135,7 +136,7 @@ def compare_route_sets(golden: Golden, capture: Capture) -> list[RouteDiff]:
 
 def compare_tensors(golden: Golden, capture: Capture, same_route_tokens: dict[int, torch.Tensor] | None = None) -> list[TensorResult]:
     """Every toleranced tensor of the golden against the capture, by row error."""
-    batch = golden.batch
+    batch = Batch.from_golden(golden)
     mask = batch.token_mask
     seq_len = batch.input_ids.shape[-1]
     produced = capture.all_tensors()

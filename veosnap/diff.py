@@ -20,9 +20,12 @@ from typing import Iterator, Protocol
 
 import torch
 
-from . import golden
+from .golden import codec, store
 from .errors import VeosnapError
-from .golden import Golden, GoldenKey
+from .golden.codec import Golden
+from .golden.key import GoldenKey
+from .golden.manifest import Approval, json_object
+from .inputs import Batch
 from .routing import compare_routes
 from .tolerance import is_token_tensor, row_error
 
@@ -109,7 +112,7 @@ class GoldenDiff:
     tolerance_rule: list[FieldChange] = field(default_factory=list)  # alpha, floor, tie epsilon
     manifest: list[FieldChange] = field(default_factory=list)  # config, inputs, reference, schema, margins
     provenance: list[FieldChange] = field(default_factory=list)
-    approvals: list[dict] = field(default_factory=list)  # approvals the new side added
+    approvals: list[Approval] = field(default_factory=list)  # approvals the new side added
 
     def ranked(self) -> list[TensorMove]:
         """Moved tensors, largest move first."""
@@ -168,7 +171,7 @@ def diff_goldens(old: Golden, new: Golden) -> GoldenDiff:
     """Every way `new` differs from `old` (same key), measured against `old`'s bounds."""
     om, nm = old.manifest, new.manifest
     out = GoldenDiff(key=nm.key)
-    mask = old.batch.token_mask
+    mask = Batch.from_golden(old).token_mask
     old_names, new_names = set(om.tolerance), set(nm.tolerance)
     out.tensors_added = sorted(new_names - old_names)
     out.tensors_removed = sorted(old_names - new_names)
@@ -188,9 +191,9 @@ def diff_goldens(old: Golden, new: Golden) -> GoldenDiff:
                                 _field("config_hash", om.config_hash, nm.config_hash),
                                 _field("inputs_hash", om.inputs_hash, nm.inputs_hash)) if c]
     out.manifest += _dict_changes("config", om.config, nm.config)
-    out.manifest += _dict_changes("reference", om.reference, nm.reference)
-    out.manifest += _dict_changes("min_margin", om.min_margin, nm.min_margin)
-    out.provenance = _dict_changes("", om.provenance, nm.provenance)
+    out.manifest += _dict_changes("reference", json_object(om.reference), json_object(nm.reference))
+    out.manifest += _dict_changes("min_margin", _layers(om.min_margin), _layers(nm.min_margin))
+    out.provenance = _dict_changes("", json_object(om.provenance), json_object(nm.provenance))
     trail = om.approvals
     out.approvals = (nm.approvals[len(trail):] if nm.approvals[: len(trail)] == trail
                      else [a for a in nm.approvals if a not in trail])
@@ -233,6 +236,10 @@ def _route_changes(old: Golden, new: Golden, mask: torch.Tensor) -> tuple[list[R
         if flipped:
             changes.append(RouteChange(layer, diff.tokens, flipped, diff.near_tie_flips))
     return changes, len(old_layers | new_layers)
+
+
+def _layers(margins: dict[int, float]) -> dict[str, float]:
+    return {str(layer): value for layer, value in margins.items()}
 
 
 def _dt(t: torch.Tensor) -> str:
@@ -288,17 +295,17 @@ class DirTree:
         self.label = label or str(root)
 
     def entries(self) -> dict[GoldenKey, str]:
-        return {key: "" for key, _ in golden.list_goldens(self.root)}
+        return {key: "" for key, _ in store.list_goldens(self.root)}
 
     def read(self, key: GoldenKey) -> bytes:
-        path = golden.path_for(self.root, key)
+        path = store.path_for(self.root, key)
         try:
             return path.read_bytes()
         except OSError as exc:
             raise VeosnapError(f"{path}: cannot read ({exc.strerror})") from None
 
     def source(self, key: GoldenKey) -> str:
-        return str(golden.path_for(self.root, key))
+        return str(store.path_for(self.root, key))
 
 
 class GitTree:
@@ -376,8 +383,8 @@ class _CatFile:
         if len(header) != 3 or header[1] != b"blob":
             raise VeosnapError(f"{source}: git cannot read blob {oid}")
         size = int(header[2])
-        if size > golden.MAX_COMPRESSED:
-            raise VeosnapError(f"{source}: blob is {size} bytes, over the {golden.MAX_COMPRESSED} byte cap")
+        if size > codec.MAX_COMPRESSED:
+            raise VeosnapError(f"{source}: blob is {size} bytes, over the {codec.MAX_COMPRESSED} byte cap")
         data = self.proc.stdout.read(size)
         self.proc.stdout.read(1)  # the newline after each object
         return data
@@ -407,7 +414,7 @@ def open_tree(spec: str | None, goldens_dir: Path) -> Tree:
     path = Path(spec)
     if path.is_dir():
         nested = path / "goldens"
-        if not golden.list_goldens(path) and nested.is_dir():
+        if not store.list_goldens(path) and nested.is_dir():
             return DirTree(nested, label=spec)
         return DirTree(path, label=spec)
     return GitTree.at(goldens_dir, spec)
@@ -450,8 +457,8 @@ def _diff_trees(base: Tree, head: Tree) -> DiffReport:
             if old_bytes == new_bytes:
                 report.unchanged.append(key)
                 continue
-            report.changed.append(diff_goldens(golden.decode(old_bytes, base.source(key)),
-                                               golden.decode(new_bytes, head.source(key))))
+            report.changed.append(diff_goldens(codec.decode(old_bytes, base.source(key)),
+                                               codec.decode(new_bytes, head.source(key))))
         return report
     finally:
         for tree in (base, head):

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import asdict
 
 from .diff import DiffReport, FieldChange, GoldenDiff, TensorMove
+from .golden.manifest import Approval
 
 SHOWN_TENSORS = 12
 SHOWN_FIELDS = 8
@@ -30,9 +32,9 @@ def _change(c: FieldChange) -> str:
     return f"{c.field}: {_short(c.old)} -> {_short(c.new)}"
 
 
-def _approval(a: dict) -> str:
-    previous = a.get("previous_payload_hash")
-    return f"{a.get('reason')!r} (replaced {_short(previous) if previous else 'nothing'})"
+def _approval(a: Approval) -> str:
+    previous = a.previous_payload_hash
+    return f"{a.reason!r} (replaced {_short(previous) if previous else 'nothing'})"
 
 
 def headline(report: DiffReport) -> str:
@@ -142,7 +144,7 @@ def markdown(report: DiffReport) -> str:
         worst = d.worst
         largest = f"`{worst.name}` {_times(worst.ratio)} bound" if worst else "—"
         routes = f"{len(d.routes)} of {d.route_layers} layers changed" if d.routes else ("same" if d.route_layers else "—")
-        reasons = "; ".join(str(a.get("reason")) for a in d.approvals) or "—"
+        reasons = "; ".join(a.reason for a in d.approvals) or "—"
         change = f"**{d.verdict}**" if d.material else d.verdict
         out.append(f"| `{d.key}` | {change} | {len(d.tensors)} / {d.compared} | {_cell(largest)} | {routes} | {_cell(reasons)} |")
     out.append("")
@@ -217,7 +219,7 @@ def golden_dict(d: GoldenDiff) -> dict:
         "tolerance_rule": _fields(d.tolerance_rule),
         "manifest": _fields(d.manifest),
         "provenance": _fields(d.provenance),
-        "approvals": d.approvals,
+        "approvals": [asdict(a) for a in d.approvals],
     }
 
 

@@ -31,7 +31,9 @@ from . import backends, layouts, models, train
 from .backends import Backend, Unsupported
 from .check import load_checked
 from .capture import decoder_layers
-from .golden import Golden, GoldenKey
+from .golden.codec import Golden
+from .golden.key import GoldenKey
+from .inputs import Batch
 from .zoo import Project, ToyConfig
 
 
@@ -50,7 +52,7 @@ class Rank:
 
 
 def _build(golden: Golden, toy: ToyConfig, device: torch.device) -> nn.Module:
-    return models.build(toy, models.dtype_from_name(golden.key.dtype), device, golden.manifest.reference.get("seed", 0))
+    return models.build(toy, models.dtype_from_name(golden.key.dtype), device, golden.manifest.reference.seed)
 
 
 def _from_pretrained(golden: Golden, toy: ToyConfig, me: Rank, out: Path, config: object) -> nn.Module:
@@ -116,7 +118,7 @@ def run_layout(name: str, golden: Golden, toy: ToyConfig, backend: Backend, me: 
     inner.train()
     if golden.key.scenario == train.SCENARIO:
         return run_train_layout(name, fault, golden, model, inner, dp_world, dp_rank, notes, me, out)
-    batch = golden.batch
+    batch = Batch.from_golden(golden)
     total = layouts.predictions(batch)
     my_rows = layouts.shard_rows(batch.input_ids.shape[0], dp_world, dp_rank)
     if fault == "swap_shard" and me.last:
@@ -149,8 +151,8 @@ def run_train_layout(name: str, fault: str, golden: Golden, model: nn.Module, in
     """The golden's optimizer steps on this rank's share: the reducer (DDP, FSDP2) combines the gradients,
     clip_grad_norm_ takes the global norm (over DTensor shards: a collective), AdamW steps on what this
     rank holds; rank 0 writes the per-step losses (summed over ranks), norms and full updates."""
-    hyper = train.Hyper.from_reference(golden.manifest.reference, golden.path or golden.key)
-    batch = golden.batch
+    hyper = golden.manifest.reference.train
+    batch = Batch.from_golden(golden)
     total = layouts.predictions(batch)
     my_rows = layouts.shard_rows(batch.input_ids.shape[0], dp_world, dp_rank)
     mine = layouts.rows(batch, my_rows)

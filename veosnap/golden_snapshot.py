@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
     from .backends import Backend
     from .compare import CheckReport
-    from .golden import GoldenKey
+    from .golden.key import GoldenKey
     from .zoo import Project
 
 SUFFIX = ".safetensors.zst"
@@ -40,7 +40,7 @@ REPORT_WIDTH = 200  # wide enough that pytest's "E   " prefix does not fold the 
 
 def key_from_name(name: str) -> GoldenKey:
     """`cpu/llama/step-float32` -> GoldenKey (the snapshot name is the golden's key)."""
-    from .golden import GoldenKey
+    from .golden.key import GoldenKey
 
     return GoldenKey.from_relpath(Path(f"{name}{SUFFIX}"))
 
@@ -71,11 +71,11 @@ class Candidate:
     missing: str = ""  # set by the plugin: how to record the golden when it does not exist
 
     def matches(self, stored: bytes, path: Path) -> bool:
-        from . import golden as golden_io
+        from .golden import codec, store
         from .check import check
         from .errors import GoldenError
 
-        gold = golden_io.decode(stored, path)
+        gold = codec.decode(stored, path)
         gold.path = path
         if gold.key != self.key:
             raise GoldenError(path, f"manifest key {gold.key} disagrees with its path ({self.key})")
@@ -130,7 +130,7 @@ class GoldenExtension(AbstractSyrupyExtension):
         return SnapshotCollections()
 
     def read_snapshot_collection(self, *, snapshot_location: str) -> SnapshotCollection:
-        from .golden import GoldenKey
+        from .golden.key import GoldenKey
 
         collection = SnapshotCollection(location=snapshot_location)
         relpath = Path(snapshot_location).relative_to(self.goldens)
@@ -157,13 +157,13 @@ class GoldenExtension(AbstractSyrupyExtension):
     @classmethod
     def write_snapshot_collection(cls, *, snapshot_collection: SnapshotCollection,
                                   name_order: dict[str, int] | None = None) -> None:
-        from . import golden as golden_io
+        from .golden import codec, store
 
         for snapshot in snapshot_collection:
             data = snapshot.data.data if isinstance(snapshot.data, Recording) else snapshot.data
             if not isinstance(data, bytes):  # only the reference's recording is ever written
                 raise TypeError(f"refusing to write {type(snapshot.data).__name__} as a golden")
-            golden_io.write_bytes(data, Path(snapshot_collection.location))
+            store.write_bytes(data, Path(snapshot_collection.location))
 
     def delete_snapshots(self, *, snapshot_location: str, snapshot_names: set[str]) -> None:
         Path(snapshot_location).unlink(missing_ok=True)

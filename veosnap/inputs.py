@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import torch
 
 from .errors import VeosnapError
+from .golden.codec import Golden
 
 IGNORE_INDEX = -100
 PAD_ID = 0
@@ -57,8 +58,9 @@ class Batch:
         return {f"inputs.{f.name}": getattr(self, f.name).cpu().contiguous() for f in fields(self)}
 
     @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> Batch:
-        return cls(**{f.name: tensors[f"inputs.{f.name}"] for f in fields(cls)})
+    def from_golden(cls, golden: Golden) -> Batch:
+        """The batch a golden stores (its `inputs.*` tensors)."""
+        return cls(**golden.inputs())
 
     def model_kwargs(self, with_labels: bool = True) -> dict[str, torch.Tensor]:
         kwargs = {"input_ids": self.input_ids, "position_ids": self.position_ids}

@@ -39,7 +39,8 @@ from .capture import Capture, _full, record_layer_outputs
 from .check import check, describe_failure, load_checked
 from .compare import CheckReport, compare
 from .errors import VeosnapError
-from .golden import Golden, GoldenKey
+from .golden.codec import Golden
+from .golden.key import GoldenKey
 from .inputs import IGNORE_INDEX, Batch
 from .routing import RouteRecord, record_routes, replay_routes
 from .zoo import Project, ToyConfig
@@ -217,7 +218,7 @@ def golden_routes(golden: Golden) -> dict[int, torch.Tensor]:
 
 def routes_differ(golden: Golden, routes: dict[int, RouteRecord], token_index: torch.Tensor) -> bool:
     """Whether any real token among the golden's flat positions `token_index` went to other experts."""
-    mask = golden.batch.token_mask[token_index]
+    mask = Batch.from_golden(golden).token_mask[token_index]
     for layer, experts in golden_routes(golden).items():
         rec = routes.get(layer)
         if rec is None or rec.experts.shape != experts[token_index].shape:
@@ -229,7 +230,7 @@ def routes_differ(golden: Golden, routes: dict[int, RouteRecord], token_index: t
 
 def token_index(golden: Golden, row_index: torch.Tensor) -> torch.Tensor:
     """Flat [batch * seq] positions of the golden's rows `row_index`."""
-    seq = golden.batch.input_ids.shape[-1]
+    seq = Batch.from_golden(golden).input_ids.shape[-1]
     return (row_index[:, None] * seq + torch.arange(seq)).reshape(-1)
 
 
@@ -238,7 +239,7 @@ def token_index(golden: Golden, row_index: torch.Tensor) -> torch.Tensor:
 
 
 def _build(golden: Golden, toy: ToyConfig, backend: Backend, device: torch.device) -> nn.Module:
-    model = models.build(toy, models.dtype_from_name(golden.key.dtype), device, golden.manifest.reference.get("seed", 0))
+    model = models.build(toy, models.dtype_from_name(golden.key.dtype), device, golden.manifest.reference.seed)
     return candidate_model(backend, model)
 
 
@@ -257,7 +258,7 @@ def run_microbatch(model: nn.Module, golden: Golden, forced: dict[int, torch.Ten
                    after_part: Callable[[], object] | None = None) -> Capture:
     """Gradient accumulation over one-row micro-batches, each loss weighted by its token share
     (`after_part` runs after each micro-batch's backward: how a planted fault gets in)."""
-    batch = golden.batch
+    batch = Batch.from_golden(golden)
     total = predictions(batch)
     model.zero_grad(set_to_none=True)
     parts = []
@@ -272,7 +273,7 @@ def run_microbatch(model: nn.Module, golden: Golden, forced: dict[int, torch.Ten
 
 def run_packed(model: nn.Module, golden: Golden, forced: dict[int, torch.Tensor] | None) -> Capture:
     """The sequences in one row; token outputs and routes mapped back onto the golden's padded positions."""
-    gb = golden.batch
+    gb = Batch.from_golden(golden)
     real = gb.token_mask.nonzero().flatten()  # golden flat position of each packed token, in order
     sequences = [ids[m.bool()].tolist() for ids, m in zip(gb.input_ids, gb.attention_mask)]
     batch = inputs.packed(sequences)
@@ -311,7 +312,7 @@ def _check_local(golden: Golden, toy: ToyConfig, backend: Backend, layout: Layou
         model = _build(golden, toy, backend, device)
         capture = layout.run(model, golden, None)
         replayed = None
-        if _is_moe(golden) and routes_differ(golden, capture.routes, torch.arange(golden.batch.token_mask.numel())):
+        if _is_moe(golden) and routes_differ(golden, capture.routes, torch.arange(Batch.from_golden(golden).token_mask.numel())):
             replayed = layout.run(model, golden, golden_routes(golden))
         return compare(golden, capture, replayed=replayed, **fields)
 
@@ -334,7 +335,7 @@ def _candidate_result(golden: Golden, fields: dict, run: Callable[[], CheckRepor
 def _train_local(golden: Golden, toy: ToyConfig, backend: Backend, layout: Layout, fields: dict,
                  device: torch.device) -> CheckReport:
     """The golden's optimizer steps, each step's forward and backward run by the layout."""
-    hyper = train.Hyper.from_reference(golden.manifest.reference, golden.path or golden.key)
+    hyper = golden.manifest.reference.train
 
     def run() -> CheckReport:
         model = _build(golden, toy, backend, device)
@@ -434,7 +435,7 @@ def check_layouts(project: Project, key: GoldenKey, backend: Backend, layouts: l
 def _check_nproc(golden: Golden, device_type: str, nproc: int) -> None:
     if nproc < 2:
         raise VeosnapError(f"--nproc {nproc}: multi-process layouts need at least 2 processes")
-    num_rows = golden.batch.input_ids.shape[0]
+    num_rows = Batch.from_golden(golden).input_ids.shape[0]
     if nproc > num_rows:
         raise VeosnapError(f"--nproc {nproc}: the golden's batch has {num_rows} rows, one at least per rank")
     if device_type == "cuda" and nproc > torch.cuda.device_count():

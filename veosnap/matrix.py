@@ -22,7 +22,7 @@ from rich.table import Table
 from . import backends as backends_mod
 from .backends import Backend
 from .compare import CheckReport
-from .golden import GoldenKey
+from .golden.key import GoldenKey
 from .zoo import Project
 
 SINGLE = "single"  # the golden's own layout: one process, padded batch

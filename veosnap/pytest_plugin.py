@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from syrupy.assertion import SnapshotAssertion
 
     from .compare import CheckReport
-    from .golden import GoldenKey
+    from .golden.key import GoldenKey
     from .zoo import Project
 
 FIXTURES = ("veosnap_check",)
@@ -181,12 +181,12 @@ class VeosnapSession:
 
     def recording(self, key: GoldenKey) -> bytes:
         """The golden for `key` as the reference records it now (once per process and key)."""
-        from . import golden as golden_io
+        from .golden import codec, store
         from .record import build_golden
 
         name = str(key)
         if name not in self._recordings:
-            self._recordings[name] = golden_io.encode(build_golden(self.project, key))
+            self._recordings[name] = codec.encode(build_golden(self.project, key))
         return self._recordings[name]
 
     def assertion(self, request: pytest.FixtureRequest, update: bool) -> SnapshotAssertion:
@@ -205,9 +205,9 @@ class VeosnapSession:
         """Check `backend` (and later `layout`) on `model` in `dtype` against its golden; see `veosnap_check`."""
         __tracebackhide__ = True
         from . import backends, hardware
-        from . import golden as golden_io
+        from .golden import codec, store
         from .errors import VeosnapError
-        from .golden import GoldenKey
+        from .golden.key import GoldenKey
 
         project = self.project
         try:
@@ -219,7 +219,7 @@ class VeosnapSession:
         name = str(key)
         self.outcome.used.add(name)
         self.outcome.reached.add(request.node.nodeid)
-        path = golden_io.path_for(project.goldens, key)
+        path = store.path_for(project.goldens, key)
 
         record = self.update or (self.update_new_only and not path.is_file())
         if record and project.hardware_class != hardware.detect():
@@ -300,7 +300,7 @@ class VeosnapSession:
 
     def _find_unused(self) -> Unused | None:
         """Goldens of this hardware class no check used, if this was a full run (syrupy's rules); else None."""
-        from . import golden as golden_io
+        from .golden import codec, store
 
         syrupy_report = getattr(getattr(self.config, "_syrupy", None), "report", None)
         if syrupy_report is None or syrupy_report.disable_unused_snapshots:
@@ -314,7 +314,7 @@ class VeosnapSession:
         project = self.project
         if not self._paths_cover(project.goldens):
             return None
-        goldens = [(str(key), path) for key, path in golden_io.list_goldens(project.goldens)
+        goldens = [(str(key), path) for key, path in store.list_goldens(project.goldens)
                    if key.hardware_class == project.hardware_class and str(key) not in self.outcome.used]
         unused = Unused(goldens=goldens)
         missed = sorted(self.outcome.items - self.outcome.reached)

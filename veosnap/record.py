@@ -11,12 +11,15 @@ from typing import Iterator
 import torch
 import transformers
 
-from . import __version__, golden, hardware, inputs, models, train
+from . import __version__, hardware, inputs, models, train
 from .capture import run_step
 from .errors import VeosnapError
-from .golden import Golden, GoldenKey, Manifest
+from .golden import codec, store
+from .golden.codec import Golden
+from .golden.key import DTYPE_NAMES, SCENARIOS, GoldenKey
+from .golden.manifest import BatchSpec, Manifest, Provenance, Reference
 from .routing import RouteRecord
-from .tolerance import ALPHA, FLOOR, TIE_EPSILON, Tolerance, noise, pooled_noises
+from .tolerance import ALPHA, FLOOR, TIE_EPSILON, noise, pooled_noises, tolerance_for
 from .zoo import Project, load_config
 
 RECORD_THREADS = 1  # a fixed thread count keeps CPU reductions, and so the bytes, reproducible
@@ -51,10 +54,10 @@ class RecordOutcome:
 
 def build_golden(project: Project, key: GoldenKey, seed: int = 0, allow_near_ties: bool = False) -> Golden:
     """Run the reference (and its float64 twin) for `key` and assemble the golden in memory."""
-    if key.scenario not in golden.SCENARIOS:
-        raise VeosnapError(f"unknown scenario {key.scenario!r} (known: {', '.join(golden.SCENARIOS)})")
-    if key.dtype not in golden.DTYPE_NAMES:
-        raise VeosnapError(f"unknown dtype {key.dtype!r} for a golden (expected one of: {', '.join(golden.DTYPE_NAMES)})")
+    if key.scenario not in SCENARIOS:
+        raise VeosnapError(f"unknown scenario {key.scenario!r} (known: {', '.join(SCENARIOS)})")
+    if key.dtype not in DTYPE_NAMES:
+        raise VeosnapError(f"unknown dtype {key.dtype!r} for a golden (expected one of: {', '.join(DTYPE_NAMES)})")
     if key.hardware_class != hardware.detect():
         raise VeosnapError(
             f"cannot record hardware class {key.hardware_class} on this machine ({hardware.detect()}): "
@@ -65,7 +68,7 @@ def build_golden(project: Project, key: GoldenKey, seed: int = 0, allow_near_tie
     device = hardware.device_for(key.hardware_class)
     sequence_ids = inputs.DEFAULT_SEQUENCES
     batch = inputs.padded(inputs.load_sequences(project.testdata, sequence_ids))
-    hyper = train.Hyper() if key.scenario == train.SCENARIO else None
+    hyper = train.DEFAULT_HYPER if key.scenario == train.SCENARIO else None
     with deterministic() as settings:
         torch.manual_seed(seed)
         model = models.build(toy, dtype, device, seed)
@@ -102,35 +105,35 @@ def build_golden(project: Project, key: GoldenKey, seed: int = 0, allow_near_tie
         tensors[name] = value
         if not name.endswith((".experts", ".margin")):  # route ids and margins are not compared numerically
             measured[name] = noise(name, value, truth_all[name], mask)
-    tolerance = {name: Tolerance.from_noise(value, key.dtype) for name, value in pooled_noises(measured).items()}
+    tolerance = {name: tolerance_for(value, key.dtype) for name, value in pooled_noises(measured).items()}
 
     manifest = Manifest(
         key=key,
         config=toy.config,
         config_hash=toy.hash,
-        inputs_hash=golden.tensors_hash(batch.tensors()),
-        reference={
-            "attn_implementation": models.REFERENCE_ATTN,
-            "experts_implementation": models.REFERENCE_EXPERTS,
-            "seed": seed,
-            "batch": {"layout": "padded", "padding_side": "left", "sequences": list(sequence_ids),
-                      "source": inputs.SEQUENCES_FILE},
-            "noise_run": "float64",
-            **({train.SCENARIO: hyper.as_dict()} if hyper is not None else {}),
-        },
-        provenance={
-            "veosnap": __version__,
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "python": platform.python_version(),
+        inputs_hash=codec.tensors_hash(batch.tensors()),
+        reference=Reference(
+            attn_implementation=models.REFERENCE_ATTN,
+            experts_implementation=models.REFERENCE_EXPERTS,
+            seed=seed,
+            batch=BatchSpec(layout="padded", padding_side="left", sequences=tuple(sequence_ids),
+                            source=inputs.SEQUENCES_FILE),
+            noise_run="float64",
+            train=hyper,
+        ),
+        provenance=Provenance(
+            veosnap=__version__,
+            torch=torch.__version__,
+            transformers=transformers.__version__,
+            python=platform.python_version(),
             **hardware.describe_device(device),
             **settings,
-        },
+        ),
         tolerance=tolerance,
         alpha=ALPHA[key.dtype],
         floor=FLOOR[key.dtype],
         tie_epsilon=TIE_EPSILON[key.dtype],
-        min_margin={str(layer): value for layer, value in min_margin.items()},
+        min_margin=dict(min_margin),
     )
     return Golden(manifest=manifest, tensors=tensors)
 
@@ -159,10 +162,10 @@ def record(project: Project, model: str, dtype: str, scenario: str = "step", see
     """Record one golden into the project's goldens directory; leaves an identical file untouched."""
     key = GoldenKey(project.hardware_class, model, scenario, dtype)
     new = build_golden(project, key, seed=seed, allow_near_ties=allow_near_ties)
-    path = golden.path_for(project.goldens, key)
-    data = golden.encode(new)
+    path = store.path_for(project.goldens, key)
+    data = codec.encode(new)
     written = not (path.is_file() and path.read_bytes() == data)
     if written:
-        golden.write_bytes(data, path)
+        store.write_bytes(data, path)
     margins = new.manifest.min_margin.values()
     return RecordOutcome(key=key, path=path, written=written, min_margin=min(margins) if margins else None)

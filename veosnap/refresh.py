@@ -11,10 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import golden, hardware
+from . import hardware
+from .golden import codec, store
 from .diff import GoldenDiff, diff_goldens
 from .errors import GoldenError, VeosnapError
-from .golden import Golden, GoldenKey
+from .golden.codec import Golden
+from .golden.key import GoldenKey
+from .golden.manifest import Approval
 from .record import build_golden
 from .zoo import Project
 
@@ -68,22 +71,21 @@ def refresh(project: Project, model: str, dtype: str, reason: str, force: bool =
             f"re-recorded only on the hardware they describe; run `veosnap refresh` on a {project.hardware_class} machine"
         )
     key = GoldenKey(project.hardware_class, model, scenario, dtype)
-    path = golden.path_for(project.goldens, key)
+    path = store.path_for(project.goldens, key)
     old = _read_old(path, project.goldens, force)
     if seed is None:  # keep the weights the old golden was recorded with
-        seed = int(old.manifest.reference.get("seed", 0)) if old is not None else 0
+        seed = old.manifest.reference.seed if old is not None else 0
     new = build_golden(project, key, seed=seed, allow_near_ties=allow_near_ties)
     if old is None:
         why = "replaced an unreadable golden (--force)" if path.exists() else "no golden before"
-        new.manifest.approvals = [{"reason": reason, "previous_payload_hash": None}]
-        golden.write_bytes(golden.encode(new), path)
+        new.manifest.approvals = [Approval(reason, previous_payload_hash=None)]
+        store.write_bytes(codec.encode(new), path)
         return RefreshOutcome(key, path, "created", why)
     why = reasons_to_rewrite(diff_goldens(old, new))
     if not why and not force:
         return RefreshOutcome(key, path, "unchanged", "within noise of the recorded golden")
-    new.manifest.approvals = [*old.manifest.approvals,
-                              {"reason": reason, "previous_payload_hash": old.manifest.payload_hash}]
-    golden.write_bytes(golden.encode(new), path)
+    new.manifest.approvals = [*old.manifest.approvals, Approval(reason, old.manifest.payload_hash)]
+    store.write_bytes(codec.encode(new), path)
     return RefreshOutcome(key, path, "rewrote", "; ".join(why) or "forced (--force)", diff_goldens(old, new))
 
 
@@ -91,7 +93,7 @@ def _read_old(path: Path, root: Path, force: bool) -> Golden | None:
     if not path.exists():
         return None
     try:
-        return golden.read(path, root=root)
+        return store.read(path, root=root)
     except GoldenError as exc:
         if force:
             return None  # --force replaces an unreadable golden; its trail is lost with it

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from .golden import Golden
+from .golden.codec import Golden
+from .golden.manifest import json_object
 
 
 def describe(g: Golden, full: bool = False) -> str:
@@ -13,17 +14,17 @@ def describe(g: Golden, full: bool = False) -> str:
         f"file        {g.path}",
         f"schema      {m.schema_version}",
         f"config      {m.config.get('model_type')} ({m.config_hash[:19]}...)",
-        f"inputs      {m.reference.get('batch')} ({m.inputs_hash[:19]}...)",
-        f"reference   attn={m.reference.get('attn_implementation')} experts={m.reference.get('experts_implementation')} "
-        f"seed={m.reference.get('seed')} noise run={m.reference.get('noise_run')}",
-        "provenance  " + ", ".join(f"{k}={v}" for k, v in sorted(m.provenance.items())),
+        f"inputs      {json_object(m.reference.batch)} ({m.inputs_hash[:19]}...)",
+        f"reference   attn={m.reference.attn_implementation} experts={m.reference.experts_implementation} "
+        f"seed={m.reference.seed} noise run={m.reference.noise_run}",
+        "provenance  " + ", ".join(f"{k}={v}" for k, v in sorted(json_object(m.provenance).items())),
         f"tolerance   bound = {m.alpha:g} x noise + {m.floor:g}; tie epsilon {m.tie_epsilon:g}",
         f"payload     {m.payload_hash}",
     ]
     if m.min_margin:
-        lines.append("routers     min margin " + ", ".join(f"layer {k}: {v:.3g}" for k, v in sorted(m.min_margin.items(), key=lambda kv: int(kv[0]))))
+        lines.append("routers     min margin " + ", ".join(f"layer {k}: {v:.3g}" for k, v in sorted(m.min_margin.items())))
     for approval in m.approvals:
-        lines.append(f"approved    {approval.get('reason')!r} (replaced {approval.get('previous_payload_hash', 'nothing')})")
+        lines.append(f"approved    {approval.reason!r} (replaced {approval.previous_payload_hash})")
     names = sorted(g.tensors)
     lines.append(f"tensors     {len(names)}")
     shown = names if full else [n for n in names if not n.startswith(("grad.", "update."))]

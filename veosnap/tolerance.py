@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .golden.manifest import Tolerance
+
 # Chosen from tools/calibrate_tolerance.py (figures in the README): legitimate candidates stay far
 # below 1.0x their bound and planted bugs far above it.
 ALPHA = {"float32": 10.0, "bfloat16": 4.0}
@@ -30,18 +32,11 @@ TIE_EPSILON = {"float32": 1e-3, "bfloat16": 5e-2}
 TOKEN_ROWS = "tokens"
 
 
-@dataclass(frozen=True)
-class Tolerance:
-    """One tensor's tolerance: the reference's measured noise and the bound a candidate must meet."""
-
-    noise: float
-    bound: float
-
-    @classmethod
-    def from_noise(cls, noise: float, dtype: str, alpha: float | None = None, floor: float | None = None) -> Tolerance:
-        alpha = ALPHA[dtype] if alpha is None else alpha
-        floor = FLOOR[dtype] if floor is None else floor
-        return cls(noise=float(noise), bound=float(alpha * noise + floor))
+def tolerance_for(noise: float, dtype: str, alpha: float | None = None, floor: float | None = None) -> Tolerance:
+    """The tolerance of a tensor whose reference noise is `noise`: bound = alpha x noise + floor."""
+    alpha = ALPHA[dtype] if alpha is None else alpha
+    floor = FLOOR[dtype] if floor is None else floor
+    return Tolerance(noise=float(noise), bound=float(alpha * noise + floor))
 
 
 def is_token_tensor(name: str) -> bool:

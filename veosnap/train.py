@@ -9,21 +9,20 @@ would drown the signal of the final ones), and the first step's routes (compared
 step's parameters wrong (clipping by a shard's norm, weight decay applied twice, a stale optimizer
 shard) shows here and not in `step`.
 
-The hyper-parameters live in the golden's manifest (`reference.train`) so a check always replays
-the steps the golden recorded.
+The hyper-parameters live in the golden's manifest (`reference.train`, a `TrainHyper`) so a check
+always replays the steps the golden recorded.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import nn
 
 from .capture import Capture, _full, run_step
-from .errors import VeosnapError
+from .golden.manifest import TrainHyper
 from .inputs import Batch
 from .routing import RouteRecord
 
@@ -31,42 +30,13 @@ SCENARIO = "train"
 LOSS, GRAD_NORM, UPDATE = "train.loss", "train.grad_norm", "update."
 
 
-@dataclass(frozen=True)
-class Hyper:
-    """The steps a train golden records. eps is largish on purpose: a parameter whose gradient is at
-    noise level then moves by about gradient/eps instead of a sign-flipping +-lr, which would make
-    legitimate candidates flaky. max_norm is under every zoo model's gradient norm (2.4 to 7 over the
-    three steps), so clipping is active at every step. lr is small enough that the toy routers stay
-    clear-cut through the steps (at 1e-2 DeepSeek-V3's margins go negative by step 2: its routes then
-    hang on near-ties a candidate would flip)."""
-
-    steps: int = 3
-    lr: float = 1e-3
-    beta1: float = 0.9
-    beta2: float = 0.95
-    weight_decay: float = 0.1
-    eps: float = 1e-4
-    max_norm: float = 1.0
-
-    def as_dict(self) -> dict:
-        return {"optimizer": "torch.optim.AdamW", "clip": "torch.nn.utils.clip_grad_norm_", **asdict(self)}
-
-    @classmethod
-    def from_reference(cls, reference: dict, source: object = "golden") -> Hyper:
-        """The hyper-parameters a train golden's manifest records; a one-line error when they are unusable."""
-        data = reference.get(SCENARIO)
-        if not isinstance(data, dict):
-            raise VeosnapError(f"{source}: a train golden's manifest has no reference.train hyper-parameters")
-        try:
-            hyper = cls(**{k: v for k, v in data.items() if k not in ("optimizer", "clip")})
-        except TypeError as exc:
-            raise VeosnapError(f"{source}: reference.train: {exc}") from None
-        numbers = [getattr(hyper, f) for f in ("lr", "beta1", "beta2", "weight_decay", "eps", "max_norm")]
-        if (type(hyper.steps) is not int or not 1 <= hyper.steps <= 100
-                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
-                           for v in numbers)):
-            raise VeosnapError(f"{source}: reference.train holds an unusable value ({data})")
-        return hyper
+# The steps a train golden records. eps is largish on purpose: a parameter whose gradient is at noise
+# level then moves by about gradient/eps instead of a sign-flipping +-lr, which would make legitimate
+# candidates flaky. max_norm is under every zoo model's gradient norm (2.4 to 7 over the three steps),
+# so clipping is active at every step. lr is small enough that the toy routers stay clear-cut through
+# the steps (at 1e-2 DeepSeek-V3's margins go negative by step 2: its routes then hang on near-ties a
+# candidate would flip).
+DEFAULT_HYPER = TrainHyper(steps=3, lr=1e-3, beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-4, max_norm=1.0)
 
 
 # One forward and backward of the whole batch (zeroing gradients first): its loss and its routes.
@@ -88,7 +58,7 @@ class TrainRun:
     step_routes: list[dict[int, RouteRecord]]
 
 
-def train(model: nn.Module, hyper: Hyper, forward_backward: ForwardBackward, clip: Clip = clip_global) -> TrainRun:
+def train(model: nn.Module, hyper: TrainHyper, forward_backward: ForwardBackward, clip: Clip = clip_global) -> TrainRun:
     """Run `hyper.steps` steps of `forward_backward`, `clip` and AdamW on `model`'s trainable parameters.
 
     `model` is the module whose parameters train (under DDP, the wrapped one; under FSDP2, the sharded
@@ -134,6 +104,6 @@ def of_capture(run: Callable[[], Capture]) -> ForwardBackward:
     return step
 
 
-def run_train(model: nn.Module, batch: Batch, hyper: Hyper, own_loss: bool = False) -> TrainRun:
+def run_train(model: nn.Module, batch: Batch, hyper: TrainHyper, own_loss: bool = False) -> TrainRun:
     """The train scenario in the golden's own layout (what `record` runs and `check` compares)."""
     return train(model, hyper, whole_batch(model, batch, own_loss))

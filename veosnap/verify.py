@@ -13,9 +13,11 @@ from pathlib import Path
 
 import torch
 
-from . import golden
+from .golden import store
+from .golden.key import SUFFIX
 from .errors import GoldenError, VeosnapError
-from .golden import Golden, GoldenKey
+from .golden.codec import Golden
+from .golden.key import GoldenKey
 
 
 @dataclass(frozen=True)
@@ -56,9 +58,9 @@ def verify_file(path: Path) -> VerifyResult:
     try:
         expected = GoldenKey.from_relpath(Path(*path.parts[-3:]))
     except (VeosnapError, TypeError):
-        return VerifyResult(path, None, f"not a golden path (<class>/<model>/<scenario>-<dtype>{golden.SUFFIX})")
+        return VerifyResult(path, None, f"not a golden path (<class>/<model>/<scenario>-<dtype>{SUFFIX})")
     try:
-        g = golden.read(path)
+        g = store.read(path)
     except GoldenError as exc:
         return VerifyResult(path, expected, exc.cause)
     if g.key != expected:
@@ -71,7 +73,7 @@ def collect(paths: list[Path]) -> list[Path]:
     found: list[Path] = []
     for path in map(Path, paths):
         if path.is_dir():
-            found += [p for _, p in golden.list_goldens(path)]
+            found += [p for _, p in store.list_goldens(path)]
         elif path.exists():
             found.append(path)
         else:

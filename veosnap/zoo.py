@@ -7,16 +7,15 @@ after `pip install`, or the repository root for an editable install).
 
 from __future__ import annotations
 
-import hashlib
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import VeosnapError
+from .golden.key import check_name
+from .golden.manifest import config_hash
 
 _PACKAGE = Path(__file__).resolve().parent
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
 def bundled_dir(kind: str) -> Path:
@@ -40,13 +39,6 @@ def resolve_dir(kind: str, flag: str | Path | None = None) -> Path:
     return bundled_dir(kind)
 
 
-def check_name(name: str, what: str = "model") -> str:
-    """Refuse names that could escape a directory (separators, `..`, hidden files)."""
-    if not _NAME_RE.match(name) or ".." in name:
-        raise VeosnapError(f"{name!r}: invalid {what} name (letters, digits, '_', '-', '.'; no path separators or '..')")
-    return name
-
-
 @dataclass(frozen=True)
 class ToyConfig:
     """One zoo model: its name, its HF config as a dict, and where it was read from."""
@@ -58,12 +50,6 @@ class ToyConfig:
     @property
     def hash(self) -> str:
         return config_hash(self.config)
-
-
-def config_hash(config: dict) -> str:
-    """A stable hash of a config dict (canonical JSON)."""
-    blob = json.dumps(config, sort_keys=True, separators=(",", ":")).encode()
-    return "sha256:" + hashlib.sha256(blob).hexdigest()
 
 
 def list_models(configs_dir: Path) -> list[str]:
