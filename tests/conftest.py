@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from veosnap.zoo import Project
+from veosnap.reference.zoo import Project
 
 ROOT = Path(__file__).resolve().parent.parent
 

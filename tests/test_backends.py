@@ -15,7 +15,7 @@ from veosnap import backends
 from veosnap.check import check
 from veosnap.cli import main
 from veosnap.golden.key import GoldenKey
-from veosnap.zoo import Project
+from veosnap.reference.zoo import Project
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = "examples/my_attention_backend.py"

@@ -8,7 +8,7 @@ import pytest
 
 from veosnap.cli import main
 from veosnap.record import record
-from veosnap.zoo import Project
+from veosnap.reference.zoo import Project
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -12,8 +12,8 @@ from veosnap.golden import codec, store
 from veosnap.diff import diff, diff_goldens
 from veosnap.golden.key import GoldenKey
 from veosnap.golden.manifest import Manifest
-from veosnap.inputs import Batch
-from veosnap.tolerance import rows_of
+from veosnap.reference.inputs import Batch
+from veosnap.numerics.metric import rows_of
 
 LLAMA = GoldenKey("cpu", "llama", "step", "float32")
 

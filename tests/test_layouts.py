@@ -15,8 +15,8 @@ from veosnap import backends, layouts
 from veosnap.cli import main
 from veosnap.errors import VeosnapError
 from veosnap.golden.key import GoldenKey
-from veosnap.inputs import Batch
-from veosnap.zoo import Project
+from veosnap.reference.inputs import Batch
+from veosnap.reference.zoo import Project
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent

@@ -10,10 +10,11 @@ import pytest
 
 from veosnap import backends
 from veosnap.cli import main
-from veosnap.compare import CheckReport, TensorResult
+from veosnap.numerics.compare import TensorResult
+from veosnap.runs.verdict import CheckReport
 from veosnap.golden.key import GoldenKey
 from veosnap.matrix import Cell, Column, Row, default_backends, run_matrix, text
-from veosnap.zoo import Project
+from veosnap.reference.zoo import Project
 
 REPO = Path(__file__).resolve().parents[1]
 

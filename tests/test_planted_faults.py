@@ -12,9 +12,9 @@ import pytest
 
 import faults
 from veosnap import backends, check
-from veosnap.compare import CheckReport
+from veosnap.runs.verdict import CheckReport
 from veosnap.golden.key import GoldenKey
-from veosnap.routing import find_moe_layers
+from veosnap.reference.probes import find_moe_layers
 
 FAULTS_FILE = Path(__file__).with_name("faults.py")
 MODELS = ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"]
@@ -105,8 +105,8 @@ def test_faults_cover_at_least_eight_kinds_small_ones_among_them():
 
 
 def test_moe_models_have_moe_layers(repo_project):
-    from veosnap import models
-    from veosnap.zoo import load_config
+    from veosnap.reference import models
+    from veosnap.reference.zoo import load_config
 
     for name in MOE_MODELS:
         model = models.build(load_config(repo_project.configs, name), models.dtype_from_name("float32"))

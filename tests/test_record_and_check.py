@@ -18,14 +18,14 @@ import torch
 import zstandard
 from safetensors import safe_open
 
-from veosnap import models, weights
+from veosnap.reference import models, weights
 from veosnap.golden import store
 from veosnap.cli import main
 from veosnap.errors import VeosnapError
 from veosnap.golden.key import GoldenKey
-from veosnap.inputs import Batch
+from veosnap.reference.inputs import Batch
 from veosnap.record import record
-from veosnap.zoo import load_config
+from veosnap.reference.zoo import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -187,7 +187,7 @@ def test_wheel_bundles_the_zoo_so_check_works_after_a_plain_install(tmp_path):
 
 def test_another_class_is_refused_unless_cross_class_asked(repo_project, monkeypatch, capsys):
     """On a GPU the cpu goldens are refused by default; --cross-class measures the gap instead."""
-    from veosnap import hardware
+    from veosnap.reference import hardware
 
     monkeypatch.setattr(hardware, "detect", lambda: "cuda-sm90")
     monkeypatch.setattr(hardware, "device_for", lambda _cls: torch.device("cpu"))

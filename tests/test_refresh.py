@@ -7,7 +7,8 @@ import json
 import pytest
 
 from golden_repo import commit, copy_zoo, git_repo, needs_cpu
-from veosnap import cli, hardware
+from veosnap import cli
+from veosnap.reference import hardware
 from veosnap.golden import store
 from veosnap.errors import GoldenError, VeosnapError
 from veosnap.golden.key import GoldenKey

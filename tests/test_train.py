@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import pytest
 
-from veosnap import backends, layouts, train
+from veosnap import backends, layouts
+from veosnap.golden import names
 from veosnap.golden import store
 from veosnap.check import check
 from veosnap.cli import main
 from veosnap.golden.key import GoldenKey
-from veosnap.zoo import Project
+from veosnap.reference.zoo import Project
 
 TIMEOUT_S = 300
+LOSS, GRAD_NORM, UPDATE = str(names.TRAIN_LOSS), str(names.TRAIN_GRAD_NORM), names.Update.prefix
 
 
 def key(model: str, dtype: str = "float32", scenario: str = "train") -> GoldenKey:
@@ -34,8 +36,8 @@ def test_backends_pass_the_train_golden(repo_project: Project, model: str, dtype
     report = check(repo_project, key(model, dtype), backends.resolve(backend))
     assert report.passed, (report.error, report.worst)
     compared = {t.name for t in report.tensors}
-    assert {train.LOSS, train.GRAD_NORM} <= compared
-    assert any(n.startswith(train.UPDATE) for n in compared) and not any(n.startswith("grad.") for n in compared)
+    assert {LOSS, GRAD_NORM} <= compared
+    assert any(n.startswith(UPDATE) for n in compared) and not any(n.startswith("grad.") for n in compared)
     if model == "qwen3_moe":
         assert report.routes and all(r.clear_flips == 0 for r in report.routes)
 
@@ -43,8 +45,8 @@ def test_backends_pass_the_train_golden(repo_project: Project, model: str, dtype
 def test_a_train_golden_records_its_steps_and_clips_at_every_one(repo_project: Project) -> None:
     gold = store.read(store.path_for(repo_project.goldens, key("llama")))
     hyper = gold.manifest.reference.train
-    assert gold.tensors[train.LOSS].shape == (hyper.steps,)
-    assert (gold.tensors[train.GRAD_NORM] > hyper.max_norm).all(), "clipping is active at every step"
+    assert gold.tensors[LOSS].shape == (hyper.steps,)
+    assert (gold.tensors[GRAD_NORM] > hyper.max_norm).all(), "clipping is active at every step"
     assert "logits" not in gold.tensors and not any(n.startswith("grad.") for n in gold.tensors)
 
 
@@ -60,7 +62,7 @@ def test_ddp_and_fsdp2_pass_on_train_and_tp_says_why_it_does_not_run(repo_projec
     ddp, fsdp2, tp = reports
     for report in (ddp, fsdp2):
         assert report.passed and not report.skipped, (report.layout, report.error, report.worst)
-        assert any(t.name.startswith(train.UPDATE) for t in report.tensors)
+        assert any(t.name.startswith(UPDATE) for t in report.tensors)
     assert tp.skipped and "train" in tp.skipped
 
 
@@ -71,8 +73,8 @@ def test_clipping_per_micro_batch_fails_on_train_while_step_passes(repo_project:
     assert layouts.check_layout(repo_project, key("llama", scenario="step"), eager, "microbatch").passed
     report = layouts.check_layout(repo_project, key("llama"), eager, "microbatch")
     assert not report.passed
-    assert train.GRAD_NORM in names_over(report)
-    assert any(n.startswith(train.UPDATE) for n in names_over(report))
+    assert GRAD_NORM in names_over(report)
+    assert any(n.startswith(UPDATE) for n in names_over(report))
 
 
 def test_clipping_by_the_local_shard_norm_fails_under_fsdp2_while_step_passes(repo_project: Project,
@@ -83,8 +85,8 @@ def test_clipping_by_the_local_shard_norm_fails_under_fsdp2_while_step_passes(re
     assert step.passed, (step.error, step.worst)
     report = layouts.check_layout(repo_project, key("llama"), eager, "fsdp2", timeout_s=TIMEOUT_S)
     assert not report.passed and not report.error
-    assert report.worst.name == train.GRAD_NORM
-    assert any(n.startswith(train.UPDATE) for n in names_over(report))
+    assert report.worst.name == GRAD_NORM
+    assert any(n.startswith(UPDATE) for n in names_over(report))
 
 
 def test_cli_records_and_checks_the_train_scenario(scratch_project: Project, capsys: pytest.CaptureFixture) -> None:

@@ -17,7 +17,7 @@ from rich.table import Table
 
 from veosnap import backends, layouts
 from veosnap.golden.key import GoldenKey
-from veosnap.zoo import Project
+from veosnap.reference.zoo import Project
 
 
 def cell(report) -> str:  # noqa: ANN001

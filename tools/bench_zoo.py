@@ -14,12 +14,13 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from veosnap import backends, check, inputs, models, record
+from veosnap import backends, check, record
+from veosnap.reference import inputs, models
 from veosnap.golden import store
 from veosnap.golden.key import DTYPE_NAMES
-from veosnap.capture import run_step
+from veosnap.reference.capture import run_step
 from veosnap.golden.key import GoldenKey
-from veosnap.zoo import Project, load_config
+from veosnap.reference.zoo import Project, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -23,9 +23,10 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from veosnap import backends, check, tolerance  # noqa: E402
+from veosnap import backends, check  # noqa: E402
+from veosnap.numerics import tolerance  # noqa: E402
 from veosnap.golden.key import GoldenKey  # noqa: E402
-from veosnap.zoo import Project  # noqa: E402
+from veosnap.reference.zoo import Project  # noqa: E402
 
 import faults  # noqa: E402
 

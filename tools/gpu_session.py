@@ -27,9 +27,10 @@ sys.path.insert(0, str(ROOT / "tests"))
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from veosnap import backends, check, hardware, matrix, record, report, verify  # noqa: E402
+from veosnap import backends, check, matrix, record, report, verify  # noqa: E402
+from veosnap.reference import hardware  # noqa: E402
 from veosnap.golden.key import GoldenKey  # noqa: E402
-from veosnap.zoo import Project  # noqa: E402
+from veosnap.reference.zoo import Project  # noqa: E402
 
 GPU_BACKENDS = ["eager", "sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "sdpa_math", "flex_attention",
                 "grouped_mm", "batched_mm", "sdpa+grouped_mm", "liger", "flash_attention_2"]

@@ -33,7 +33,7 @@ def main() -> int:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="veosnap-inductor-")
 
     from veosnap import matrix
-    from veosnap.zoo import Project
+    from veosnap.reference.zoo import Project
 
     project = Project.resolve()
     specs, unavailable = matrix.default_backends()

@@ -35,14 +35,10 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from .errors import VeosnapError
+from .errors import Unsupported, VeosnapError
 
 BackendFn = Callable[[nn.Module], object]
 ENTRY_POINT_GROUP = "veosnap.backends"
-
-
-class Unsupported(Exception):
-    """Raised by a backend that does not apply to this model; the check is reported as skipped."""
 
 
 @dataclass(frozen=True)

@@ -6,18 +6,19 @@ import traceback
 
 import torch
 
-from . import hardware, models, train
+from .reference import hardware, models, train
 from .backends import Backend, Candidate, Unsupported
-from .capture import run_step
-from .compare import CheckReport, compare
+from .reference.capture import run_step
+from .compare import compare
+from .runs.verdict import CheckReport
 from .errors import GoldenError, MissingGoldenError, VeosnapError
 from .golden import store
 from .golden.codec import Golden
 from .golden.key import GoldenKey
-from .inputs import Batch
-from .record import deterministic
-from .routing import replay_routes
-from .zoo import Project, ToyConfig, load_config
+from .reference.inputs import Batch
+from .reference.determinism import deterministic
+from .reference.probes import replay_routes
+from .reference.zoo import Project, ToyConfig, load_config
 
 
 def load_golden(project: Project, key: GoldenKey) -> Golden:
@@ -110,8 +111,7 @@ def _run_and_compare(gold: Golden, candidate: Candidate, fields: dict[str, str])
     capture = run_step(candidate.model, Batch.from_golden(gold), backward=backward)
     report = compare(gold, capture, **fields)
     if not report.routes_passed:
-        forced = {int(n.split(".")[1]): t.long() for n, t in gold.tensors.items() if n.endswith(".experts")}
-        with replay_routes(candidate.model, forced):
+        with replay_routes(candidate.model, gold.experts()):
             replayed = run_step(candidate.model, Batch.from_golden(gold), backward=backward)
         report = compare(gold, capture, replayed=replayed, **fields)
     if candidate.forward_only:

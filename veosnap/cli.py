@@ -17,7 +17,7 @@ from .golden import store
 from .golden.key import DTYPE_NAMES, SCENARIOS
 from .errors import VeosnapError
 from .golden.key import GoldenKey
-from .zoo import Project, resolve_dir
+from .reference.zoo import Project, resolve_dir
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 

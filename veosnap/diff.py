@@ -13,10 +13,9 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Iterator, Protocol
+from typing import Protocol
 
 import torch
 
@@ -25,9 +24,10 @@ from .errors import VeosnapError
 from .golden.codec import Golden
 from .golden.key import GoldenKey
 from .golden.manifest import Approval, json_object
-from .inputs import Batch
-from .routing import compare_routes
-from .tolerance import is_token_tensor, row_error
+from .numerics.metric import is_token_tensor, row_error
+from .numerics.routes import compare_routes
+from .reference.determinism import one_thread
+from .reference.inputs import Batch
 
 WORKING_TREE = "working tree"
 
@@ -422,19 +422,6 @@ def open_tree(spec: str | None, goldens_dir: Path) -> Tree:
 
 # --------------------------------------------------------------------------------------------
 # Comparing two trees
-
-
-@contextmanager
-def one_thread() -> Iterator[None]:
-    """Torch on one CPU thread within the block."""
-    # Golden tensors are small: handing each op to a thread pool costs more than the op itself,
-    # ten times more on a loaded 2-core machine (measured with tools/bench_diff.py).
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(saved)
 
 
 def diff_trees(base: Tree, head: Tree) -> DiffReport:

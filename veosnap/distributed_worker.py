@@ -27,14 +27,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import backends, layouts, models, train
+from . import backends, layouts
+from .reference import models, train
 from .backends import Backend, Unsupported
 from .check import load_checked
-from .capture import decoder_layers
+from .reference.probes import decoder_layers
 from .golden.codec import Golden
 from .golden.key import GoldenKey
-from .inputs import Batch
-from .zoo import Project, ToyConfig
+from .reference.inputs import Batch
+from .reference.zoo import Project, ToyConfig
 
 
 class Rank:

@@ -30,9 +30,9 @@ if TYPE_CHECKING:
     from syrupy.location import PyTestLocation
 
     from .backends import Backend
-    from .compare import CheckReport
+    from .runs.verdict import CheckReport
     from .golden.key import GoldenKey
-    from .zoo import Project
+    from .reference.zoo import Project
 
 SUFFIX = ".safetensors.zst"
 REPORT_WIDTH = 200  # wide enough that pytest's "E   " prefix does not fold the table's rows

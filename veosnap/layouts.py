@@ -33,17 +33,19 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from . import hardware, inputs, models, train
+from .reference import hardware, inputs, models, train
 from .backends import Backend, Unsupported
-from .capture import Capture, _full, record_layer_outputs
+from .reference.capture import Capture
+from .reference.probes import full as _full, record_layer_outputs
 from .check import check, describe_failure, load_checked
-from .compare import CheckReport, compare
+from .compare import compare
+from .runs.verdict import CheckReport
 from .errors import VeosnapError
 from .golden.codec import Golden
 from .golden.key import GoldenKey
-from .inputs import IGNORE_INDEX, Batch
-from .routing import RouteRecord, record_routes, replay_routes
-from .zoo import Project, ToyConfig
+from .reference.inputs import IGNORE_INDEX, Batch
+from .reference.probes import RouteRecord, record_routes, replay_routes
+from .reference.zoo import Project, ToyConfig
 
 DEFAULT_TIMEOUT_S = 600.0
 END_GRACE_S = 10.0  # how long torchrun gets to end its ranks after a timeout

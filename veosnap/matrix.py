@@ -21,9 +21,9 @@ from rich.table import Table
 
 from . import backends as backends_mod
 from .backends import Backend
-from .compare import CheckReport
+from .runs.verdict import CheckReport
 from .golden.key import GoldenKey
-from .zoo import Project
+from .reference.zoo import Project
 
 SINGLE = "single"  # the golden's own layout: one process, padded batch
 LayoutsCheck = Callable[[Project, GoldenKey, Backend, list[str]], list[CheckReport]]

@@ -30,9 +30,9 @@ from .golden_snapshot import Candidate, GoldenExtension, Recording
 if TYPE_CHECKING:
     from syrupy.assertion import SnapshotAssertion
 
-    from .compare import CheckReport
+    from .runs.verdict import CheckReport
     from .golden.key import GoldenKey
-    from .zoo import Project
+    from .reference.zoo import Project
 
 FIXTURES = ("veosnap_check",)
 REFERENCE_BACKEND = "eager"
@@ -157,7 +157,7 @@ class VeosnapSession:
     def project(self) -> Project:
         if self._project is None:
             from .errors import VeosnapError
-            from .zoo import Project
+            from .reference.zoo import Project
 
             try:
                 self._project = Project.resolve(
@@ -204,7 +204,8 @@ class VeosnapSession:
               dtype: str = "float32", *, layout: str | None = None, scenario: str = "step") -> CheckReport:
         """Check `backend` (and later `layout`) on `model` in `dtype` against its golden; see `veosnap_check`."""
         __tracebackhide__ = True
-        from . import backends, hardware
+        from . import backends
+        from .reference import hardware
         from .golden import codec, store
         from .errors import VeosnapError
         from .golden.key import GoldenKey
@@ -424,7 +425,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 def _models(state: VeosnapSession) -> list[str]:
-    from .zoo import list_models, resolve_dir
+    from .reference.zoo import list_models, resolve_dir
 
     return list_models(state.directory("configs") or resolve_dir("toy_configs"))
 

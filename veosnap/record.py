@@ -3,44 +3,25 @@
 from __future__ import annotations
 
 import platform
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import torch
 import transformers
 
-from . import __version__, hardware, inputs, models, train
-from .capture import run_step
+from . import __version__
+from .reference import hardware, inputs, models, train
+from .reference.capture import run_step
+from .reference.determinism import deterministic
 from .errors import VeosnapError
-from .golden import codec, store
+from .golden import codec, names, store
 from .golden.codec import Golden
 from .golden.key import DTYPE_NAMES, SCENARIOS, GoldenKey
 from .golden.manifest import BatchSpec, Manifest, Provenance, Reference
-from .routing import RouteRecord
-from .tolerance import ALPHA, FLOOR, TIE_EPSILON, noise, pooled_noises, tolerance_for
-from .zoo import Project, load_config
-
-RECORD_THREADS = 1  # a fixed thread count keeps CPU reductions, and so the bytes, reproducible
-
-
-@contextmanager
-def deterministic() -> Iterator[dict]:
-    """Deterministic algorithms, fixed CPU threads, TF32 off; restores the previous settings."""
-    saved = (torch.are_deterministic_algorithms_enabled(), torch.get_num_threads(),
-             torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.set_num_threads(RECORD_THREADS)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    try:
-        yield {"deterministic_algorithms": True, "cpu_threads": RECORD_THREADS, "tf32": False}
-    finally:
-        torch.use_deterministic_algorithms(saved[0])
-        torch.set_num_threads(saved[1])
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[2], saved[3]
-
+from .numerics.routes import flips
+from .numerics.tolerance import ALPHA, FLOOR, TIE_EPSILON, noise, pooled_noises, tolerance_for
+from .reference.probes import RouteRecord
+from .reference.zoo import Project, load_config
 
 @dataclass(frozen=True)
 class RecordOutcome:
@@ -103,7 +84,7 @@ def build_golden(project: Project, key: GoldenKey, seed: int = 0, allow_near_tie
         if name == "loss":
             value = value.float()
         tensors[name] = value
-        if not name.endswith((".experts", ".margin")):  # route ids and margins are not compared numerically
+        if names.parse(name).compared:  # route ids and margins are not compared numerically
             measured[name] = noise(name, value, truth_all[name], mask)
     tolerance = {name: tolerance_for(value, key.dtype) for name, value in pooled_noises(measured).items()}
 
@@ -151,9 +132,9 @@ def _check_routes(key: GoldenKey, reference: dict[int, RouteRecord], truth: dict
                 f"{key}: router margin {value:.3g} in layer {layer} is under the tie epsilon {eps:g}: a near-tie "
                 "would make this golden flaky across hardware; make the toy router decide clearly, or pass --allow-near-ties"
             )
-        flips = (reference[layer].experts != truth[layer].experts).any(dim=-1) & mask
-        if flips.any():
-            raise VeosnapError(f"{key}: layer {layer} routes {int(flips.sum())} token(s) differently in float64; near-ties")
+        flipped = flips(reference[layer].experts, truth[layer].experts, mask)
+        if flipped.any():
+            raise VeosnapError(f"{key}: layer {layer} routes {int(flipped.sum())} token(s) differently in float64; near-ties")
     return margins
 
 

@@ -9,7 +9,8 @@ import math
 from rich.console import Console
 from rich.table import Table
 
-from .compare import CheckReport, TensorResult
+from .numerics.compare import TensorResult
+from .runs.verdict import CheckReport
 
 SHOWN_ROWS = 12  # rows of a failed check's table: every failing tensor, then the closest passing ones
 SHOWN_PASSING = 3  # a passed check shows only its closest calls

@@ -12,7 +12,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from . import weights
-from .errors import VeosnapError
+from ..errors import VeosnapError
 from .zoo import ToyConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}

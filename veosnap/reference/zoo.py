@@ -11,11 +11,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import VeosnapError
-from .golden.key import check_name
-from .golden.manifest import config_hash
+from ..errors import VeosnapError
+from ..golden.key import check_name
+from ..golden.manifest import config_hash
 
-_PACKAGE = Path(__file__).resolve().parent
+_PACKAGE = Path(__file__).resolve().parents[1]  # the veosnap package
 
 
 def bundled_dir(kind: str) -> Path:

@@ -1,14 +1,13 @@
-"""MoE routes: where routers are, what they chose, how clearly, and how two route sets compare.
+"""Hooks on a model: its decoder layers' outputs, its logits, and its MoE routers' decisions.
 
-Transformers 5 gives every MoE block a router returning `(logits, weights, indices)` and an experts
-module taking `(hidden_states, top_k_index, top_k_weights)`, so routes are captured at the router's
-output without per-model code. Expert ids are sorted per token before storing or comparing (some
-routers, DeepSeek-V3's among them, pick with `topk(sorted=False)`).
+Uniform hook points only, no per-model code. Transformers 5 gives every MoE block a router returning
+`(logits, weights, indices)` and an experts module taking `(hidden_states, top_k_index,
+top_k_weights)`, so routes are recorded at the router's output, and replayed (forced onto given
+experts) there too. Expert ids are sorted per token before storing or comparing.
 """
 
 from __future__ import annotations
 
-import re
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
@@ -16,7 +15,75 @@ from typing import Iterator
 import torch
 from torch import nn
 
-_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+from ..golden.names import layer_of
+from ..numerics.routes import margins
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (a collective: sharded values are gathered); other tensors as they are."""
+    full_tensor = getattr(tensor, "full_tensor", None)
+    return full_tensor() if callable(full_tensor) else tensor
+
+
+# --- decoder layers and logits -----------------------------------------------------------------------
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The model's stack of decoder layers (`model.model.layers` in every zoo family)."""
+    inner = getattr(model, "model", model)
+    layers = getattr(inner, "layers", None)
+    if isinstance(layers, nn.ModuleList):
+        return layers
+    for name, module in model.named_modules():
+        if name.endswith("layers") and isinstance(module, nn.ModuleList):
+            return module
+    raise TypeError(f"{type(model).__name__}: no decoder layer list found")
+
+
+@contextmanager
+def record_layer_outputs(model: nn.Module) -> Iterator[dict[int, torch.Tensor]]:
+    """Within the block, each decoder layer's output hidden states are recorded by index."""
+    outputs: dict[int, torch.Tensor] = {}
+    handles = []
+    for index, layer in enumerate(decoder_layers(model)):
+
+        def hook(_module: nn.Module, _inputs: tuple, output: object, index: int = index) -> None:
+            hidden = output[0] if isinstance(output, (tuple, list)) else output
+            # A copy now: a kernel may reuse this buffer in place later (on the CPU .cpu() is no copy).
+            outputs[index] = hidden.detach().to("cpu", copy=True)
+
+        handles.append(layer.register_forward_hook(hook))
+    try:
+        yield outputs
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextmanager
+def record_logits(model: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
+    """The logits as the LM head produced them, copied at once.
+
+    Fused cross-entropy kernels (liger's) write the gradient into the logits' own buffer inside the
+    model's forward, so by the time the forward returns `output.logits` holds something else.
+    """
+    produced: dict[str, torch.Tensor] = {}
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None:
+        yield produced
+        return
+
+    def hook(_module: nn.Module, _inputs: tuple, output: torch.Tensor) -> None:
+        produced["logits"] = full(output.detach()).to("cpu", copy=True)
+
+    handle = head.register_forward_hook(hook)
+    try:
+        yield produced
+    finally:
+        handle.remove()
+
+
+# --- MoE routers ------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -40,11 +107,10 @@ def find_moe_layers(model: nn.Module) -> list[MoeLayer]:
         for child_name, child in module.named_children():
             if child is experts or not hasattr(child, "top_k") or not hasattr(child, "weight"):
                 continue
-            match = _LAYER_RE.search(name)
-            layer = int(match.group(1)) if match else len(found)
+            layer = layer_of(name)
             found.append(
                 MoeLayer(
-                    layer=layer,
+                    layer=len(found) if layer is None else layer,
                     router_name=f"{name}.{child_name}" if name else child_name,
                     router=child,
                     num_experts=int(child.weight.shape[0]),
@@ -68,25 +134,9 @@ def selection_scores(router: nn.Module, logits: torch.Tensor) -> tuple[torch.Ten
     return logits, torch.ones_like(logits)
 
 
-def margins(scores: torch.Tensor, chosen: torch.Tensor, slope: torch.Tensor | None = None) -> torch.Tensor:
-    """Per token, in logit units: how far the lowest chosen expert is from the best one not chosen.
-
-    The score gap is divided by the mean slope of the two scores against their logits, so a
-    sigmoid router's margin reads on the same scale as a softmax router's logit gap, and one tie
-    epsilon serves both. For group-limited routers the group mask is ignored, which can only
-    understate a margin.
-    """
-    slope = torch.ones_like(scores) if slope is None else slope
-    picked = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, chosen.long(), True)
-    low_score, low_at = scores.masked_fill(~picked, float("inf")).min(dim=1)
-    high_score, high_at = scores.masked_fill(picked, float("-inf")).max(dim=1)
-    mean_slope = (slope.gather(1, low_at[:, None]) + slope.gather(1, high_at[:, None])).squeeze(1) / 2
-    return (low_score - high_score) / mean_slope.clamp_min(1e-12)
-
-
 @dataclass
 class RouteRecord:
-    """What one MoE layer's router decided for every token of the batch (flattened batch x seq)."""
+    """What one MoE layer's router decided for every token it saw (flattened batch x seq)."""
 
     layer: int
     experts: torch.Tensor  # [tokens, k] int64, sorted ascending per token
@@ -124,53 +174,6 @@ def record_routes(model: nn.Module) -> Iterator[dict[int, RouteRecord]]:
     finally:
         for handle in handles:
             handle.remove()
-
-
-@dataclass(frozen=True)
-class RouteDiff:
-    """How a candidate's routes in one layer differ from the golden's, over the compared tokens."""
-
-    layer: int
-    tokens: int
-    clear_flips: int
-    near_tie_flips: int
-    first_flipped_token: int | None
-
-    @property
-    def passed(self) -> bool:
-        return self.clear_flips == 0
-
-    def message(self) -> str:
-        if self.clear_flips:
-            return (
-                f"routing differs: layer {self.layer} sends {self.clear_flips} of {self.tokens} tokens "
-                f"to other experts than the golden"
-            )
-        if self.near_tie_flips:
-            return f"layer {self.layer}: {self.near_tie_flips} near-tie token(s) flipped (reported, not failed)"
-        return f"layer {self.layer}: all {self.tokens} tokens routed as the golden"
-
-
-def compare_routes(
-    layer: int,
-    golden_experts: torch.Tensor,
-    golden_margin: torch.Tensor,
-    candidate_experts: torch.Tensor,
-    token_mask: torch.Tensor,
-    tie_epsilon: float,
-) -> RouteDiff:
-    """Count tokens (among `token_mask`) sent to other experts; near-ties are counted apart."""
-    differs = (golden_experts != candidate_experts).any(dim=-1) & token_mask
-    near_tie = golden_margin < tie_epsilon
-    clear = differs & ~near_tie
-    flipped = clear.nonzero().flatten()
-    return RouteDiff(
-        layer=layer,
-        tokens=int(token_mask.sum()),
-        clear_flips=int(clear.sum()),
-        near_tie_flips=int((differs & near_tie).sum()),
-        first_flipped_token=int(flipped[0]) if flipped.numel() else None,
-    )
 
 
 def reweigh(router: nn.Module, logits: torch.Tensor, indices: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ import re
 
 import torch
 
-from .errors import VeosnapError
+from ..errors import VeosnapError
 
 # cuBLAS reads this once, when CUDA starts: deterministic GEMMs need it set before any CUDA call.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

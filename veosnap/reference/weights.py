@@ -20,7 +20,7 @@ import math
 import torch
 from torch import nn
 
-from .routing import MoeLayer, find_moe_layers
+from .probes import MoeLayer, find_moe_layers
 
 # Scales chosen so the toy function is far from trivial (logits well away from uniform) while
 # staying well conditioned in bfloat16; see the README's tolerance section.

@@ -21,13 +21,13 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .capture import Capture, _full, run_step
-from .golden.manifest import TrainHyper
+from ..golden import names
+from ..golden.manifest import TrainHyper
+from .capture import Capture, forward_backward
 from .inputs import Batch
-from .routing import RouteRecord
+from .probes import RouteRecord, full
 
 SCENARIO = "train"
-LOSS, GRAD_NORM, UPDATE = "train.loss", "train.grad_norm", "update."
 
 
 # The steps a train golden records. eps is largish on purpose: a parameter whose gradient is at noise
@@ -66,7 +66,7 @@ def train(model: nn.Module, hyper: TrainHyper, forward_backward: ForwardBackward
     """
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
-    initial = {name: _full(p.detach()).to("cpu", torch.float32, copy=True) for name, p in named}
+    initial = {name: full(p.detach()).to("cpu", torch.float32, copy=True) for name, p in named}
     optimizer = torch.optim.AdamW(params, lr=hyper.lr, betas=(hyper.beta1, hyper.beta2), eps=hyper.eps,
                                   weight_decay=hyper.weight_decay)
     losses, norms, step_routes = [], [], []
@@ -74,22 +74,25 @@ def train(model: nn.Module, hyper: TrainHyper, forward_backward: ForwardBackward
         loss, routes = forward_backward()
         norm = clip(params, hyper.max_norm)
         optimizer.step()
-        losses.append(float(_full(loss.detach()).double()))
-        norms.append(float(_full(norm.detach()).double()))
+        losses.append(float(full(loss.detach()).double()))
+        norms.append(float(full(norm.detach()).double()))
         step_routes.append(routes)
-    tensors = {LOSS: torch.tensor(losses, dtype=torch.float32), GRAD_NORM: torch.tensor(norms, dtype=torch.float32)}
+    tensors = {str(names.TRAIN_LOSS): torch.tensor(losses, dtype=torch.float32),
+               str(names.TRAIN_GRAD_NORM): torch.tensor(norms, dtype=torch.float32)}
     for name, p in named:
-        tensors[UPDATE + name] = _full(p.detach()).to("cpu", torch.float32) - initial[name]
+        tensors[str(names.Update(name))] = full(p.detach()).to("cpu", torch.float32) - initial[name]
     optimizer.zero_grad(set_to_none=True)
     return TrainRun(Capture(tensors=tensors, routes=step_routes[0]), step_routes)
 
 
 def whole_batch(model: nn.Module, batch: Batch, own_loss: bool = False) -> ForwardBackward:
-    """The golden's own layout: the padded batch in one forward and backward (`capture.run_step`)."""
+    """The golden's own layout: the padded batch in one forward and backward."""
 
     def run() -> tuple[torch.Tensor, dict[int, RouteRecord]]:
-        capture = run_step(model, batch, own_loss=own_loss)
-        return capture.tensors["loss"], capture.routes
+        model.train()
+        model.zero_grad(set_to_none=True)
+        part = forward_backward(model, batch, own_loss=own_loss)
+        return part.loss, part.routes
 
     return run
 

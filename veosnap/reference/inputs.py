@@ -7,14 +7,15 @@ exactly the same sum(len - 1) predictions.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import torch
 
-from .errors import VeosnapError
-from .golden.codec import Golden
+from ..errors import Unsupported, VeosnapError
+from ..golden.codec import Golden
+from ..numerics.compare import Tokens
 
 IGNORE_INDEX = -100
 PAD_ID = 0
@@ -38,32 +39,68 @@ def load_sequences(testdata_dir: Path, ids: tuple[int, ...] = DEFAULT_SEQUENCES)
 
 @dataclass
 class Batch:
-    """Model inputs plus labels. `attention_mask` is 1 on real tokens (packed batches: all ones)."""
+    """Model inputs plus labels. `attention_mask` is 1 on real tokens (packed batches: all ones).
+
+    The token grids are typed fields; `extra` holds any other model input a golden stores (an open
+    set: pixel values, grid sizes, audio features), passed to the model as keyword arguments.
+    """
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     position_ids: torch.Tensor
     labels: torch.Tensor
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def grids(self) -> dict[str, torch.Tensor]:
+        """The token grids ([rows, positions] each) by input field."""
+        return {name: getattr(self, name) for name in _GRIDS}
+
+    @property
+    def rows(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def width(self) -> int:
+        """Positions per row."""
+        return self.input_ids.shape[-1]
 
     @property
     def token_mask(self) -> torch.Tensor:
-        """[batch * seq] bool: which flattened positions hold real tokens (the ones compared)."""
+        """[rows * positions] bool: which flattened positions hold real tokens (the ones compared)."""
         return self.attention_mask.reshape(-1).bool().cpu()
 
+    @property
+    def predictions(self) -> int:
+        """How many tokens the causal-LM loss averages over (labels shifted by one, ignored ones out)."""
+        return int((self.labels[..., 1:] != IGNORE_INDEX).sum())
+
+    def tokens(self) -> Tokens:
+        """The batch's positions as a comparison sees them."""
+        return Tokens(mask=self.token_mask, width=self.width, ids=self.input_ids.reshape(-1).cpu())
+
     def to(self, device: torch.device | str) -> Batch:
-        return Batch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+        return Batch(**{name: t.to(device) for name, t in self.grids.items()},
+                     extra={name: t.to(device) for name, t in self.extra.items()})
+
+    def select_rows(self, index: torch.Tensor) -> Batch:
+        """The rows `index`, at the batch's full width (so outputs map back by position)."""
+        if self.extra:
+            raise Unsupported(f"a batch with {', '.join(sorted(self.extra))} cannot be split by rows yet")
+        return Batch(**{name: t[index] for name, t in self.grids.items()})
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The batch as named tensors, as a golden stores them (`inputs.<field>`)."""
-        return {f"inputs.{f.name}": getattr(self, f.name).cpu().contiguous() for f in fields(self)}
+        return {f"inputs.{name}": t.cpu().contiguous() for name, t in {**self.grids, **self.extra}.items()}
 
     @classmethod
     def from_golden(cls, golden: Golden) -> Batch:
         """The batch a golden stores (its `inputs.*` tensors)."""
-        return cls(**golden.inputs())
+        stored = golden.inputs()
+        return cls(**{name: stored.pop(name) for name in _GRIDS}, extra=stored)
 
     def model_kwargs(self, with_labels: bool = True) -> dict[str, torch.Tensor]:
-        kwargs = {"input_ids": self.input_ids, "position_ids": self.position_ids}
+        kwargs = {"input_ids": self.input_ids, "position_ids": self.position_ids, **self.extra}
         # An all-ones mask says nothing; leaving it out lets transformers find packed sequences
         # from the restarting position ids and keep them from attending to each other.
         if not bool(self.attention_mask.all()):
@@ -71,6 +108,9 @@ class Batch:
         if with_labels:
             kwargs["labels"] = self.labels
         return kwargs
+
+
+_GRIDS = ("input_ids", "attention_mask", "position_ids", "labels")
 
 
 def _labels_for(tokens: list[int]) -> list[int]:
