@@ -15,7 +15,7 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
-from veosnap.backends import Unsupported
+from veosnap import Unsupported
 from veosnap.reference.probes import decoder_layers
 from veosnap.reference.probes import find_moe_layers
 

@@ -429,11 +429,11 @@ def test_unreadable_token_table_is_one_line(capsys, tmp_path):
 
 def test_an_unreadable_directory_is_one_line(capsys, goldens, monkeypatch):
     # Tests may run as root, which reads any directory: simulate what stat() raises for others.
-    from veosnap import check
+    from veosnap.reference import zoo
 
     def denied(project, key):  # noqa: ANN001
         raise PermissionError(13, "Permission denied", str(goldens / "cpu"))
 
-    monkeypatch.setattr(check, "load_golden", denied)
+    monkeypatch.setattr(zoo, "load_golden", denied)
     code, err = check_llama(capsys, goldens)
     assert (code, err) == (2, f"veosnap: error: {goldens / 'cpu'}: Permission denied\n")

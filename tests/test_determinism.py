@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from veosnap.cli import main
-from veosnap.record import record
+from veosnap.runs.record import record
 from veosnap.reference.zoo import Project
 
 REPO = Path(__file__).resolve().parents[1]

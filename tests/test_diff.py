@@ -9,7 +9,7 @@ from dataclasses import replace
 from golden_repo import REPO, commit, copy_zoo, git, git_repo
 from veosnap import cli
 from veosnap.golden import codec, store
-from veosnap.diff import diff, diff_goldens
+from veosnap.runs.diff import diff, diff_goldens
 from veosnap.golden.key import GoldenKey
 from veosnap.golden.manifest import Manifest
 from veosnap.reference.inputs import Batch

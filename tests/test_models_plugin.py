@@ -1,6 +1,11 @@
-"""Every zoo model, with each built-in backend, in float32 and bfloat16, against its golden."""
+"""Every zoo model, with each built-in backend, in float32 and bfloat16, against its golden; layouts through
+the same fixture."""
 
-from veosnap.pytest_plugin import matrix
+from pathlib import Path
+
+import pytest
+
+from veosnap.pytest_plugin import GoldenMismatch, matrix
 
 
 @matrix(backends=["eager", "sdpa", "grouped_mm", "batched_mm"], dtypes=["float32", "bfloat16"])
@@ -13,3 +18,17 @@ def test_backend_matches_golden(veosnap_check, model, dtype, backend):
 def test_train_steps_match_golden(veosnap_check, model, dtype):
     report = veosnap_check(model, dtype=dtype, scenario="train")
     assert any(t.name == "train.grad_norm" for t in report.tensors)
+
+
+@pytest.mark.parametrize("layout", ["packed", "microbatch", "ddp", "fsdp2"])
+def test_layouts_are_checked_through_the_fixture(veosnap_check, layout):
+    report = veosnap_check("qwen3_moe", layout=layout)
+    assert report.layout == layout and report.passed
+    assert report.routes and any(t.name.startswith("grad.") for t in report.tensors)
+
+
+def test_a_planted_layout_bug_fails_through_the_fixture(veosnap_check):
+    planted = f"{Path(__file__).with_name('layout_faults.py')}:packed_no_restart"
+    with pytest.raises(GoldenMismatch) as failed:
+        veosnap_check("llama", layout=planted)
+    assert failed.value.report.layout == planted and failed.value.report.first_divergence.startswith("layer 0 ")

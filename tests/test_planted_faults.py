@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 import faults
-from veosnap import backends, check
+from veosnap.candidates import backends
 from veosnap.runs.verdict import CheckReport
 from veosnap.golden.key import GoldenKey
+from veosnap.runs.check import check
 from veosnap.reference.probes import find_moe_layers
 
 FAULTS_FILE = Path(__file__).with_name("faults.py")
@@ -25,7 +26,7 @@ FORWARD_FAULTS = ["swapped_activation", "kv_groups_swapped", "pad_leak", "next_t
 
 def run(project, model: str, dtype: str, fault: str) -> CheckReport:  # noqa: ANN001
     key = GoldenKey("cpu", model, "step", dtype)
-    report = check.check(project, key, backends.resolve(f"{FAULTS_FILE}:{fault}"))
+    report = check(project, key, backends.resolve(f"{FAULTS_FILE}:{fault}"))
     assert not report.error, report.error
     return report
 

@@ -24,7 +24,7 @@ from veosnap.cli import main
 from veosnap.errors import VeosnapError
 from veosnap.golden.key import GoldenKey
 from veosnap.reference.inputs import Batch
-from veosnap.record import record
+from veosnap.runs.record import record
 from veosnap.reference.zoo import load_config
 
 ROOT = Path(__file__).resolve().parent.parent

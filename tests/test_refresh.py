@@ -12,9 +12,9 @@ from veosnap.reference import hardware
 from veosnap.golden import store
 from veosnap.errors import GoldenError, VeosnapError
 from veosnap.golden.key import GoldenKey
-from veosnap.refresh import refresh
+from veosnap.runs.refresh import refresh
 from veosnap.show import describe
-from veosnap.verify import verify_file
+from veosnap.runs.verify import verify_file
 
 LLAMA = GoldenKey("cpu", "llama", "step", "float32")
 

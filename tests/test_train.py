@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import pytest
 
-from veosnap import backends, layouts
+from pathlib import Path
+
+from veosnap.candidates import backends
 from veosnap.golden import names
 from veosnap.golden import store
-from veosnap.check import check
+from veosnap.runs.check import check, check_layouts
 from veosnap.cli import main
 from veosnap.golden.key import GoldenKey
 from veosnap.reference.zoo import Project
 
 TIMEOUT_S = 300
+FAULTS = Path(__file__).with_name("layout_faults.py")
 LOSS, GRAD_NORM, UPDATE = str(names.TRAIN_LOSS), str(names.TRAIN_GRAD_NORM), names.Update.prefix
 
 
@@ -52,13 +55,13 @@ def test_a_train_golden_records_its_steps_and_clips_at_every_one(repo_project: P
 
 @pytest.mark.parametrize("model", ["llama", "qwen3_moe"])
 def test_microbatch_accumulation_passes_on_train(repo_project: Project, model: str) -> None:
-    report = layouts.check_layout(repo_project, key(model), backends.resolve("eager"), "microbatch")
+    report = check(repo_project, key(model), backends.resolve("eager"), "microbatch")
     assert report.passed, (report.error, report.worst)
 
 
 def test_ddp_and_fsdp2_pass_on_train_and_tp_says_why_it_does_not_run(repo_project: Project) -> None:
-    reports = layouts.check_layouts(repo_project, key("qwen3_moe"), backends.resolve("eager"),
-                                    ["ddp", "fsdp2", "tp"], nproc=2, timeout_s=TIMEOUT_S)
+    reports = check_layouts(repo_project, key("qwen3_moe"), backends.resolve("eager"),
+                            ["ddp", "fsdp2", "tp"], nproc=2, timeout_s=TIMEOUT_S)
     ddp, fsdp2, tp = reports
     for report in (ddp, fsdp2):
         assert report.passed and not report.skipped, (report.layout, report.error, report.worst)
@@ -66,24 +69,20 @@ def test_ddp_and_fsdp2_pass_on_train_and_tp_says_why_it_does_not_run(repo_projec
     assert tp.skipped and "train" in tp.skipped
 
 
-def test_clipping_per_micro_batch_fails_on_train_while_step_passes(repo_project: Project,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(layouts.FAULT_ENV, "microbatch=clip_micro")
-    eager = backends.resolve("eager")
-    assert layouts.check_layout(repo_project, key("llama", scenario="step"), eager, "microbatch").passed
-    report = layouts.check_layout(repo_project, key("llama"), eager, "microbatch")
+def test_clipping_per_micro_batch_fails_on_train_while_step_passes(repo_project: Project) -> None:
+    eager, planted = backends.resolve("eager"), f"{FAULTS}:microbatch_clip_micro"
+    assert check(repo_project, key("llama", scenario="step"), eager, planted).passed
+    report = check(repo_project, key("llama"), eager, planted)
     assert not report.passed
     assert GRAD_NORM in names_over(report)
     assert any(n.startswith(UPDATE) for n in names_over(report))
 
 
-def test_clipping_by_the_local_shard_norm_fails_under_fsdp2_while_step_passes(repo_project: Project,
-                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(layouts.FAULT_ENV, "fsdp2=clip_local")
-    eager = backends.resolve("eager")
-    step = layouts.check_layout(repo_project, key("llama", scenario="step"), eager, "fsdp2", timeout_s=TIMEOUT_S)
+def test_clipping_by_the_local_shard_norm_fails_under_fsdp2_while_step_passes(repo_project: Project) -> None:
+    eager, planted = backends.resolve("eager"), f"{FAULTS}:fsdp2_clip_local"
+    step = check(repo_project, key("llama", scenario="step"), eager, planted, timeout_s=TIMEOUT_S)
     assert step.passed, (step.error, step.worst)
-    report = layouts.check_layout(repo_project, key("llama"), eager, "fsdp2", timeout_s=TIMEOUT_S)
+    report = check(repo_project, key("llama"), eager, planted, timeout_s=TIMEOUT_S)
     assert not report.passed and not report.error
     assert report.worst.name == GRAD_NORM
     assert any(n.startswith(UPDATE) for n in names_over(report))

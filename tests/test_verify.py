@@ -11,7 +11,7 @@ from veosnap import cli
 from veosnap.golden import store
 from veosnap.golden.key import GoldenKey
 from veosnap.golden.manifest import Tolerance
-from veosnap.verify import verify, verify_file
+from veosnap.runs.verify import verify, verify_file
 
 LLAMA = GoldenKey("cpu", "llama", "step", "float32")
 

@@ -14,7 +14,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from veosnap import backends, check, record
+from veosnap.candidates import backends
+from veosnap.runs import record
+from veosnap.runs.check import check
 from veosnap.reference import inputs, models
 from veosnap.golden import store
 from veosnap.golden.key import DTYPE_NAMES
@@ -52,7 +54,7 @@ def main() -> None:
                 record.record(scratch, name, dtype)
                 rec = time.perf_counter() - t
                 t = time.perf_counter()
-                check.check(project, GoldenKey("cpu", name, "step", dtype), backends.resolve("eager"))
+                check(project, GoldenKey("cpu", name, "step", dtype), backends.resolve("eager"))
                 chk = time.perf_counter() - t
                 size = store.path_for(project.goldens, GoldenKey("cpu", name, "step", dtype)).stat().st_size
                 table.add_row(name, f"{sum(p.numel() for p in model.parameters()):,}", dtype, f"{step * 1000:.0f} ms",

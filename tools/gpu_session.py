@@ -27,7 +27,10 @@ sys.path.insert(0, str(ROOT / "tests"))
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from veosnap import backends, check, matrix, record, report, verify  # noqa: E402
+from veosnap import report  # noqa: E402
+from veosnap.candidates import backends  # noqa: E402
+from veosnap.runs import matrix, record, verify  # noqa: E402
+from veosnap.runs.check import check  # noqa: E402
 from veosnap.reference import hardware  # noqa: E402
 from veosnap.golden.key import GoldenKey  # noqa: E402
 from veosnap.reference.zoo import Project  # noqa: E402
@@ -85,7 +88,7 @@ def phase_matrix(project: Project, out: Path) -> None:
     for model in models:
         for dtype in ("float32", "bfloat16"):
             for fault in ("fp8_attention_probabilities", "low_precision_attention"):
-                r = check.check(project, GoldenKey(project.hardware_class, model, "step", dtype),
+                r = check(project, GoldenKey(project.hardware_class, model, "step", dtype),
                                 backends.resolve(f"{ROOT}/tests/faults.py:{fault}"))
                 precision.append(report.as_dict(r))
                 print(f"precision {fault} {model} {dtype}: {r.status} {r.worst.ratio if r.worst else ''}", flush=True)
@@ -98,7 +101,7 @@ def phase_matrix(project: Project, out: Path) -> None:
                           hardware_class="cpu")
     for model in models:
         for dtype in ("float32", "bfloat16"):
-            r = check.check(cpu, GoldenKey("cpu", model, "step", dtype), backends.resolve("eager"), cross_class=True)
+            r = check(cpu, GoldenKey("cpu", model, "step", dtype), backends.resolve("eager"), cross_class=True)
             cross.append(report.as_dict(r))
             print(f"cross-class cpu golden {model} {dtype}: {r.status} worst {r.worst.name if r.worst else ''} "
                   f"{r.worst.ratio if r.worst else ''}", flush=True)

@@ -32,7 +32,7 @@ def main() -> int:
     if not args.warm_cache:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="veosnap-inductor-")
 
-    from veosnap import matrix
+    from veosnap.runs import matrix
     from veosnap.reference.zoo import Project
 
     project = Project.resolve()

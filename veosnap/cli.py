@@ -12,7 +12,10 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
-from . import backends, layouts, report
+from . import report
+from .candidates import backends
+from .candidates.layouts import registry as layouts
+from .runs.check import DEFAULT_TIMEOUT_S
 from .golden import store
 from .golden.key import DTYPE_NAMES, SCENARIOS
 from .errors import VeosnapError
@@ -36,7 +39,7 @@ def _selection(args: argparse.Namespace, project: Project) -> list[tuple[str, st
 
 
 def cmd_record(args: argparse.Namespace) -> int:
-    from .record import record
+    from .runs.record import record
 
     project = _project(args)
     for model, dtype in _selection(args, project):
@@ -53,7 +56,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         return cmd_matrix(args)
     if args.backends or args.layouts:
         raise VeosnapError("--backends and --layouts go with --matrix (for one backend: --backend SPEC)")
-    from .layouts import check_layouts
+    from .runs.check import check_layouts
 
     project = _project(args)
     backend = backends.resolve(args.backend or "eager")
@@ -71,7 +74,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def cmd_diff(args: argparse.Namespace) -> int:
     from . import diff_report
-    from .diff import diff
+    from .runs.diff import diff
 
     goldens = Path(args.goldens) if args.goldens else resolve_dir("goldens")
     result = diff(args.base, args.head, goldens)
@@ -83,7 +86,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 def cmd_refresh(args: argparse.Namespace) -> int:
     from . import diff_report
-    from .refresh import refresh
+    from .runs.refresh import refresh
 
     project = _project(args)
     for model, dtype in _selection(args, project):
@@ -95,7 +98,7 @@ def cmd_refresh(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from .verify import verify
+    from .runs.verify import verify
 
     paths = args.paths or [Path(args.goldens) if args.goldens else resolve_dir("goldens")]
     results = verify(paths)
@@ -108,7 +111,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_matrix(args: argparse.Namespace) -> int:
-    from . import matrix
+    from .runs import matrix
 
     if args.backend:
         raise VeosnapError("--matrix takes --backends a,b,c (not --backend)")
@@ -200,14 +203,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", metavar="SPEC",
                    help=f"built-in ({', '.join(backends.builtin_names())}), path/file.py:fn, module:fn; "
                         "join with + (default: eager)")
-    p.add_argument("--layout", action="append", choices=layouts.names(), metavar="LAYOUT",
-                   help=f"repeatable; default single; one of: {', '.join(layouts.names())}")
+    p.add_argument("--layout", action="append", metavar="LAYOUT",
+                   help=f"repeatable; default single; one of: {', '.join(layouts.names())}, "
+                        "or path/file.py:layout, module:layout")
     p.add_argument("--matrix", action="store_true",
                    help="check every model with every backend and layout; print one table")
     p.add_argument("--backends", metavar="A,B", help="with --matrix: backend specs (default: built-ins that run here)")
     p.add_argument("--layouts", metavar="X,Y", help="with --matrix: layouts (default: single)")
     p.add_argument("--nproc", type=int, default=2, metavar="N", help="processes for multi-process layouts (default 2)")
-    p.add_argument("--timeout", type=float, default=layouts.DEFAULT_TIMEOUT_S, metavar="S",
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
                    help="seconds before a multi-process check is ended as an error (default %(default)g)")
     p.add_argument("--format", choices=("text", "json"), default="text")
     p.add_argument("--cross-class", action="store_true",

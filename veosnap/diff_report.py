@@ -6,7 +6,7 @@ import json
 import math
 from dataclasses import asdict
 
-from .diff import DiffReport, FieldChange, GoldenDiff, TensorMove
+from .runs.diff import DiffReport, FieldChange, GoldenDiff, TensorMove
 from .golden.manifest import Approval
 
 SHOWN_TENSORS = 12

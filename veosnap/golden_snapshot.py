@@ -29,7 +29,7 @@ from syrupy.extensions.base import AbstractSyrupyExtension
 if TYPE_CHECKING:
     from syrupy.location import PyTestLocation
 
-    from .backends import Backend
+    from .candidates.backends import Backend
     from .runs.verdict import CheckReport
     from .golden.key import GoldenKey
     from .reference.zoo import Project
@@ -72,14 +72,14 @@ class Candidate:
 
     def matches(self, stored: bytes, path: Path) -> bool:
         from .golden import codec, store
-        from .check import check
+        from .runs.check import check
         from .errors import GoldenError
 
         gold = codec.decode(stored, path)
         gold.path = path
         if gold.key != self.key:
             raise GoldenError(path, f"manifest key {gold.key} disagrees with its path ({self.key})")
-        self.report = check(self.project, self.key, self.backend, gold=gold)
+        self.report = check(self.project, self.key, self.backend, self.layout or "single", gold=gold)
         return self.report.passed
 
     def diff_lines(self, stored: bytes | None) -> Iterator[str]:

@@ -182,7 +182,7 @@ class VeosnapSession:
     def recording(self, key: GoldenKey) -> bytes:
         """The golden for `key` as the reference records it now (once per process and key)."""
         from .golden import codec, store
-        from .record import build_golden
+        from .runs.record import build_golden
 
         name = str(key)
         if name not in self._recordings:
@@ -204,7 +204,8 @@ class VeosnapSession:
               dtype: str = "float32", *, layout: str | None = None, scenario: str = "step") -> CheckReport:
         """Check `backend` (and later `layout`) on `model` in `dtype` against its golden; see `veosnap_check`."""
         __tracebackhide__ = True
-        from . import backends
+        from .candidates import backends
+        from .candidates.layouts import registry
         from .reference import hardware
         from .golden import codec, store
         from .errors import VeosnapError
@@ -214,7 +215,7 @@ class VeosnapSession:
         try:
             key = GoldenKey(project.hardware_class, model, scenario, dtype)
             resolved = backends.resolve(backend)
-            _check_layout(layout)
+            registry.resolve(layout or "single")
         except VeosnapError as exc:
             pytest.fail(f"veosnap: {exc}", pytrace=False)
         name = str(key)
@@ -365,15 +366,6 @@ class VeosnapSession:
 
 
 _STATE = pytest.StashKey[VeosnapSession]()
-
-
-def _check_layout(layout: str | None) -> None:
-    # Layouts (packing, FSDP2, tensor/expert parallel) arrive with veosnap.layouts; the golden of a
-    # layout check is the same golden, so only the Candidate changes when they do.
-    if layout not in (None, "single"):
-        from .errors import VeosnapError
-
-        raise VeosnapError(f"layout {layout!r}: layouts are not available in this veosnap yet (only 'single')")
 
 
 def _raise_for(snapshot: SnapshotAssertion) -> None:

@@ -59,7 +59,7 @@ def build(
     user loads the model with `dtype=...`.
     """
     config = hf_config(toy)
-    with warnings.catch_warnings(), _quiet_transformers():
+    with warnings.catch_warnings(), quiet_transformers():
         warnings.simplefilter("ignore")
         try:
             model = transformers.AutoModelForCausalLM.from_config(
@@ -77,7 +77,7 @@ def build(
 def upcast_copy(model: nn.Module, toy: ToyConfig, dtype: torch.dtype = torch.float64) -> nn.Module:
     """The same function as `model` (its exact weight values) built in a higher precision."""
     config = hf_config(toy)
-    with warnings.catch_warnings(), _quiet_transformers():
+    with warnings.catch_warnings(), quiet_transformers():
         warnings.simplefilter("ignore")
         high = transformers.AutoModelForCausalLM.from_config(
             config,
@@ -119,7 +119,7 @@ class KeepFloat64(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-class _quiet_transformers:
+class quiet_transformers:
     """Silence transformers' logger while building toy models (warnings about toy sizes)."""
 
     def __enter__(self) -> None:

@@ -1,4 +1,5 @@
-"""Where the toy models, test data and goldens live, and how a toy config is read.
+"""Where the toy models, test data and goldens live, how a toy config is read, and which golden a
+candidate is checked against.
 
 Lookup order for each directory: an explicit flag, else the project in the current directory
 (`./goldens`, `./toy_configs`, `./testdata`), else the zoo bundled with veosnap (inside the wheel
@@ -11,9 +12,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import VeosnapError
-from ..golden.key import check_name
+from ..errors import GoldenError, MissingGoldenError, VeosnapError
+from ..golden import store
+from ..golden.codec import Golden
+from ..golden.key import GoldenKey, check_name
 from ..golden.manifest import config_hash
+from . import hardware
 
 _PACKAGE = Path(__file__).resolve().parents[1]  # the veosnap package
 
@@ -92,8 +96,6 @@ class Project:
         testdata: str | Path | None = None,
         hardware_class: str | None = None,
     ) -> Project:
-        from . import hardware
-
         return cls(
             # An explicit goldens directory may not exist yet: `record` creates it.
             goldens=Path(goldens) if goldens is not None else resolve_dir("goldens"),
@@ -104,3 +106,43 @@ class Project:
 
     def models(self) -> list[str]:
         return list_models(self.configs)
+
+
+def load_golden(project: Project, key: GoldenKey) -> Golden:
+    """The golden for `key`, validated; a clear error when it (or its whole hardware class) is missing."""
+    path = store.path_for(project.goldens, key)
+    if not path.is_file():
+        classes = sorted(p.name for p in project.goldens.iterdir() if p.is_dir()) if project.goldens.is_dir() else []
+        if key.hardware_class not in classes:
+            raise MissingGoldenError(
+                f"{project.goldens}: no goldens for hardware class {key.hardware_class} "
+                f"(present: {', '.join(classes) or 'none'}); record them on that hardware with "
+                f"`veosnap record --goldens {project.goldens}`, or pick a class with --hardware-class"
+            )
+        raise MissingGoldenError(
+            f"{path}: no golden for {key}; record it with "
+            f"`veosnap record --model {key.model} --dtype {key.dtype}"
+            f"{'' if key.scenario == 'step' else f' --scenario {key.scenario}'}` on {key.hardware_class} hardware"
+        )
+    return store.read(path, root=project.goldens)
+
+
+def load_checked(project: Project, key: GoldenKey, cross_class: bool = False,
+                 gold: Golden | None = None) -> tuple[Golden, ToyConfig]:
+    """The golden for `key` and the toy config a candidate is built from, both validated.
+
+    Refuses a golden recorded from another config, and goldens of another hardware class than this
+    machine's unless `cross_class` (which measures how far the two classes are apart).
+    """
+    gold = gold if gold is not None else load_golden(project, key)
+    here = hardware.detect()
+    if key.hardware_class != here and not cross_class:
+        raise VeosnapError(
+            f"{gold.path}: a {key.hardware_class} golden cannot check a candidate running on {here}; "
+            f"use the {here} goldens, or pass --cross-class to measure how far the two classes are apart"
+        )
+    toy = load_config(project.configs, key.model)
+    if toy.hash != gold.manifest.config_hash:
+        raise GoldenError(gold.path, f"recorded from another config than {toy.path} (config hash differs); "
+                          f"re-record with `veosnap record --model {key.model} --dtype {key.dtype}`")
+    return gold, toy

@@ -11,15 +11,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from .reference import hardware
-from .golden import codec, store
+from ..reference import hardware
+from ..golden import codec, store
 from .diff import GoldenDiff, diff_goldens
-from .errors import GoldenError, VeosnapError
-from .golden.codec import Golden
-from .golden.key import GoldenKey
-from .golden.manifest import Approval
+from ..errors import GoldenError, VeosnapError
+from ..golden.codec import Golden
+from ..golden.key import GoldenKey
+from ..golden.manifest import Approval
 from .record import build_golden
-from .reference.zoo import Project
+from ..reference.zoo import Project
 
 # Manifest fields whose change alone makes a refresh rewrite: the golden would describe another
 # function, batch, tolerance rule or format than the one on disk.

@@ -14,7 +14,7 @@ It may also:
 SPEC is:
 
 - a registered name: `eager`, `sdpa`, `flex_attention`, `grouped_mm`, `batched_mm`, `compile`,
-  `liger`, or one added with `register`;
+  `liger`, or one added with `register` (`veosnap.register_backend`);
 - `path/to/file.py:function` or `package.module:function`;
 - the name of a `veosnap.backends` entry point;
 - several of these joined by `+` (`sdpa+grouped_mm`), applied left to right.
@@ -28,14 +28,13 @@ import inspect
 import sys
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from importlib.metadata import entry_points
-from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
 from torch import nn
 
-from .errors import Unsupported, VeosnapError
+from ..errors import Unsupported, VeosnapError
+from . import specs
 
 BackendFn = Callable[[nn.Module], object]
 ENTRY_POINT_GROUP = "veosnap.backends"
@@ -65,18 +64,20 @@ class Registered:
 _REGISTRY: dict[str, Registered] = {}
 
 
-def register(name: str, requires: Callable[[], str | None] | None = None) -> Callable[[BackendFn], BackendFn]:
-    """Decorator: register a backend under `name`.
+def register(name: str, fn: BackendFn | None = None, *,
+             requires: Callable[[], str | None] | None = None) -> Callable[[BackendFn], BackendFn] | BackendFn:
+    """Register a backend under `name`: `register(name, fn)`, or `@register(name)` as a decorator.
 
     `requires` returns why this machine cannot run it (None when it can); `veosnap check --matrix`
-    leaves such backends out of its default columns.
+    leaves such backends out of its default columns. A backend registered at run time is known to
+    this process only: torchrun ranks resolve SPECs again (give them a file, module or entry point).
     """
 
     def wrap(fn: BackendFn) -> BackendFn:
         _REGISTRY[name] = Registered(fn, requires or (lambda: None))
         return fn
 
-    return wrap
+    return wrap if fn is None else wrap(fn)
 
 
 def builtin_names() -> list[str]:
@@ -297,11 +298,6 @@ class Backend:
                     model = result
             yield Candidate(model, forward_only="; ".join(reasons))
 
-    def apply(self, model: nn.Module) -> nn.Module:
-        """The candidate model with every step applied and left in place (no forward-only flag, no undo)."""
-        # Entered and never exited: the patches stay, the caller owns the model from here on.
-        return self.prepare(model).__enter__().model
-
 
 def resolve(spec: str) -> Backend:
     """Turn a SPEC into a Backend, with a one-line error naming what could not be found."""
@@ -311,53 +307,9 @@ def resolve(spec: str) -> Backend:
 
 
 def _resolve_one(spec: str) -> BackendFn:
-    if spec in _REGISTRY:
-        return _REGISTRY[spec].fn
-    if ":" in spec:
-        target, _, attr = spec.rpartition(":")
-        module = _load_file(target) if target.endswith(".py") or "/" in target else _import(target, spec)
-        fn = getattr(module, attr, None)
-        if not callable(fn):
-            raise VeosnapError(f"backend {spec!r}: {target} has no callable {attr!r}")
-        return fn
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        if ep.name == spec:
-            try:
-                fn = ep.load()
-            except Exception as exc:  # noqa: BLE001 - a broken plugin, reported in one line
-                raise VeosnapError(f"backend {spec!r}: entry point {ep.value} failed to load "
-                                   f"({type(exc).__name__}: {exc})") from None
-            if not callable(fn):
-                raise VeosnapError(f"backend {spec!r}: entry point {ep.value} is not callable")
-            return fn
-    known = ", ".join(builtin_names())
-    raise VeosnapError(f"unknown backend {spec!r} (built in: {known}; or path/to/file.py:function, module:function)")
-
-
-def _import(module_name: str, spec: str) -> object:
+    registry = {name: registered.fn for name, registered in _REGISTRY.items()}
     try:
-        return importlib.import_module(module_name)
-    except ImportError as exc:
-        raise VeosnapError(f"backend {spec!r}: cannot import {module_name} ({exc})") from None
-    except Exception as exc:  # noqa: BLE001 - the user's module failed while importing
-        raise VeosnapError(f"backend {spec!r}: error while importing {module_name} ({type(exc).__name__}: {exc})") from None
-
-
-def _load_file(path_text: str) -> object:
-    path = Path(path_text)
-    if not path.is_file():
-        raise VeosnapError(f"{path}: backend file not found")
-    name = f"veosnap_user_backend_{abs(hash(str(path.resolve())))}"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise VeosnapError(f"{path}: cannot load as a Python module")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except Exception as exc:  # noqa: BLE001 - the user's file, reported in one line
-        del sys.modules[name]
-        raise VeosnapError(f"{path}: error while importing backend file ({type(exc).__name__}: {exc})") from None
-    return module
+        return specs.load(spec, "backend", registry, ENTRY_POINT_GROUP, callable, "callable")  # type: ignore[return-value]
+    except KeyError:
+        known = ", ".join(builtin_names())
+        raise VeosnapError(f"unknown backend {spec!r} (built in: {known}; or path/to/file.py:function, module:function)") from None

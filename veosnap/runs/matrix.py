@@ -19,11 +19,12 @@ from typing import Callable
 from rich.console import Console
 from rich.table import Table
 
-from . import backends as backends_mod
-from .backends import Backend
-from .runs.verdict import CheckReport
-from .golden.key import GoldenKey
-from .reference.zoo import Project
+from ..candidates import backends as backends_mod
+from ..candidates.backends import Backend
+from ..golden.key import GoldenKey
+from ..reference.zoo import Project
+from .check import check_layouts
+from .verdict import CheckReport
 
 SINGLE = "single"  # the golden's own layout: one process, padded batch
 LayoutsCheck = Callable[[Project, GoldenKey, Backend, list[str]], list[CheckReport]]
@@ -31,11 +32,9 @@ STATUSES = ("pass", "fail", "skip", "error")
 
 
 def default_check(nproc: int = 2) -> LayoutsCheck:
-    """`veosnap.layouts.check_layouts`: the single layout in process, the others under one torchrun."""
+    """`runs.check.check_layouts`: in-process layouts here, the multi-process ones under one torchrun."""
 
     def run(project: Project, key: GoldenKey, backend: Backend, layouts: list[str]) -> list[CheckReport]:
-        from .layouts import check_layouts
-
         return check_layouts(project, key, backend, layouts, nproc=nproc)
 
     return run

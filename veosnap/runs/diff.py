@@ -19,15 +19,15 @@ from typing import Protocol
 
 import torch
 
-from .golden import codec, store
-from .errors import VeosnapError
-from .golden.codec import Golden
-from .golden.key import GoldenKey
-from .golden.manifest import Approval, json_object
-from .numerics.metric import is_token_tensor, row_error
-from .numerics.routes import compare_routes
-from .reference.determinism import one_thread
-from .reference.inputs import Batch
+from ..golden import codec, names, store
+from ..errors import VeosnapError
+from ..golden.codec import Golden
+from ..golden.key import GoldenKey
+from ..golden.manifest import Approval, json_object
+from ..numerics.metric import is_token_tensor, row_error
+from ..numerics.routes import compare_routes
+from ..reference.determinism import one_thread
+from ..reference.inputs import Batch
 
 WORKING_TREE = "working tree"
 
@@ -216,26 +216,24 @@ def _tensor_move(name: str, old: torch.Tensor, new: torch.Tensor, bound: float,
 
 
 def _route_changes(old: Golden, new: Golden, mask: torch.Tensor) -> tuple[list[RouteChange], int]:
-    def layers(g: Golden) -> set[int]:
-        return {int(n.split(".")[1]) for n in g.tensors if n.startswith("routes.") and n.endswith(".experts")}
-
-    old_layers, new_layers = layers(old), layers(new)
+    old_experts, new_experts = old.experts(), new.experts()
     tokens = int(mask.sum())
     changes = []
-    for layer in sorted(old_layers | new_layers):
-        if layer not in new_layers or layer not in old_layers:
-            status = "removed" if layer not in new_layers else "added"
+    for layer in sorted(old_experts.keys() | new_experts.keys()):
+        if layer not in new_experts or layer not in old_experts:
+            status = "removed" if layer not in new_experts else "added"
             changes.append(RouteChange(layer, tokens, tokens, status=status))
             continue
-        a, b = old.tensors[f"routes.{layer}.experts"].long(), new.tensors[f"routes.{layer}.experts"].long()
+        a, b = old_experts[layer], new_experts[layer]
         if a.shape != b.shape or a.shape[0] != mask.numel():
             changes.append(RouteChange(layer, tokens, tokens, status="reshaped"))
             continue
-        diff = compare_routes(layer, a, old.tensors[f"routes.{layer}.margin"], b, mask, old.manifest.tie_epsilon)
+        margin = old.tensors[str(names.Route(layer, "margin"))]
+        diff = compare_routes(layer, a, margin, b, mask, old.manifest.tie_epsilon)
         flipped = diff.clear_flips + diff.near_tie_flips
         if flipped:
             changes.append(RouteChange(layer, diff.tokens, flipped, diff.near_tie_flips))
-    return changes, len(old_layers | new_layers)
+    return changes, len(old_experts.keys() | new_experts.keys())
 
 
 def _layers(margins: dict[int, float]) -> dict[str, float]:

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import torch
 
-from .golden import store
-from .golden.key import SUFFIX
-from .errors import GoldenError, VeosnapError
-from .golden.codec import Golden
-from .golden.key import GoldenKey
+from ..golden import store
+from ..golden.key import SUFFIX
+from ..errors import GoldenError, VeosnapError
+from ..golden.codec import Golden
+from ..golden.key import GoldenKey
 
 
 @dataclass(frozen=True)
