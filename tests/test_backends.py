@@ -13,7 +13,7 @@ import torch
 
 from veosnap.candidates import backends
 from veosnap.runs.check import check
-from veosnap.cli import main
+from veosnap.surfaces.cli import main
 from veosnap.golden.key import GoldenKey
 from veosnap.reference.zoo import Project
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from veosnap.golden import store
-from veosnap.cli import main
+from veosnap.surfaces.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -19,7 +19,7 @@ from safetensors.torch import save as st_save
 
 from veosnap.golden import codec
 from veosnap.errors import GoldenError
-from veosnap.cli import main
+from veosnap.surfaces.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCE = REPO / "goldens" / "cpu" / "llama" / "step-float32.safetensors.zst"

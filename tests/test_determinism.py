@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from veosnap.cli import main
+from veosnap.surfaces.cli import main
 from veosnap.runs.record import record
 from veosnap.reference.zoo import Project
 

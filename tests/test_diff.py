@@ -7,7 +7,7 @@ import shutil
 from dataclasses import replace
 
 from golden_repo import REPO, commit, copy_zoo, git, git_repo
-from veosnap import cli
+from veosnap.surfaces import cli
 from veosnap.golden import codec, store
 from veosnap.runs.diff import diff, diff_goldens
 from veosnap.golden.key import GoldenKey

@@ -15,7 +15,7 @@ import torch
 from veosnap.candidates import backends
 from veosnap.candidates.layouts import registry, torchrun
 from veosnap.candidates.layouts.protocol import Layout, Shard, shard_rows
-from veosnap.cli import main
+from veosnap.surfaces.cli import main
 from veosnap.errors import VeosnapError
 from veosnap.golden.key import GoldenKey
 from veosnap.reference.zoo import Project

@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 
 from veosnap.candidates import backends
-from veosnap.cli import main
+from veosnap.surfaces.cli import main
 from veosnap.numerics.compare import TensorResult
 from veosnap.runs.verdict import CheckReport
 from veosnap.golden.key import GoldenKey
-from veosnap.runs.matrix import Cell, Column, Row, default_backends, run_matrix, text
+from veosnap.render.text import matrix as text
+from veosnap.runs.matrix import Cell, Column, Row, default_backends, run_matrix
 from veosnap.reference.zoo import Project
 
 REPO = Path(__file__).resolve().parents[1]

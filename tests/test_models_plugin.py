@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from veosnap.pytest_plugin import GoldenMismatch, matrix
+from veosnap.surfaces.pytest_plugin import GoldenMismatch, matrix
 
 
 @matrix(backends=["eager", "sdpa", "grouped_mm", "batched_mm"], dtypes=["float32", "bfloat16"])

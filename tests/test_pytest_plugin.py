@@ -47,8 +47,8 @@ def pytest_in(project: Path, *args: str) -> Run:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("PYTEST_", "VEOSNAP_")) and k != "PYTHONPATH"}
     env["PYTHONPATH"] = str(Path(veosnap.__file__).resolve().parents[1])
-    plugin = [] if any(ep.value == "veosnap.pytest_plugin" for ep in entry_points(group="pytest11")) \
-        else ["-p", "veosnap.pytest_plugin"]
+    plugin = [] if any(ep.value == "veosnap.surfaces.pytest_plugin" for ep in entry_points(group="pytest11")) \
+        else ["-p", "veosnap.surfaces.pytest_plugin"]
     proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *plugin, "-q", *args],
                           cwd=project, env=env, capture_output=True, text=True, timeout=600)
     return Run(proc.returncode, proc.stdout + proc.stderr)

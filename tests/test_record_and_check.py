@@ -20,7 +20,7 @@ from safetensors import safe_open
 
 from veosnap.reference import models, weights
 from veosnap.golden import store
-from veosnap.cli import main
+from veosnap.surfaces.cli import main
 from veosnap.errors import VeosnapError
 from veosnap.golden.key import GoldenKey
 from veosnap.reference.inputs import Batch
@@ -179,7 +179,7 @@ def test_wheel_bundles_the_zoo_so_check_works_after_a_plain_install(tmp_path):
     with zipfile.ZipFile(wheel) as zf:
         zf.extractall(site)  # what pip would unpack into site-packages
     env = {**os.environ, "PYTHONPATH": str(site)}
-    run = subprocess.run([sys.executable, "-m", "veosnap.cli", "check", "--model", "llama", "--dtype", "float32"],
+    run = subprocess.run([sys.executable, "-m", "veosnap", "check", "--model", "llama", "--dtype", "float32"],
                          cwd=tmp_path, env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert "PASS  cpu/llama/step-float32" in run.stdout

@@ -7,13 +7,13 @@ import json
 import pytest
 
 from golden_repo import commit, copy_zoo, git_repo, needs_cpu
-from veosnap import cli
+from veosnap.surfaces import cli
 from veosnap.reference import hardware
 from veosnap.golden import store
 from veosnap.errors import GoldenError, VeosnapError
 from veosnap.golden.key import GoldenKey
 from veosnap.runs.refresh import refresh
-from veosnap.show import describe
+from veosnap.render.text import golden as describe
 from veosnap.runs.verify import verify_file
 
 LLAMA = GoldenKey("cpu", "llama", "step", "float32")

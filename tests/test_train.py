@@ -15,7 +15,7 @@ from veosnap.candidates import backends
 from veosnap.golden import names
 from veosnap.golden import store
 from veosnap.runs.check import check, check_layouts
-from veosnap.cli import main
+from veosnap.surfaces.cli import main
 from veosnap.golden.key import GoldenKey
 from veosnap.reference.zoo import Project
 

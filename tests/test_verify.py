@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from golden_repo import REPO
-from veosnap import cli
+from veosnap.surfaces import cli
 from veosnap.golden import store
 from veosnap.golden.key import GoldenKey
 from veosnap.golden.manifest import Tolerance

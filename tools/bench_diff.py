@@ -102,7 +102,7 @@ def main() -> int:
         print(f"\ndiff() in process, {base} -> {head or 'working tree'}: {best:.3f} s "
               f"(best of {args.repeat}; {len(report.changed)} changed, {len(report.unchanged)} unchanged)")
 
-        cmd = [sys.executable, "-m", "veosnap.cli", "diff", base, *([head] if head else []), "--goldens", str(goldens)]
+        cmd = [sys.executable, "-m", "veosnap", "diff", base, *([head] if head else []), "--goldens", str(goldens)]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
         t0 = time.perf_counter()
         done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)

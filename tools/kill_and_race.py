@@ -4,7 +4,7 @@ each other and a reader. Prints a table (or JSON with --json); tests/test_crashe
     python tools/kill_and_race.py kill --kills 100 [--mode record|write] [--seed 0] [--dir DIR]
     python tools/kill_and_race.py race --rounds 6 [--dir DIR]
 
-Recorders run `veosnap.cli.main(["record", ...])` in children forked from this process, which has
+Recorders run `veosnap.surfaces.cli.main(["record", ...])` in children forked from this process, which has
 already imported torch and transformers, so a kill costs a fork instead of a ~4 s interpreter start.
 `kill --mode record` kills at random moments of whole recordings (model build, runs, encode, write);
 `kill --mode write` kills children that only rewrite the golden, so most kills land inside the write.
@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from veosnap.golden import codec, store  # noqa: E402
-from veosnap.cli import main as cli  # noqa: E402
+from veosnap.surfaces.cli import main as cli  # noqa: E402
 from veosnap.errors import GoldenError  # noqa: E402
 from veosnap.golden.key import GoldenKey  # noqa: E402
 

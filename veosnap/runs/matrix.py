@@ -9,15 +9,10 @@ one torchrun start-up, and anything else with that shape plugs in.
 
 from __future__ import annotations
 
-import io
-import json
 import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable
-
-from rich.console import Console
-from rich.table import Table
 
 from ..candidates import backends as backends_mod
 from ..candidates.backends import Backend
@@ -180,93 +175,3 @@ def run_matrix(
                 if on_cell:
                     on_cell(cell, len(cells), total)
     return Matrix(rows, columns, cells, dict(unavailable or {}), time.perf_counter() - start)
-
-
-# --- rendering -------------------------------------------------------------------------------------
-
-_STYLE = {"pass": "green", "fail": "bold red", "skip": "dim", "error": "bold magenta"}
-
-
-def _ratio(x: float | None) -> str:
-    return "" if x is None else f" {x:.2g}x"
-
-
-def cell_text(cell: Cell) -> str:
-    """`pass 0.061x`, `FAIL 3.2x`, `skip`, `ERROR`; `pass*` when only the forward was checked."""
-    if cell.status == "skip":
-        return "skip"
-    if cell.status == "error":
-        return "ERROR"
-    mark = "*" if cell.forward_only else ""
-    word = "pass" if cell.status == "pass" else "FAIL"
-    return f"{word}{mark}{_ratio(cell.worst_ratio)}"
-
-
-def text(matrix: Matrix, width: int = 160, color: bool = False) -> str:
-    """The matrix as a table, then one line per cell that did not pass, then a summary."""
-    buf = io.StringIO()
-    console = Console(file=buf, width=width, force_terminal=color, no_color=not color, highlight=False)
-    several_layouts = len({c.layout for c in matrix.columns}) > 1
-    several_dtypes = len({r.dtype for r in matrix.rows}) > 1
-    table = Table(header_style="bold", show_lines=False)
-    table.add_column("model", no_wrap=True)
-    for column in matrix.columns:
-        table.add_column(column.label if several_layouts else column.backend, justify="left", no_wrap=True)
-    for row in matrix.rows:
-        label = f"{row.model} {row.dtype}" if several_dtypes else row.model
-        values = []
-        for column in matrix.columns:
-            cell = matrix.cell(row, column)
-            values.append("" if cell is None else f"[{_STYLE[cell.status]}]{cell_text(cell)}[/]")
-        table.add_row(label, *values)
-    dtypes = sorted({r.dtype for r in matrix.rows})
-    console.print(f"support matrix ({', '.join(dtypes)}; cell: status and worst error/bound ratio)")
-    console.print(table)
-    if any(c.forward_only for c in matrix.cells):
-        console.print("* forward only: loss, logits, layer outputs and routes checked; gradients not (see notes)")
-    for line in _outcome_lines(matrix):
-        console.print(line, soft_wrap=True)
-    for name, reason in sorted(matrix.unavailable.items()):
-        console.print(f"not run here: {name} ({reason})", soft_wrap=True)
-    counts = matrix.counts()
-    console.print(f"{len(matrix.cells)} cells: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n)
-                  + f" in {matrix.seconds:.1f} s")
-    return buf.getvalue()
-
-
-def _outcome_lines(matrix: Matrix) -> list[str]:
-    """One line per failed or errored cell; skipped cells grouped by column and reason (they repeat)."""
-    lines = []
-    skipped: dict[tuple[str, str], list[str]] = {}
-    for cell in matrix.cells:
-        row = f"{cell.model} {cell.dtype}"
-        if cell.status == "skip":
-            skipped.setdefault((f"{cell.backend}/{cell.layout}", cell.reason), []).append(row)
-        elif cell.status != "pass":
-            lines.append(f"{cell.status.upper():5s} {row} {cell.backend}/{cell.layout}: {cell.reason}")
-    for (column, reason), rows in skipped.items():
-        where = "every row" if len(rows) == len(matrix.rows) > 1 else ", ".join(rows)
-        lines.append(f"skip  {column} on {where}: {reason}")
-    return lines
-
-
-def as_dict(matrix: Matrix) -> dict:
-    return {
-        "passed": matrix.passed,
-        "counts": matrix.counts(),
-        "seconds": round(matrix.seconds, 3),
-        "columns": [{"backend": c.backend, "layout": c.layout} for c in matrix.columns],
-        "rows": [{"model": r.model, "dtype": r.dtype} for r in matrix.rows],
-        "unavailable": matrix.unavailable,
-        "cells": [
-            {"model": c.model, "dtype": c.dtype, "backend": c.backend, "layout": c.layout, "status": c.status,
-             "worst_ratio": c.worst_ratio, "worst_tensor": c.worst_tensor or None, "reason": c.reason or None,
-             "forward_only": c.forward_only, "notes": list(c.notes), "seconds": round(c.seconds, 3)}
-            for c in matrix.cells
-        ],
-    }
-
-
-def json_text(matrix: Matrix) -> str:
-    """One JSON document: `passed`, `counts`, `columns`, `rows`, `cells` (one per check)."""
-    return json.dumps(as_dict(matrix), indent=2)

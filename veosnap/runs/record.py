@@ -18,6 +18,7 @@ from ..golden import codec, names, store
 from ..golden.codec import Golden
 from ..golden.key import DTYPE_NAMES, SCENARIOS, GoldenKey
 from ..golden.manifest import BatchSpec, Manifest, Provenance, Reference
+from ..numerics import fmt
 from ..numerics.routes import flips
 from ..numerics.tolerance import ALPHA, FLOOR, TIE_EPSILON, noise, pooled_noises, tolerance_for
 from ..reference.probes import RouteRecord
@@ -129,7 +130,7 @@ def _check_routes(key: GoldenKey, reference: dict[int, RouteRecord], truth: dict
     for layer, value in margins.items():
         if value < eps:
             raise VeosnapError(
-                f"{key}: router margin {value:.3g} in layer {layer} is under the tie epsilon {eps:g}: a near-tie "
+                f"{key}: router margin {fmt.num(value)} in layer {layer} is under the tie epsilon {eps:g}: a near-tie "
                 "would make this golden flaky across hardware; make the toy router decide clearly, or pass --allow-near-ties"
             )
         flipped = flips(reference[layer].experts, truth[layer].experts, mask)

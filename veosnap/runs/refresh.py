@@ -18,6 +18,7 @@ from ..errors import GoldenError, VeosnapError
 from ..golden.codec import Golden
 from ..golden.key import GoldenKey
 from ..golden.manifest import Approval
+from ..numerics import fmt
 from .record import build_golden
 from ..reference.zoo import Project
 
@@ -47,7 +48,7 @@ def reasons_to_rewrite(d: GoldenDiff) -> list[str]:
     over = [t for t in d.tensors if t.material]
     if over:
         worst = max(over, key=lambda t: t.ratio)
-        why.append(f"{len(over)} tensor(s) moved beyond 1x bound (largest {worst.name} {worst.ratio:.3g}x)")
+        why.append(f"{len(over)} tensor(s) moved beyond 1x bound (largest {worst.name} {fmt.times(worst.ratio)})")
     if d.tensors_added or d.tensors_removed:
         why.append(f"tensor set changed (+{len(d.tensors_added)} -{len(d.tensors_removed)})")
     if d.routes:

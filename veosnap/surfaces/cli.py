@@ -12,15 +12,17 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
-from . import report
-from .candidates import backends
-from .candidates.layouts import registry as layouts
-from .runs.check import DEFAULT_TIMEOUT_S
-from .golden import store
-from .golden.key import DTYPE_NAMES, SCENARIOS
-from .errors import VeosnapError
-from .golden.key import GoldenKey
-from .reference.zoo import Project, resolve_dir
+from ..candidates import backends
+from ..candidates.layouts import registry as layouts
+from ..errors import VeosnapError
+from ..golden import store
+from ..golden.key import DTYPE_NAMES, SCENARIOS, GoldenKey
+from ..numerics import fmt
+from ..reference.zoo import Project, resolve_dir
+from ..render import json as render_json
+from ..render import markdown as render_markdown
+from ..render import text as render_text
+from ..runs.check import DEFAULT_TIMEOUT_S
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -39,13 +41,13 @@ def _selection(args: argparse.Namespace, project: Project) -> list[tuple[str, st
 
 
 def cmd_record(args: argparse.Namespace) -> int:
-    from .runs.record import record
+    from ..runs.record import record
 
     project = _project(args)
     for model, dtype in _selection(args, project):
         outcome = record(project, model, dtype, scenario=args.scenario, seed=args.seed,
                          allow_near_ties=args.allow_near_ties)
-        margin = "" if outcome.min_margin is None else f"  min router margin {outcome.min_margin:.3g}"
+        margin = "" if outcome.min_margin is None else f"  min router margin {fmt.num(outcome.min_margin)}"
         state = "wrote" if outcome.written else "unchanged"
         print(f"{state:9s} {outcome.path}{margin}")
     return EXIT_OK
@@ -56,7 +58,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         return cmd_matrix(args)
     if args.backends or args.layouts:
         raise VeosnapError("--backends and --layouts go with --matrix (for one backend: --backend SPEC)")
-    from .runs.check import check_layouts
+    from ..runs.check import check_layouts
 
     project = _project(args)
     backend = backends.resolve(args.backend or "eager")
@@ -67,38 +69,36 @@ def cmd_check(args: argparse.Namespace) -> int:
                                      args.layout or ["single"], nproc=args.nproc, timeout_s=args.timeout,
                                      cross_class=args.cross_class)
     ]
-    out = report.json_text(reports) if args.format == "json" else report.text(reports, color=sys.stdout.isatty())
+    out = render_json.checks(reports) if args.format == "json" else render_text.checks(reports, color=sys.stdout.isatty())
     sys.stdout.write(out if out.endswith("\n") else out + "\n")
     return EXIT_OK if all(r.passed for r in reports) else EXIT_FAILED
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    from . import diff_report
-    from .runs.diff import diff
+    from ..runs.diff import diff
 
     goldens = Path(args.goldens) if args.goldens else resolve_dir("goldens")
     result = diff(args.base, args.head, goldens)
-    render = {"text": diff_report.text, "markdown": diff_report.markdown, "json": diff_report.json_text}[args.format]
+    render = {"text": render_text.diff, "markdown": render_markdown.diff, "json": render_json.diff}[args.format]
     out = render(result)
     sys.stdout.write(out if out.endswith("\n") else out + "\n")
     return EXIT_FAILED if args.fail_on_change and result.material else EXIT_OK
 
 
 def cmd_refresh(args: argparse.Namespace) -> int:
-    from . import diff_report
-    from .runs.refresh import refresh
+    from ..runs.refresh import refresh
 
     project = _project(args)
     for model, dtype in _selection(args, project):
         outcome = refresh(project, model, dtype, args.reason, force=args.force, allow_near_ties=args.allow_near_ties)
         print(f"{outcome.action:9s} {outcome.path}  ({outcome.why})")
         if outcome.diff is not None:
-            print("\n".join(diff_report.golden_text(outcome.diff)))
+            print("\n".join(render_text.diff_golden(outcome.diff)))
     return EXIT_OK
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from .runs.verify import verify
+    from ..runs.verify import verify
 
     paths = args.paths or [Path(args.goldens) if args.goldens else resolve_dir("goldens")]
     results = verify(paths)
@@ -111,7 +111,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_matrix(args: argparse.Namespace) -> int:
-    from .runs import matrix
+    from ..runs import matrix
 
     if args.backend:
         raise VeosnapError("--matrix takes --backends a,b,c (not --backend)")
@@ -128,7 +128,7 @@ def cmd_matrix(args: argparse.Namespace) -> int:
     result = matrix.run_matrix(project, models, dtypes, specs, layouts,
                                check_cells=matrix.default_check(args.nproc), on_cell=progress,
                                unavailable=unavailable, scenario=args.scenario)
-    out = matrix.json_text(result) if args.format == "json" else matrix.text(result, color=sys.stdout.isatty())
+    out = render_json.matrix(result) if args.format == "json" else render_text.matrix(result, color=sys.stdout.isatty())
     sys.stdout.write(out if out.endswith("\n") else out + "\n")
     return EXIT_OK if result.passed else EXIT_FAILED
 
@@ -148,9 +148,7 @@ def _progress(cell, done: int, total: int) -> None:  # noqa: ANN001 - a matrix.C
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from .show import describe
-
-    print(describe(store.read(args.golden), full=args.full))
+    print(render_text.golden(store.read(args.golden), full=args.full))
     return EXIT_OK
 
 

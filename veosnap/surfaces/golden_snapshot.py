@@ -7,7 +7,7 @@ directory under the path `veosnap record` writes. The pieces, in syrupy's terms:
 - storage: the snapshot named `cpu/llama/step-float32` is `<goldens>/cpu/llama/step-float32.safetensors.zst`,
   read as bytes and written atomically (`golden.write_bytes`), never through syrupy's own file writer;
 - serializer: the asserted value is a `Recording` (golden bytes just built from the HF eager
-  reference) or a `Candidate` (a backend to check), passed through as is;
+  reference) or a `CandidateCheck` (a backend under a layout, to check), passed through as is;
 - comparator: a recording matches when its bytes are the stored bytes; a candidate matches when
   veosnap's tolerance-aware check against the stored golden passes;
 - reporter: the diff lines are veosnap's report rows.
@@ -26,23 +26,16 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from syrupy.data import Snapshot, SnapshotCollection, SnapshotCollections
 from syrupy.extensions.base import AbstractSyrupyExtension
 
+from ..golden.key import SUFFIX, GoldenKey  # no torch: the plugin stays cheap to load
+
 if TYPE_CHECKING:
     from syrupy.location import PyTestLocation
 
-    from .candidates.backends import Backend
-    from .runs.verdict import CheckReport
-    from .golden.key import GoldenKey
-    from .reference.zoo import Project
+    from ..candidates.backends import Backend
+    from ..runs.verdict import CheckReport
+    from ..reference.zoo import Project
 
-SUFFIX = ".safetensors.zst"
 REPORT_WIDTH = 200  # wide enough that pytest's "E   " prefix does not fold the table's rows
-
-
-def key_from_name(name: str) -> GoldenKey:
-    """`cpu/llama/step-float32` -> GoldenKey (the snapshot name is the golden's key)."""
-    from .golden.key import GoldenKey
-
-    return GoldenKey.from_relpath(Path(f"{name}{SUFFIX}"))
 
 
 @dataclass
@@ -60,8 +53,8 @@ class Recording:
 
 
 @dataclass
-class Candidate:
-    """A backend (and, later, a layout) to check against the golden for `key`; holds the report once checked."""
+class CandidateCheck:
+    """A backend under a layout (a SPEC; None: single) to check against the golden for `key`; holds the report once checked."""
 
     project: Project
     key: GoldenKey
@@ -71,9 +64,9 @@ class Candidate:
     missing: str = ""  # set by the plugin: how to record the golden when it does not exist
 
     def matches(self, stored: bytes, path: Path) -> bool:
-        from .golden import codec, store
-        from .runs.check import check
-        from .errors import GoldenError
+        from ..golden import codec
+        from ..runs.check import check
+        from ..errors import GoldenError
 
         gold = codec.decode(stored, path)
         gold.path = path
@@ -83,12 +76,12 @@ class Candidate:
         return self.report.passed
 
     def diff_lines(self, stored: bytes | None) -> Iterator[str]:
-        from .report import text
+        from ..render.text import checks
 
         if self.report is None:
             yield self.missing or f"no golden for {self.key}"
             return
-        yield from text([self.report], width=REPORT_WIDTH).rstrip("\n").splitlines()
+        yield from checks([self.report], width=REPORT_WIDTH).rstrip("\n").splitlines()
 
 
 class GoldenExtension(AbstractSyrupyExtension):
@@ -107,8 +100,8 @@ class GoldenExtension(AbstractSyrupyExtension):
 
     # serializer: the asserted object carries everything the comparison needs
     def serialize(self, data: Any, **_: Any) -> Any:
-        if not isinstance(data, (Recording, Candidate)):
-            raise TypeError(f"a golden is compared with a Recording or a Candidate, not {type(data).__name__}")
+        if not isinstance(data, (Recording, CandidateCheck)):
+            raise TypeError(f"a golden is compared with a Recording or a CandidateCheck, not {type(data).__name__}")
         return data
 
     # storage
@@ -118,7 +111,7 @@ class GoldenExtension(AbstractSyrupyExtension):
 
     @classmethod
     def get_location(cls, *, test_location: PyTestLocation, index: Any) -> str:
-        return str(cls.goldens / key_from_name(str(index)).relpath)
+        return str(cls.goldens / GoldenKey.from_name(str(index)).relpath)
 
     @classmethod
     def dirname(cls, *, test_location: PyTestLocation) -> str:
@@ -130,8 +123,6 @@ class GoldenExtension(AbstractSyrupyExtension):
         return SnapshotCollections()
 
     def read_snapshot_collection(self, *, snapshot_location: str) -> SnapshotCollection:
-        from .golden.key import GoldenKey
-
         collection = SnapshotCollection(location=snapshot_location)
         relpath = Path(snapshot_location).relative_to(self.goldens)
         collection.add(Snapshot(name=str(GoldenKey.from_relpath(relpath))))
@@ -157,7 +148,7 @@ class GoldenExtension(AbstractSyrupyExtension):
     @classmethod
     def write_snapshot_collection(cls, *, snapshot_collection: SnapshotCollection,
                                   name_order: dict[str, int] | None = None) -> None:
-        from .golden import codec, store
+        from ..golden import store
 
         for snapshot in snapshot_collection:
             data = snapshot.data.data if isinstance(snapshot.data, Recording) else snapshot.data
@@ -172,7 +163,7 @@ class GoldenExtension(AbstractSyrupyExtension):
     def matches(self, *, serialized_data: Any, snapshot_data: Any) -> bool:
         return bool(serialized_data.matches(snapshot_data, Path(self.get_location_for(serialized_data))))
 
-    def get_location_for(self, data: Recording | Candidate) -> str:
+    def get_location_for(self, data: Recording | CandidateCheck) -> str:
         return str(self.goldens / data.key.relpath)
 
     def diff_lines(self, serialized_data: Any, snapshot_data: Any) -> Iterator[str]:

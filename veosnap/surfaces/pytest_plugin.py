@@ -25,14 +25,14 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import pytest
 
-from .golden_snapshot import Candidate, GoldenExtension, Recording
+from .golden_snapshot import CandidateCheck, GoldenExtension, Recording
 
 if TYPE_CHECKING:
     from syrupy.assertion import SnapshotAssertion
 
-    from .runs.verdict import CheckReport
-    from .golden.key import GoldenKey
-    from .reference.zoo import Project
+    from ..runs.verdict import CheckReport
+    from ..golden.key import GoldenKey
+    from ..reference.zoo import Project
 
 FIXTURES = ("veosnap_check",)
 REFERENCE_BACKEND = "eager"
@@ -75,7 +75,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", f"{_MATRIX_MARK}(models, dtypes, backends, layouts): veosnap check matrix "
-                                       "(use veosnap.pytest_plugin.matrix)")
+                                       "(use veosnap.surfaces.pytest_plugin.matrix)")
     state = VeosnapSession(config)
     config.stash[_STATE] = state
     if config.pluginmanager.hasplugin("xdist"):
@@ -156,8 +156,8 @@ class VeosnapSession:
     @property
     def project(self) -> Project:
         if self._project is None:
-            from .errors import VeosnapError
-            from .reference.zoo import Project
+            from ..errors import VeosnapError
+            from ..reference.zoo import Project
 
             try:
                 self._project = Project.resolve(
@@ -181,8 +181,8 @@ class VeosnapSession:
 
     def recording(self, key: GoldenKey) -> bytes:
         """The golden for `key` as the reference records it now (once per process and key)."""
-        from .golden import codec, store
-        from .runs.record import build_golden
+        from ..golden import codec
+        from ..runs.record import build_golden
 
         name = str(key)
         if name not in self._recordings:
@@ -204,12 +204,12 @@ class VeosnapSession:
               dtype: str = "float32", *, layout: str | None = None, scenario: str = "step") -> CheckReport:
         """Check `backend` (and later `layout`) on `model` in `dtype` against its golden; see `veosnap_check`."""
         __tracebackhide__ = True
-        from .candidates import backends
-        from .candidates.layouts import registry
-        from .reference import hardware
-        from .golden import codec, store
-        from .errors import VeosnapError
-        from .golden.key import GoldenKey
+        from ..candidates import backends
+        from ..candidates.layouts import registry
+        from ..reference import hardware
+        from ..golden import store
+        from ..errors import VeosnapError
+        from ..golden.key import GoldenKey
 
         project = self.project
         try:
@@ -246,7 +246,7 @@ class VeosnapSession:
 
         if self.update and backend != REFERENCE_BACKEND:
             self.outcome.candidates += 1
-        candidate = Candidate(project, key, resolved, layout, missing=self._missing_message(request, key, path))
+        candidate = CandidateCheck(project, key, resolved, layout, missing=self._missing_message(request, key, path))
         snapshot = self.assertion(request, update=False)  # a candidate never writes
         if snapshot(name=name) == candidate:
             assert candidate.report is not None
@@ -302,7 +302,7 @@ class VeosnapSession:
 
     def _find_unused(self) -> Unused | None:
         """Goldens of this hardware class no check used, if this was a full run (syrupy's rules); else None."""
-        from .golden import codec, store
+        from ..golden import store
 
         syrupy_report = getattr(getattr(self.config, "_syrupy", None), "report", None)
         if syrupy_report is None or syrupy_report.disable_unused_snapshots:
@@ -371,7 +371,7 @@ _STATE = pytest.StashKey[VeosnapSession]()
 def _raise_for(snapshot: SnapshotAssertion) -> None:
     """Re-raise what went wrong inside syrupy's assertion as a one-line failure, if anything did."""
     __tracebackhide__ = True
-    from .errors import VeosnapError
+    from ..errors import VeosnapError
 
     result = snapshot.executions[snapshot.num_executions - 1]
     if isinstance(result.exception, VeosnapError):
@@ -417,7 +417,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 def _models(state: VeosnapSession) -> list[str]:
-    from .reference.zoo import list_models, resolve_dir
+    from ..reference.zoo import list_models, resolve_dir
 
     return list_models(state.directory("configs") or resolve_dir("toy_configs"))
 
