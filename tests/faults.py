@@ -16,8 +16,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 from veosnap import Unsupported
-from veosnap.reference.probes import decoder_layers
-from veosnap.reference.probes import find_moe_layers
+from veosnap.reference.probes import decoder_layers, find_moe_layers
 
 FAULT_LAYER = 1  # faults confined to one layer go in the second decoder layer
 PAD_LEAK_ROW = 1  # the batch row (a 17-token sequence behind 15 pads) whose mask is broken

@@ -1,4 +1,4 @@
-"""Layout bugs planted on purpose, each a real layout with one thing done wrong: `--layout tests/layout_faults.py:<name>`.
+"""Layout bugs planted on purpose, each a real layout with one thing wrong: `--layout tests/layout_faults.py:<name>`.
 
 Each wraps a built-in layout and changes one step of it the way a real framework bug would, so the
 tests can show a layout check catches it and names the right tensor. They double as examples of the
@@ -26,7 +26,8 @@ class Planted(Layout):
 
     def __init__(self, base: str, bug: str) -> None:
         self.base = LAYOUTS[base]
-        self.name, self.description, self.distributed = self.base.name, f"{self.base.description}; {bug}", self.base.distributed
+        self.name, self.distributed = self.base.name, self.base.distributed
+        self.description = f"{self.base.description}; {bug}"
 
     def accept(self, golden, nproc):  # noqa: ANN001, ANN201
         return self.base.accept(golden, nproc)
@@ -119,5 +120,5 @@ packed_no_restart = NoRestart("packed", "a packed batch whose position ids run o
 hsdp_die = Die("hsdp", "the last rank exits with status 17 before its step")
 ddp_hang = Hang("ddp", "the last rank sleeps before its step (hangs the others in their first collective)")
 # train scenario only: bugs that leave every gradient right and the next parameters wrong
-microbatch_clip_micro = ClipMicro("microbatch", "gradients clipped after every micro-batch instead of once after accumulation")
+microbatch_clip_micro = ClipMicro("microbatch", "gradients clipped after every micro-batch, not once after accumulation")
 fsdp2_clip_local = ClipLocal("fsdp2", "gradients clipped by each rank's own shard norm instead of the global norm")

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from veosnap.candidates import backends
-from veosnap.runs.check import check
-from veosnap.surfaces.cli import main
 from veosnap.golden.key import GoldenKey
 from veosnap.reference.zoo import Project
+from veosnap.runs.check import check
+from veosnap.surfaces.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = "examples/my_attention_backend.py"

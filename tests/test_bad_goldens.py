@@ -17,8 +17,8 @@ import torch
 import zstandard
 from safetensors.torch import save as st_save
 
-from veosnap.golden import codec
 from veosnap.errors import GoldenError
+from veosnap.golden import codec
 from veosnap.surfaces.cli import main
 
 REPO = Path(__file__).resolve().parents[1]

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from veosnap.golden import store
 from veosnap.errors import GoldenError
+from veosnap.golden import store
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCE = REPO / "goldens" / "cpu" / "llama" / "step-float32.safetensors.zst"

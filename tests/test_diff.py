@@ -7,13 +7,14 @@ import shutil
 from dataclasses import replace
 
 from golden_repo import REPO, commit, copy_zoo, git, git_repo
-from veosnap.surfaces import cli
+
 from veosnap.golden import codec, store
-from veosnap.runs.diff import diff, diff_goldens
 from veosnap.golden.key import GoldenKey
 from veosnap.golden.manifest import Manifest
-from veosnap.reference.inputs import Batch
 from veosnap.numerics.metric import rows_of
+from veosnap.reference.inputs import Batch
+from veosnap.runs.diff import diff, diff_goldens
+from veosnap.surfaces import cli
 
 LLAMA = GoldenKey("cpu", "llama", "step", "float32")
 

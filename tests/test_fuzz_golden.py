@@ -14,9 +14,9 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from veosnap.errors import GoldenError
 from veosnap.golden import codec
 from veosnap.golden.manifest import READABLE_SCHEMAS
-from veosnap.errors import GoldenError
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCE = REPO / "goldens" / "cpu" / "qwen3_moe" / "step-bfloat16.safetensors.zst"  # small, and has routes

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from golden_repo import REPO
+
 from veosnap.golden import codec, names, store
 from veosnap.golden.manifest import Manifest, TrainHyper
 

@@ -15,11 +15,11 @@ import torch
 from veosnap.candidates import backends
 from veosnap.candidates.layouts import registry, torchrun
 from veosnap.candidates.layouts.protocol import Layout, Shard, shard_rows
-from veosnap.surfaces.cli import main
 from veosnap.errors import VeosnapError
 from veosnap.golden.key import GoldenKey
 from veosnap.reference.zoo import Project
 from veosnap.runs.check import check, check_layouts
+from veosnap.surfaces.cli import main
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 
 from veosnap.candidates import backends
-from veosnap.surfaces.cli import main
-from veosnap.numerics.compare import TensorResult
-from veosnap.runs.verdict import CheckReport
 from veosnap.golden.key import GoldenKey
+from veosnap.numerics.compare import TensorResult
+from veosnap.reference.zoo import Project
 from veosnap.render.text import matrix as text
 from veosnap.runs.matrix import Cell, Column, Row, default_backends, run_matrix
-from veosnap.reference.zoo import Project
+from veosnap.runs.verdict import CheckReport
+from veosnap.surfaces.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 

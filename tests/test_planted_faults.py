@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import faults
 import pytest
 
-import faults
 from veosnap.candidates import backends
-from veosnap.runs.verdict import CheckReport
 from veosnap.golden.key import GoldenKey
-from veosnap.runs.check import check
 from veosnap.reference.probes import find_moe_layers
+from veosnap.runs.check import check
+from veosnap.runs.verdict import CheckReport
 
 FAULTS_FILE = Path(__file__).with_name("faults.py")
 MODELS = ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"]

@@ -18,14 +18,14 @@ import torch
 import zstandard
 from safetensors import safe_open
 
-from veosnap.reference import models, weights
-from veosnap.golden import store
-from veosnap.surfaces.cli import main
 from veosnap.errors import VeosnapError
+from veosnap.golden import store
 from veosnap.golden.key import GoldenKey
+from veosnap.reference import models, weights
 from veosnap.reference.inputs import Batch
-from veosnap.runs.record import record
 from veosnap.reference.zoo import load_config
+from veosnap.runs.record import record
+from veosnap.surfaces.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -5,16 +5,16 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from golden_repo import commit, copy_zoo, git_repo, needs_cpu
-from veosnap.surfaces import cli
-from veosnap.reference import hardware
-from veosnap.golden import store
+
 from veosnap.errors import GoldenError, VeosnapError
+from veosnap.golden import store
 from veosnap.golden.key import GoldenKey
-from veosnap.runs.refresh import refresh
+from veosnap.reference import hardware
 from veosnap.render.text import golden as describe
+from veosnap.runs.refresh import refresh
 from veosnap.runs.verify import verify_file
+from veosnap.surfaces import cli
 
 LLAMA = GoldenKey("cpu", "llama", "step", "float32")
 

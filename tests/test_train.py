@@ -7,17 +7,16 @@ Each torchrun start costs about 10 s: the passing data-parallel layouts share on
 
 from __future__ import annotations
 
-import pytest
-
 from pathlib import Path
 
+import pytest
+
 from veosnap.candidates import backends
-from veosnap.golden import names
-from veosnap.golden import store
-from veosnap.runs.check import check, check_layouts
-from veosnap.surfaces.cli import main
+from veosnap.golden import names, store
 from veosnap.golden.key import GoldenKey
 from veosnap.reference.zoo import Project
+from veosnap.runs.check import check, check_layouts
+from veosnap.surfaces.cli import main
 
 TIMEOUT_S = 300
 FAULTS = Path(__file__).with_name("layout_faults.py")

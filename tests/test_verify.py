@@ -5,13 +5,13 @@ from __future__ import annotations
 import shutil
 
 import pytest
-
 from golden_repo import REPO
-from veosnap.surfaces import cli
+
 from veosnap.golden import store
 from veosnap.golden.key import GoldenKey
 from veosnap.golden.manifest import Tolerance
 from veosnap.runs.verify import verify, verify_file
+from veosnap.surfaces import cli
 
 LLAMA = GoldenKey("cpu", "llama", "step", "float32")
 

@@ -23,8 +23,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from veosnap.golden import codec, store  # noqa: E402
-from veosnap.runs.diff import diff, diff_goldens, open_tree  # noqa: E402
 from veosnap.reference.determinism import one_thread  # noqa: E402
+from veosnap.runs.diff import diff, diff_goldens, open_tree  # noqa: E402
 
 
 def _git(cwd: Path, *args: str) -> None:

@@ -15,14 +15,13 @@ from rich.console import Console
 from rich.table import Table
 
 from veosnap.candidates import backends
+from veosnap.golden import store
+from veosnap.golden.key import DTYPE_NAMES, GoldenKey
+from veosnap.reference import inputs, models
+from veosnap.reference.capture import run_step
+from veosnap.reference.zoo import Project, load_config
 from veosnap.runs import record
 from veosnap.runs.check import check
-from veosnap.reference import inputs, models
-from veosnap.golden import store
-from veosnap.golden.key import DTYPE_NAMES
-from veosnap.reference.capture import run_step
-from veosnap.golden.key import GoldenKey
-from veosnap.reference.zoo import Project, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 

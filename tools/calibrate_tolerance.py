@@ -23,13 +23,13 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from veosnap.candidates import backends  # noqa: E402
-from veosnap.runs.check import check  # noqa: E402
-from veosnap.numerics import tolerance  # noqa: E402
-from veosnap.golden.key import GoldenKey  # noqa: E402
-from veosnap.reference.zoo import Project  # noqa: E402
-
 import faults  # noqa: E402
+
+from veosnap.candidates import backends  # noqa: E402
+from veosnap.golden.key import GoldenKey  # noqa: E402
+from veosnap.numerics import tolerance  # noqa: E402
+from veosnap.reference.zoo import Project  # noqa: E402
+from veosnap.runs.check import check  # noqa: E402
 
 LEGIT = ["sdpa", "grouped_mm", "batched_mm", "sdpa+grouped_mm"]
 

@@ -27,14 +27,14 @@ sys.path.insert(0, str(ROOT / "tests"))
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
+from veosnap.candidates import backends  # noqa: E402
+from veosnap.golden.key import GoldenKey  # noqa: E402
+from veosnap.reference import hardware  # noqa: E402
+from veosnap.reference.zoo import Project  # noqa: E402
 from veosnap.render import json as render_json  # noqa: E402
 from veosnap.render import text as render_text  # noqa: E402
-from veosnap.candidates import backends  # noqa: E402
 from veosnap.runs import matrix, record, verify  # noqa: E402
 from veosnap.runs.check import check  # noqa: E402
-from veosnap.reference import hardware  # noqa: E402
-from veosnap.golden.key import GoldenKey  # noqa: E402
-from veosnap.reference.zoo import Project  # noqa: E402
 
 GPU_BACKENDS = ["eager", "sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "sdpa_math", "flex_attention",
                 "grouped_mm", "batched_mm", "sdpa+grouped_mm", "liger", "flash_attention_2"]

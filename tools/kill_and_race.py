@@ -32,10 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from veosnap.golden import codec, store  # noqa: E402
-from veosnap.surfaces.cli import main as cli  # noqa: E402
 from veosnap.errors import GoldenError  # noqa: E402
+from veosnap.golden import codec, store  # noqa: E402
 from veosnap.golden.key import GoldenKey  # noqa: E402
+from veosnap.surfaces.cli import main as cli  # noqa: E402
 
 # One intra-op thread before any fork: a child must not inherit a half-initialized thread pool.
 # (Recording runs on one thread anyway, for reproducible bytes.)

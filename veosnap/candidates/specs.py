@@ -52,7 +52,8 @@ def _import(module_name: str, spec: str, what: str) -> object:
     except ImportError as exc:
         raise VeosnapError(f"{what} {spec!r}: cannot import {module_name} ({exc})") from None
     except Exception as exc:  # noqa: BLE001 - the user's module failed while importing
-        raise VeosnapError(f"{what} {spec!r}: error while importing {module_name} ({type(exc).__name__}: {exc})") from None
+        cause = f"{type(exc).__name__}: {exc}"
+        raise VeosnapError(f"{what} {spec!r}: error while importing {module_name} ({cause})") from None
 
 
 def _load_file(path_text: str, what: str) -> object:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -11,8 +12,8 @@ import transformers
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from . import weights
 from ..errors import VeosnapError
+from . import weights
 from .zoo import ToyConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -72,6 +73,11 @@ def build(
             raise VeosnapError(f"{toy.path}: transformers cannot build this model ({_cause(exc)})") from None
     weights.initialize(model, seed)
     return model.to(device)
+
+
+def builder(toy: ToyConfig, dtype: str, seed: int = 0) -> Callable[[torch.device], nn.Module]:
+    """`build` for one config, dtype (by name) and seed, the device left open (each rank picks its own)."""
+    return lambda device: build(toy, dtype_from_name(dtype), device, seed)
 
 
 def upcast_copy(model: nn.Module, toy: ToyConfig, dtype: torch.dtype = torch.float64) -> nn.Module:

@@ -67,7 +67,8 @@ def check_view(report: CheckReport, shown: int = SHOWN_ROWS) -> CheckView:
         return view
     view.lines += [route.message() for route in report.routes if not route.passed or route.near_tie_flips]
     if report.route_replay:
-        view.lines.append("routes differ: tensors below compared under route replay (candidate forced onto the golden's experts)")
+        view.lines.append("routes differ: tensors below compared under route replay "
+                          "(candidate forced onto the golden's experts)")
     if report.first_divergence:
         view.lines.append(f"first diverging layer: {report.first_divergence}")
     if report.first_gradient_divergence:
@@ -187,7 +188,8 @@ def golden_change(d: GoldenDiff, shown: int | None = SHOWN_TENSORS, fields: int 
                         "(--format json lists every one)") if rest else "",
         tolerance=_tolerance_line(d), provenance=d.provenance,
         largest=f"`{worst.name}` {fmt.times(worst.ratio)} bound" if worst else "—",
-        route_cell=f"{len(d.routes)} of {d.route_layers} layers changed" if d.routes else ("same" if d.route_layers else "—"),
+        route_cell=(f"{len(d.routes)} of {d.route_layers} layers changed" if d.routes
+                    else "same" if d.route_layers else "—"),
         reasons="; ".join(a.reason for a in d.approvals) or "—",
         moved=f"{len(d.tensors)} / {d.compared}",
     )
@@ -260,8 +262,9 @@ def matrix_view(matrix: Matrix) -> MatrixView:
         rows.append((f"{row.model} {row.dtype}" if several_dtypes else row.model,
                      [("", "") if c is None else (c.status, cell_text(c)) for c in cells]))
     counts = matrix.counts()
+    dtypes = ", ".join(sorted({r.dtype for r in matrix.rows}))
     return MatrixView(
-        title=f"support matrix ({', '.join(sorted({r.dtype for r in matrix.rows}))}; cell: status and worst error/bound ratio)",
+        title=f"support matrix ({dtypes}; cell: status and worst error/bound ratio)",
         columns=[c.label if several_layouts else c.backend for c in matrix.columns], rows=rows,
         footnote="* forward only: loss, logits, layer outputs and routes checked; gradients not (see notes)"
         if any(c.forward_only for c in matrix.cells) else "",
@@ -313,7 +316,8 @@ def golden_view(g: Golden, full: bool = False) -> GoldenView:
         ("payload", m.payload_hash),
     ]
     if m.min_margin:
-        facts.append(("routers", "min margin " + ", ".join(f"layer {k}: {fmt.num(v)}" for k, v in sorted(m.min_margin.items()))))
+        margins = ", ".join(f"layer {layer}: {fmt.num(v)}" for layer, v in sorted(m.min_margin.items()))
+        facts.append(("routers", f"min margin {margins}"))
     facts += [("approved", f"{a.reason!r} (replaced {a.previous_payload_hash})") for a in m.approvals]
     every = sorted(g.tensors)
     shown = every if full else [n for n in every if not names.parse(n).per_parameter]

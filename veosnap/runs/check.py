@@ -17,20 +17,20 @@ from collections.abc import Sequence
 
 import torch
 
+from ..candidates.backends import Backend
+from ..candidates.layouts import engine, registry, torchrun
+from ..candidates.layouts.engine import LayoutResult
+from ..candidates.layouts.protocol import Layout, LayoutContext
 from ..errors import Unsupported, VeosnapError, describe
 from ..golden import names
 from ..golden.codec import Golden
 from ..golden.key import GoldenKey
 from ..numerics.compare import compare_route_sets, compare_tensors, same_route_tokens
-from ..reference import hardware, models
+from ..reference import hardware
 from ..reference.capture import Capture
 from ..reference.determinism import deterministic
 from ..reference.inputs import Batch
 from ..reference.zoo import Project, ToyConfig, load_checked
-from ..candidates.backends import Backend
-from ..candidates.layouts import engine, registry, torchrun
-from ..candidates.layouts.engine import LayoutResult
-from ..candidates.layouts.protocol import Layout, LayoutContext
 from .verdict import CheckReport
 
 DEFAULT_TIMEOUT_S = torchrun.DEFAULT_TIMEOUT_S
@@ -86,10 +86,7 @@ def check_layouts(project: Project, key: GoldenKey, backend: Backend, layouts: S
 def _in_process(golden: Golden, batch: Batch, toy: ToyConfig, backend: Backend, layout: Layout,
                 fields: dict[str, str]) -> CheckReport:
     """Run a layout here, on this machine's device; its failure or decline becomes its report."""
-    device = hardware.device_for(hardware.detect())
-    dtype = models.dtype_from_name(golden.key.dtype)
-    ctx = LayoutContext(golden, batch, device, build=lambda where: models.build(toy, dtype, where, golden.manifest.reference.seed),
-                        hyper=golden.manifest.reference.train)
+    ctx = LayoutContext.checking(golden, toy, hardware.device_for(hardware.detect()))
     try:
         # Fixed threads and deterministic algorithms: checking twice gives the same report, even for
         # kernels whose reductions otherwise vary from run to run (batched_mm on CPU does).

@@ -19,8 +19,8 @@ from typing import Protocol
 
 import torch
 
-from ..golden import codec, names, store
 from ..errors import VeosnapError
+from ..golden import codec, names, store
 from ..golden.codec import Golden
 from ..golden.key import GoldenKey
 from ..golden.manifest import Approval, json_object

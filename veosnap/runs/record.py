@@ -10,9 +10,6 @@ import torch
 import transformers
 
 from .. import __version__
-from ..reference import hardware, inputs, models, train
-from ..reference.capture import run_step
-from ..reference.determinism import deterministic
 from ..errors import VeosnapError
 from ..golden import codec, names, store
 from ..golden.codec import Golden
@@ -21,8 +18,12 @@ from ..golden.manifest import BatchSpec, Manifest, Provenance, Reference
 from ..numerics import fmt
 from ..numerics.routes import flips
 from ..numerics.tolerance import ALPHA, FLOOR, TIE_EPSILON, noise, pooled_noises, tolerance_for
+from ..reference import hardware, inputs, models, train
+from ..reference.capture import run_step
+from ..reference.determinism import deterministic
 from ..reference.probes import RouteRecord
 from ..reference.zoo import Project, load_config
+
 
 @dataclass(frozen=True)
 class RecordOutcome:
@@ -82,7 +83,7 @@ def build_golden(project: Project, key: GoldenKey, seed: int = 0, allow_near_tie
     measured = {}
     ref_all, truth_all = reference.all_tensors(), truth.all_tensors()
     for name, value in ref_all.items():
-        if name == str(names.LOSS):  # HF computes it in float32 whatever the dtype
+        if name == str(names.LOSS):  # stored in float32, whatever the model dtype
             value = value.float()
         tensors[name] = value
         if names.parse(name).compared:  # route ids and margins are not compared numerically

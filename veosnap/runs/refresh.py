@@ -11,16 +11,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..reference import hardware
-from ..golden import codec, store
-from .diff import GoldenDiff, diff_goldens
 from ..errors import GoldenError, VeosnapError
+from ..golden import codec, store
 from ..golden.codec import Golden
 from ..golden.key import GoldenKey
 from ..golden.manifest import Approval
 from ..numerics import fmt
-from .record import build_golden
+from ..reference import hardware
 from ..reference.zoo import Project
+from .diff import GoldenDiff, diff_goldens
+from .record import build_golden
 
 # Manifest fields whose change alone makes a refresh rewrite: the golden would describe another
 # function, batch, tolerance rule or format than the one on disk.

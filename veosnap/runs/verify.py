@@ -13,11 +13,10 @@ from pathlib import Path
 
 import torch
 
-from ..golden import store
-from ..golden.key import SUFFIX
 from ..errors import GoldenError, VeosnapError
+from ..golden import store
 from ..golden.codec import Golden
-from ..golden.key import GoldenKey
+from ..golden.key import SUFFIX, GoldenKey
 
 
 @dataclass(frozen=True)

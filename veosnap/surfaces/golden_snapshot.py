@@ -32,8 +32,8 @@ if TYPE_CHECKING:
     from syrupy.location import PyTestLocation
 
     from ..candidates.backends import Backend
-    from ..runs.verdict import CheckReport
     from ..reference.zoo import Project
+    from ..runs.verdict import CheckReport
 
 REPORT_WIDTH = 200  # wide enough that pytest's "E   " prefix does not fold the table's rows
 
@@ -54,7 +54,8 @@ class Recording:
 
 @dataclass
 class CandidateCheck:
-    """A backend under a layout (a SPEC; None: single) to check against the golden for `key`; holds the report once checked."""
+    """A backend under a layout (a SPEC; None: single) to check against the golden for `key`; holds the
+    report once checked."""
 
     project: Project
     key: GoldenKey
@@ -64,9 +65,9 @@ class CandidateCheck:
     missing: str = ""  # set by the plugin: how to record the golden when it does not exist
 
     def matches(self, stored: bytes, path: Path) -> bool:
+        from ..errors import GoldenError
         from ..golden import codec
         from ..runs.check import check
-        from ..errors import GoldenError
 
         gold = codec.decode(stored, path)
         gold.path = path

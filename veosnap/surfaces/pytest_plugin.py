@@ -30,9 +30,9 @@ from .golden_snapshot import CandidateCheck, GoldenExtension, Recording
 if TYPE_CHECKING:
     from syrupy.assertion import SnapshotAssertion
 
-    from ..runs.verdict import CheckReport
     from ..golden.key import GoldenKey
     from ..reference.zoo import Project
+    from ..runs.verdict import CheckReport
 
 FIXTURES = ("veosnap_check",)
 REFERENCE_BACKEND = "eager"
@@ -206,10 +206,10 @@ class VeosnapSession:
         __tracebackhide__ = True
         from ..candidates import backends
         from ..candidates.layouts import registry
-        from ..reference import hardware
-        from ..golden import store
         from ..errors import VeosnapError
+        from ..golden import store
         from ..golden.key import GoldenKey
+        from ..reference import hardware
 
         project = self.project
         try:

@@ -24,7 +24,7 @@ from ...reference.capture import Capture, Part, forward_backward, gradients
 from ...reference.inputs import Batch
 from ...reference.probes import RouteRecord
 from ..backends import Backend
-from .protocol import Layout, LayoutContext, Setup, Shard
+from .protocol import Layout, LayoutContext, Setup
 
 
 @dataclass
@@ -45,10 +45,11 @@ def run(layout: Layout, backend: Backend, ctx: LayoutContext) -> LayoutResult | 
     """Run `layout` with `backend` on this rank; the result on rank 0, None on the others."""
     model = layout.load(ctx)
     with backend.prepare(model) as candidate:
-        if candidate.forward_only and not layout.checks_forward_only:
-            raise Unsupported(f"{backend.spec} runs forward only here ({candidate.forward_only}); layouts check gradients")
-        if candidate.forward_only and ctx.hyper is not None:
-            raise Unsupported(f"runs forward only here ({candidate.forward_only}); the train scenario needs gradients")
+        why = candidate.forward_only
+        if why and not layout.checks_forward_only:
+            raise Unsupported(f"{backend.spec} runs forward only here ({why}); layouts check gradients")
+        if why and ctx.hyper is not None:
+            raise Unsupported(f"runs forward only here ({why}); the train scenario needs gradients")
         candidate.model.train()
         candidate.model.zero_grad(set_to_none=True)
         runner = _Runner(layout, ctx, layout.wrap(candidate.model, ctx), backward=not candidate.forward_only)

@@ -36,8 +36,10 @@ from torch import nn
 
 from ...golden.codec import Golden
 from ...golden.manifest import TrainHyper
+from ...reference import models
 from ...reference.inputs import Batch
 from ...reference.train import clip_global
+from ...reference.zoo import ToyConfig
 
 
 @dataclass
@@ -53,6 +55,12 @@ class LayoutContext:
     world: int = 1
     workdir: Path | None = None  # a directory every rank shares (torchrun); None in process
     hyper: TrainHyper | None = None  # the train scenario's steps; None for `step`
+
+    @classmethod
+    def checking(cls, golden: Golden, toy: ToyConfig, device: torch.device, **place: object) -> LayoutContext:
+        """The context of a check against `golden`, the model built from `toy`; `place`: rank, world, workdir."""
+        build = models.builder(toy, golden.key.dtype, golden.manifest.reference.seed)
+        return cls(golden, Batch.from_golden(golden), device, build, hyper=golden.manifest.reference.train, **place)
 
     @property
     def last(self) -> bool:

@@ -170,5 +170,6 @@ def read_result(path: Path) -> LayoutResult:
     main = {n: t for n, t in tensors.items() if not n.startswith(REPLAYED)}
     replayed = {n[len(REPLAYED):]: t for n, t in tensors.items() if n.startswith(REPLAYED)}
     backward = meta["backward"]
-    return LayoutResult(Capture.from_tensors(main, backward), Capture.from_tensors(replayed, backward) if replayed else None,
+    return LayoutResult(Capture.from_tensors(main, backward),
+                        Capture.from_tensors(replayed, backward) if replayed else None,
                         notes=meta["notes"], forward_only=meta["forward_only"])

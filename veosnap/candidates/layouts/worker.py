@@ -21,8 +21,6 @@ import torch.distributed as dist
 
 from ...errors import Unsupported, describe
 from ...golden.key import GoldenKey
-from ...reference import models
-from ...reference.inputs import Batch
 from ...reference.zoo import Project, load_checked
 from .. import backends
 from . import engine, registry, torchrun
@@ -68,10 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         golden, toy = load_checked(project, GoldenKey(args.hardware_class, args.model, args.scenario, args.dtype),
                                    cross_class=True)
         backend = backends.resolve(args.backend)
-        dtype = models.dtype_from_name(golden.key.dtype)
-        ctx = LayoutContext(golden, Batch.from_golden(golden), device,
-                            build=lambda where: models.build(toy, dtype, where, golden.manifest.reference.seed),
-                            rank=rank, world=world, workdir=out, hyper=golden.manifest.reference.train)
+        ctx = LayoutContext.checking(golden, toy, device, rank=rank, world=world, workdir=out)
         for index, spec in enumerate(args.layout):
             try:
                 result = engine.run(registry.resolve(spec), backend, ctx)
