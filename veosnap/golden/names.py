@@ -117,23 +117,29 @@ class Input(TensorName):
         return f"inputs.{self.field}"
 
 
-@kind
 @dataclass(frozen=True)
-class Loss(TensorName):
-    pattern = re.compile(r"loss")
+class _Named(TensorName):
+    """A tensor a golden holds once, under a name of its own."""
+
+    text: ClassVar[str]
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.pattern = re.compile(re.escape(cls.text))
 
     def __str__(self) -> str:
-        return "loss"
+        return self.text
 
 
 @kind
-@dataclass(frozen=True)
-class Logits(TensorName):
-    pattern = re.compile(r"logits")
+class Loss(_Named):
+    text = "loss"
+
+
+@kind
+class Logits(_Named):
+    text = "logits"
     token_rows = True
-
-    def __str__(self) -> str:
-        return "logits"
 
 
 @kind
@@ -222,21 +228,13 @@ class Route(TensorName):
 
 
 @kind
-@dataclass(frozen=True)
-class TrainLoss(TensorName):
-    pattern = re.compile(r"train\.loss")
-
-    def __str__(self) -> str:
-        return "train.loss"
+class TrainLoss(_Named):
+    text = "train.loss"  # one element per train step
 
 
 @kind
-@dataclass(frozen=True)
-class TrainGradNorm(TensorName):
-    pattern = re.compile(r"train\.grad_norm")
-
-    def __str__(self) -> str:
-        return "train.grad_norm"
+class TrainGradNorm(_Named):
+    text = "train.grad_norm"  # the pre-clip total gradient norm, one element per train step
 
 
 LOSS, LOGITS, TRAIN_LOSS, TRAIN_GRAD_NORM = Loss(), Logits(), TrainLoss(), TrainGradNorm()

@@ -97,16 +97,7 @@ def whole_batch(model: nn.Module, batch: Batch, own_loss: bool = False) -> Forwa
     return run
 
 
-def of_capture(run: Callable[[], Capture]) -> ForwardBackward:
-    """A layout's forward and backward (anything returning a step capture) as a train step's."""
-
-    def step() -> tuple[torch.Tensor, dict[int, RouteRecord]]:
-        capture = run()
-        return capture.tensors["loss"], capture.routes
-
-    return step
-
-
 def run_train(model: nn.Module, batch: Batch, hyper: TrainHyper, own_loss: bool = False) -> TrainRun:
-    """The train scenario in the golden's own layout (what `record` runs and `check` compares)."""
+    """The train scenario in the golden's own layout (what `record` runs; a check runs it as its layout's
+    passes, see `candidates.layouts.engine`)."""
     return train(model, hyper, whole_batch(model, batch, own_loss))
