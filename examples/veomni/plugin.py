@@ -114,7 +114,11 @@ def _stdout_to_stderr() -> Iterator[None]:
 def _import_veomni() -> None:
     os.environ.setdefault("MODELING_BACKEND", "veomni")
     with _stdout_to_stderr():
-        import veomni  # noqa: F401  (import-time patches: see the module docstring)
+        try:
+            import veomni  # noqa: F401  (import-time patches: see the module docstring)
+        except ImportError as exc:
+            raise Unsupported(f"veomni is not importable here ({exc}); tools/veomni_env.sh builds an "
+                              "environment with it") from None
 
 
 @contextlib.contextmanager
@@ -337,7 +341,8 @@ _EP_GPU_REASON = ("veosnap's ep layout hands the backend a model transformers ha
 
 
 def _candidate(reference: nn.Module, ops, own_parallelize: bool = False) -> Iterator[nn.Module]:  # noqa: ANN001
-    _import_veomni()
+    if reference.config.model_type not in VEOMNI_FAMILIES:
+        raise Unsupported(f"VeOmni 0.1.12 has no model class for {reference.config.model_type!r}")
     _clear_veomni_state()  # a previous check's state (see the module docstring: CORE.md item 3)
     try:
         here = where()
