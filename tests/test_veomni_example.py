@@ -119,3 +119,24 @@ def test_plugin_restores_transformers_loss_mapping() -> None:
     assert not is_parallel_state_initialized()
     hf = models.build(load_config(Project.resolve(configs=ROOT / "toy_configs").configs, "qwen3"), torch.float32)
     assert hf(input_ids=ids, labels=ids).loss.ndim == 0  # an HF model built afterwards gets a tensor loss
+
+
+@pytest.mark.skipif(not HERE, reason="veomni is not importable in this interpreter (tools/veomni_env.sh)")
+def test_a_bug_planted_in_veomnis_model_fails_at_its_layer() -> None:
+    """The check reaches VeOmni's own modules: a wrong RMSNorm epsilon in one VeOmni layer fails from there."""
+    from veosnap import backends
+    from veosnap.check import check
+    from veosnap.golden import GoldenKey
+    from veosnap.zoo import Project
+
+    def planted(model):  # noqa: ANN001, ANN202
+        assert type(model).__module__.startswith("veomni.")
+        model.model.layers[1].post_attention_layernorm.variance_epsilon = 1.0
+        return model
+
+    veomni = backends.resolve(f"{PLUGIN}:veomni")
+    project = Project.resolve(goldens=ROOT / "goldens", configs=ROOT / "toy_configs", testdata=ROOT / "testdata")
+    report = check(project, GoldenKey("cpu", "qwen3", "step", "float32"), backends.Backend("veomni+planted",
+                                                                                           (*veomni.steps, planted)))
+    assert report.status == "FAIL"
+    assert report.first_divergence.startswith("layer 1")
