@@ -37,15 +37,20 @@ PY
 }
 
 if ! ready 2>/dev/null; then
-    echo "building $venv (torch 2.13.0, transformers $transformers_version, veomni $veomni_version --no-deps)" >&2
-    rm -rf "$venv"
-    nice -n 10 "$python" -m venv "$venv"
-    nice -n 10 "$venv/bin/pip" install -q "torch==2.13.0" "transformers==$transformers_version" accelerate
-    nice -n 10 "$venv/bin/pip" install -q --no-deps "veomni==$veomni_version"
-    nice -n 10 "$venv/bin/pip" install -q --no-deps -e "$root"
-    # veosnap's own dependencies, without letting them move transformers or torch.
-    nice -n 10 "$venv/bin/pip" install -q "safetensors>=0.4" "zstandard>=0.22" "pyarrow>=14" "rich>=13" "pytest>=8" \
-        "syrupy>=7.0,<8" "transformers==$transformers_version" "torch==2.13.0"
+    {  # the build's output goes to stderr: stdout is the example's table
+        echo "building $venv (torch 2.13.0, transformers $transformers_version, veomni $veomni_version --no-deps)" >&2
+        if [ -e "$venv" ] && [ ! -f "$venv/pyvenv.cfg" ]; then
+            echo "$venv exists and is not a virtual environment: not replacing it (set VEOMNI_VENV)"; exit 2
+        fi
+        rm -rf "$venv"
+        nice -n 10 "$python" -m venv "$venv"
+        nice -n 10 "$venv/bin/pip" install -q "torch==2.13.0" "transformers==$transformers_version" accelerate
+        nice -n 10 "$venv/bin/pip" install -q --no-deps "veomni==$veomni_version"
+        nice -n 10 "$venv/bin/pip" install -q --no-deps -e "$root"
+        # veosnap's own dependencies, without letting them move transformers or torch.
+        nice -n 10 "$venv/bin/pip" install -q "safetensors>=0.4" "zstandard>=0.22" "pyarrow>=14" "rich>=13" "pytest>=8" \
+            "syrupy>=7.0,<8" "transformers==$transformers_version" "torch==2.13.0"
+    } >&2
     ready || { echo "$venv: built, but the versions do not match (see pip list)" >&2; exit 2; }
 fi
 
