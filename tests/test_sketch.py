@@ -333,7 +333,7 @@ def test_small_models_stay_whole_and_the_modes_override():
     assert all(c.exact for c in plan(toy).choices)  # fits: the sharper instrument
     forced = plan(toy, mode="always", ladder=((16, 4),))
     assert {c.name: (c.spec.width, c.spec.group) if c.spec else None for c in forced.choices} == {
-        "logits": (16, 4), "grad.w": (16, 4), "loss": None}
+        "logits": (16, 4), "grad.w": (16, 2), "loss": None}  # 64 rows: groups of 2 leave MIN_GROUPS groups
     huge = [TensorShape("logits", (8192, 151936), "bfloat16")]
     with pytest.raises(VeosnapError, match="over the 67108864 byte limit .*use --sketch auto"):
         plan(huge, mode="never")

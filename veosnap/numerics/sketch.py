@@ -567,6 +567,10 @@ LADDER: tuple[tuple[int, int], ...] = (
     (16, 64), (16, 128), (16, 256), (16, 512), (16, 1024),
 )
 MODES = ("auto", "always", "never")
+# A tensor's bound is alpha x a maximum over its groups; over a handful of groups that maximum is a
+# poor estimate of the noise (tolerance.MIN_SAMPLED_ROWS says the same of rows), so groups are
+# narrowed until a tensor has at least this many (a tensor with fewer rows keeps one row per group).
+MIN_GROUPS = 32
 STORED_TENSOR_OVERHEAD = 160  # bytes per stored tensor: safetensors header entry and manifest JSON
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int64": 8, "int32": 4}
 
@@ -587,10 +591,14 @@ class TensorShape:
             raise VeosnapError(f"{self.name}: unknown dtype {self.dtype!r} for a golden tensor")
         return math.prod(self.shape) * _ITEMSIZE[self.dtype] + STORED_TENSOR_OVERHEAD
 
-    def sketch_bytes(self, width: int, group: int) -> int:
+    @property
+    def sketched_rows(self) -> int:
         rows, _ = row_layout(self.shape)
-        sketched = rows if self.support_rows is None else min(rows, self.support_rows)
-        groups = -(-sketched // group)
+        return rows if self.support_rows is None else min(rows, self.support_rows)
+
+    def sketch_bytes(self, width: int, group: int) -> int:
+        sketched = self.sketched_rows
+        groups = -(-sketched // clamp_group(group, sketched))
         support = 0 if self.support_rows is None else sketched * 8 + STORED_TENSOR_OVERHEAD
         return groups * (width + 1) * 4 + 2 * STORED_TENSOR_OVERHEAD + support
 
@@ -688,9 +696,15 @@ def plan(tensors: Iterable[TensorShape], *, mode: str = "auto", budget: int = TA
             choices.append(Choice(t.name, None, t.exact_bytes))
             continue
         width, group = ladder[at]
-        spec = SketchSpec(seed=seed_for(t.name, seed), width=width, group=group, shape=t.shape)
+        spec = SketchSpec(seed=seed_for(t.name, seed), width=width, group=clamp_group(group, t.sketched_rows),
+                          shape=t.shape)
         choices.append(Choice(t.name, spec, nbytes(t, at), t.support_rows))
     return Plan(mode=mode, budget=budget, hard_limit=hard_limit, fixed_bytes=fixed_bytes, choices=tuple(choices))
+
+
+def clamp_group(group: int, rows: int) -> int:
+    """`group`, narrowed so `rows` make at least MIN_GROUPS groups (never below one row)."""
+    return max(1, min(group, rows // MIN_GROUPS))
 
 
 def _sketchable(t: TensorShape) -> bool:
