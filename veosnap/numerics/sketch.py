@@ -277,23 +277,30 @@ def rowsketch_torch(x2d: torch.Tensor, width: int, seed: int, *, row_offset: int
     lead, first_stripe = col_offset % k, col_offset // k
     stripes = -(-(lead + columns) // k)
     bucket = torch.arange(k, device=device)
-    word_of, bit_of = bucket >> 5, bucket & 31
+    shifts = torch.arange(min(k, 32), device=device)
     stripe_mix = (torch.arange(first_stripe, first_stripe + stripes, device=device) * STRIPE_MULT) & M32
     words = max(1, k // 32)
     key = seed_key(seed)
+    # A sign flip is an XOR of the float's sign bit: cheaper than a multiply or a select.
+    bits, sign_shift = (torch.int64, 63) if acc == torch.float64 else (torch.int32, 31)
+    aligned = lead == 0 and columns == stripes * k
     step = max(1, chunk_elements // (stripes * k))
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
-        buf = torch.zeros((r1 - r0, stripes * k), dtype=acc, device=device)
-        buf[:, lead : lead + columns] = x2d[r0:r1]
-        buf = buf.view(r1 - r0, stripes, k)
+        if aligned:
+            buf = x2d[r0:r1].to(acc).view(r1 - r0, stripes, k)
+        else:
+            buf = torch.zeros((r1 - r0, stripes * k), dtype=acc, device=device)
+            buf[:, lead : lead + columns] = x2d[r0:r1]
+            buf = buf.view(r1 - r0, stripes, k)
         row_keys = mix32(key ^ (torch.arange(r0, r1, device=device) + row_offset))
         keys = mix32(row_keys[:, None] ^ stripe_mix[None, :])  # (rows, stripes)
-        source = (bucket[None, None, :] - (keys & (k - 1))[:, :, None]) & (k - 1)  # element landing in bucket j
+        source = (bucket - (keys & (k - 1))[:, :, None]) & (k - 1)  # the element landing in bucket j
         landed = buf.gather(2, source)
         word = torch.stack([mix32(keys ^ (((w + 1) * WORD_MULT) & M32)) for w in range(words)], dim=-1)
-        negative = ((word[:, :, word_of] >> bit_of) & 1).bool()
-        values[r0:r1] = pairwise_sum(torch.where(negative, -landed, landed), 1)
+        negative = ((word[..., None] >> shifts) & 1).view(r1 - r0, stripes, k)  # bucket j: bit j % 32 of word j // 32
+        signed = (landed.view(bits) ^ (negative.to(bits) << sign_shift)).view(acc)
+        values[r0:r1] = pairwise_sum(signed, 1)
         sumsq[r0:r1] = pairwise_sum(pairwise_sum(buf * buf, 1), 1)
     return RowSketch(values, sumsq)
 
