@@ -407,6 +407,11 @@ INTERPRETED = textwrap.dedent("""
         assert a.values.dtype == b.values.dtype
         scale = x.double().norm(dim=1).max().item()
         worst = max(worst, (a.values - b.values).abs().max().item() / scale, (a.sumsq - b.sumsq).abs().max().item() / scale**2)
+    x = torch.randn(40, 3000)  # row shards and another tiling: the same bits as the whole
+    whole = sketch_triton.rowsketch(x, 16, 5, tile=256)
+    parts = torch.cat([sketch_triton.rowsketch(x[:17], 16, 5, tile=512).values,
+                       sketch_triton.rowsketch(x[17:], 16, 5, row_offset=17, tile=128).values])
+    assert torch.equal(whole.values, parts)
     print(worst)
 """)
 
