@@ -26,8 +26,34 @@ import time
 from pathlib import Path
 
 import torch
-from rich.console import Console
-from rich.table import Table
+
+try:
+    from rich.console import Console
+    from rich.table import Table
+except ImportError:  # a bare GPU image: plain text tables
+
+    class Table:  # type: ignore[no-redef]
+        def __init__(self, title: str = "") -> None:
+            self.title, self.columns, self.rows = title, [], []
+
+        def add_column(self, name: str, **_: object) -> None:
+            self.columns.append(name)
+
+        def add_row(self, *cells: str) -> None:
+            self.rows.append(cells)
+
+    class Console:  # type: ignore[no-redef]
+        def __init__(self, **_: object) -> None:
+            pass
+
+        def print(self, item: object, **_: object) -> None:
+            if not isinstance(item, Table):
+                print(item)
+                return
+            widths = [max(len(str(c)) for c in col) for col in zip(item.columns, *item.rows)]
+            print(item.title)
+            for row in (item.columns, *item.rows):
+                print("  ".join(str(c).rjust(w) for c, w in zip(row, widths)))
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))

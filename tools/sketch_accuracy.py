@@ -11,7 +11,9 @@ float32 and bfloat16, checked exactly (veosnap's compare, against the committed 
 every tensor sketched (the golden sketched at each level, bounds recalibrated on the sketched
 float64 run). Every bug the exact check catches must still fail; no legitimate backend may pass 1x.
 
-    python tools/sketch_accuracy.py [--part accuracy|power|all] [--model NAME]... [--json PATH]
+Part `sizes`: the planner's choice for real-width goldens (Qwen3-like shapes, 8192 tokens).
+
+    python tools/sketch_accuracy.py [--part sizes|accuracy|power|all] [--model NAME]... [--json PATH]
 
 CPU only; about three minutes for both parts on 2 cores.
 """
@@ -43,6 +45,7 @@ from veosnap.numerics.sketch import (  # noqa: E402
     clamp_group,
     compare_sketch,
     pairwise_sum,
+    plan,
     record_sketch,
     row_layout,
     rowsketch,
@@ -54,6 +57,7 @@ from veosnap.routing import replay_routes  # noqa: E402
 from veosnap.zoo import Project, load_config  # noqa: E402
 
 import faults  # noqa: E402
+from sketch_shapes import REAL_SHAPES, golden_shapes, parameters  # noqa: E402
 
 WIDTHS = (8, 16, 32, 64, 128, 256)
 GROUPS = (1, 2, 4, 8, 16)
@@ -195,6 +199,39 @@ def print_accuracy(est: Estimates) -> dict:
 
 def _median(values: list[float]) -> float:
     return sorted(values)[len(values) // 2]
+
+
+# --- sizes: the planner on real widths -------------------------------------------------------------------
+
+
+def sizes() -> dict:
+    """The planner's choice for real-width goldens (shapes only; nothing is allocated)."""
+    table = Table(title="golden bytes at real widths, 8192 tokens (planner: 16 MiB target, 64 MiB hard limit)")
+    for col in ("model", "layers", "params", "dtype", "whole", "planned", "whole tensors", "logits", "layer outputs",
+                "q_proj grad", "embed grad", "largest group"):
+        table.add_column(col, justify="right")
+    out = {}
+    for model in REAL_SHAPES:
+        for layers in (2, 4):
+            for dtype in ("bfloat16", "float32"):
+                shapes, fixed = golden_shapes(model, layers, dtype=dtype)
+                chosen = plan(shapes, fixed_bytes=fixed)
+                whole = fixed + sum(t.exact_bytes for t in shapes)
+
+                def level(name: str) -> str:
+                    spec = chosen.choice(name).spec
+                    return "whole" if spec is None else f"{spec.width}x{spec.group}"
+
+                coarsest = max((c for c in chosen.choices if c.spec), key=lambda c: (c.spec.group, c.name))
+                out[f"{model.name}|{layers}|{dtype}"] = {"whole": whole, "planned": chosen.total_bytes}
+                table.add_row(model.name, str(layers), f"{parameters(model, layers) / 1e9:.2f}B", dtype,
+                              f"{whole / 2**30:.1f} GiB", f"{chosen.total_bytes / 2**20:.1f} MiB",
+                              str(sum(c.exact for c in chosen.choices)), level("logits"), level("layers.0.output"),
+                              level("grad.model.layers.0.self_attn.q_proj.weight"),
+                              level("grad.model.embed_tokens.weight"),
+                              f"{coarsest.spec.width}x{coarsest.spec.group} {coarsest.name.removeprefix('grad.model.')}")
+    console.print(table)
+    return out
 
 
 # --- part 2: power --------------------------------------------------------------------------------------
@@ -363,7 +400,7 @@ def _r(x: float) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("accuracy", "power", "all"), default="all")
+    parser.add_argument("--part", choices=("sizes", "accuracy", "power", "all"), default="all")
     parser.add_argument("--model", action="append")
     parser.add_argument("--json", type=Path, help="write the tables' numbers here")
     args = parser.parse_args()
@@ -372,6 +409,8 @@ def main() -> None:
     names = args.model or project.models()
     results = {}
     started = time.perf_counter()
+    if args.part in ("sizes", "all"):
+        results["sizes"] = sizes()
     if args.part in ("accuracy", "all"):
         results["accuracy"] = print_accuracy(accuracy(project, names))
     if args.part in ("power", "all"):
