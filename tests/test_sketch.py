@@ -296,7 +296,7 @@ def test_a_candidate_writing_outside_the_support_is_caught_exactly():
 
 
 def test_a_support_denser_than_planned_falls_back_to_wider_groups():
-    grad, used = embedding_gradient(tokens=60)
+    grad, _ = embedding_gradient(tokens=60)
     record = record_sketch(grad, spec_for(grad, 32, 1), support_limit=10)  # the plan assumed 10 rows
     assert record.spec.support is None and record.spec.group == 100  # 1000 rows in 10 groups: planned bytes
     assert compare_sketch(record, grad.clone()).error == 0.0
@@ -420,6 +420,7 @@ def test_the_triton_kernel_computes_the_rule_in_the_interpreter():
     pytest.importorskip("triton", reason="triton is not installed (it comes with CUDA torch); the kernel is "
                                          "checked on the GPU by tools/bench_sketch.py")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", INTERPRETED], capture_output=True, text=True, env=env, timeout=300)
+    done = subprocess.run([sys.executable, "-c", INTERPRETED], capture_output=True, text=True, env=env, timeout=300,
+                          check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     assert float(done.stdout.strip()) < 1e-6

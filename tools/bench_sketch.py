@@ -94,6 +94,12 @@ def make(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tenso
     return torch.randn(shape, generator=g, device=device, dtype=torch.float32).to(dtype)
 
 
+def copier(x: torch.Tensor):  # noqa: ANN201
+    """A function that copies `x` into a buffer of its own (the copy bandwidth's measure)."""
+    dst = torch.empty_like(x)
+    return lambda: dst.copy_(x)
+
+
 def cuda_median_ms(fn, reps: int) -> float:  # noqa: ANN001
     fn()
     torch.cuda.synchronize()
@@ -162,9 +168,7 @@ def bench_gpu(quick: bool) -> tuple[list[dict], list[dict]]:
         x = make(shape, dtype, "cuda")
         nbytes = x.numel() * x.element_size()
         x2d = sketch.as_rows(x)
-        dst = torch.empty_like(x)
-        copy_ms = cuda_median_ms(lambda: dst.copy_(x), reps)  # noqa: B023
-        del dst
+        copy_ms = cuda_median_ms(copier(x), reps)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -215,8 +219,7 @@ def bench_cpu(quick: bool) -> list[dict]:
     for label, shape, dtype, width in CPU_CASES[: 2 if quick else None]:
         x = make(shape, dtype, "cpu")
         nbytes = x.numel() * x.element_size()
-        dst = torch.empty_like(x)
-        copy_ms = cpu_median_ms(lambda: dst.copy_(x), 5)  # noqa: B023
+        copy_ms = cpu_median_ms(copier(x), 5)
         x2d = sketch.as_rows(x)
         ms = cpu_median_ms(lambda: sketch.rowsketch(x2d, width, 7), reps)  # noqa: B023
         copy_bw, bw = 2 * nbytes / copy_ms / 1e6, nbytes / ms / 1e6

@@ -15,7 +15,7 @@ Part `sizes`: the planner's choice for real-width goldens (Qwen3-like shapes, 81
 
     python tools/sketch_accuracy.py [--part sizes|accuracy|power|all] [--model NAME]... [--json PATH]
 
-CPU only; about three minutes for both parts on 2 cores.
+CPU only, one thread; about 20 s for all parts.
 """
 
 from __future__ import annotations
@@ -36,11 +36,15 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
+import faults  # noqa: E402
+from sketch_shapes import REAL_SHAPES, golden_shapes, parameters  # noqa: E402
+
 from veosnap import backends, golden, models, tolerance  # noqa: E402
 from veosnap.capture import run_step  # noqa: E402
 from veosnap.compare import compare  # noqa: E402
 from veosnap.numerics.sketch import (  # noqa: E402
     GoldenSketch,
+    Plan,
     SketchSpec,
     clamp_group,
     compare_sketch,
@@ -55,9 +59,6 @@ from veosnap.numerics.sketch import (  # noqa: E402
 from veosnap.record import deterministic  # noqa: E402
 from veosnap.routing import replay_routes  # noqa: E402
 from veosnap.zoo import Project, load_config  # noqa: E402
-
-import faults  # noqa: E402
-from sketch_shapes import REAL_SHAPES, golden_shapes, parameters  # noqa: E402
 
 WIDTHS = (8, 16, 32, 64, 128, 256)
 GROUPS = (1, 2, 4, 8, 16)
@@ -218,7 +219,7 @@ def sizes() -> dict:
                 chosen = plan(shapes, fixed_bytes=fixed)
                 whole = fixed + sum(t.exact_bytes for t in shapes)
 
-                def level(name: str) -> str:
+                def level(name: str, chosen: Plan = chosen) -> str:
                     spec = chosen.choice(name).spec
                     return "whole" if spec is None else f"{spec.width}x{spec.group}"
 
@@ -395,7 +396,7 @@ def print_power(verdicts: list[Verdict]) -> dict:
 
 
 def _r(x: float) -> str:
-    return "routes" if x == float("inf") else "-" if x != x else f"{x:.3g}"
+    return "routes" if x == float("inf") else "-" if math.isnan(x) else f"{x:.3g}"
 
 
 def main() -> None:

@@ -41,8 +41,8 @@ from __future__ import annotations
 import heapq
 import math
 import zlib
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Iterable, Sequence
 
 import torch
 import torch.nn.functional as F

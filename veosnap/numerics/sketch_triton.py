@@ -49,7 +49,7 @@ def _rowsketch_kernel(x_ptr, out_ptr, sumsq_ptr, rows, columns, row_stride, key,
     base = x_ptr + r.to(tl.int64)[:, None] * row_stride
     acc = tl.zeros((BLOCK_R, WIDTH), dtype=ACC)
     sq = tl.zeros((BLOCK_R, WIDTH), dtype=ACC)
-    for i in range(0, stripes_per_program):
+    for i in range(stripes_per_program):
         t = part * stripes_per_program + i  # stripes past the row's end load nothing (col >= columns)
         stripe_key = mix32(row_key ^ ((t + first_stripe).to(tl.uint32) * STRIPE_MULT))
         rot = (stripe_key & (WIDTH - 1)).to(tl.int32)
