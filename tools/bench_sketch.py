@@ -82,11 +82,11 @@ CPU_CASES = [
     ("logits", (256, 151936), torch.bfloat16, 64),
     ("expert grad", (16, 1536, 2048), torch.float32, 32),
 ]
-VERIFY = [  # (rows, columns, width, row offset, column offset): odd sizes, splits, offsets
-    (37, 70, 32, 7, 0), (9, 300, 64, 0, 13), (3, 25000, 8, 0, 0), (5, 700, 128, 5, 200), (6, 1, 8, 0, 0),
-    (4096, 2048, 64, 0, 0), (64, 151936, 64, 0, 0), (1000, 768, 16, 12345, 0), (300, 4096, 256, 0, 4096),
+VERIFY = [  # (rows, columns, width, row offset, column offset): odd sizes, column splits, offsets, 1-D
+    (37, 70, 32, 7, 0), (9, 300, 64, 0, 13), (3, 25000, 8, 0, 0), (6, 1, 16, 0, 0),
+    (64, 151936, 64, 0, 0), (1000, 768, 16, 12345, 0), (300, 4096, 256, 0, 4096),
 ]
-SWEEP = [(tile, warps) for tile in (1024, 2048, 4096, 8192) for warps in (4, 8)]
+SWEEP = [(tile, warps) for tile in (1024, 2048, 4096) for warps in (4, 8)]
 
 
 def make(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
@@ -148,10 +148,14 @@ def verify_gpu() -> list[dict]:
             table.add_row(f"{rows} x {columns}", str(width), f"{ro}/{co}", str(dtype).removeprefix("torch."),
                           f"{dv:.2e}", f"{ds:.2e}", "yes" if same else "NO")
     console.print(table)
-    verdict = "OK" if worst < 1e-5 and all(r["deterministic"] for r in rows_out) else "MISMATCH"
+    verdict = "OK" if kernel_ok(rows_out) else "MISMATCH"
     console.print(f"kernel check: {verdict} (worst relative difference {worst:.2e}; float32 accumulation of "
-                  "bfloat16 rounds near 1e-7)")
+                  "bfloat16 rounds near 1e-6)")
     return rows_out
+
+
+def kernel_ok(rows: list[dict]) -> bool:
+    return all(r["values"] < 1e-5 and r["sumsq"] < 1e-5 and r["deterministic"] for r in rows)
 
 
 def bench_gpu(quick: bool) -> tuple[list[dict], list[dict]]:
@@ -188,7 +192,7 @@ def bench_gpu(quick: bool) -> tuple[list[dict], list[dict]]:
     sweep = []
     if not quick:
         table = Table(title="tile / warps sweep (sketch GB/s; the default is tile 2048, 4 warps)")
-        cases = [("logits", (8192, 151936), torch.bfloat16, 64), ("expert grad", (128, 1536, 2048), torch.float32, 32)]
+        cases = [("logits", (8192, 151936), torch.bfloat16, 64)]
         table.add_column("tensor")
         for tile, warps in SWEEP:
             table.add_column(f"{tile}/{warps}w", justify="right")
@@ -254,6 +258,8 @@ def main() -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(out, indent=1))
         console.print(f"wrote {path}")
+    if "verify" in out and not kernel_ok(out["verify"]):
+        raise SystemExit("the Triton kernel disagrees with the torch path (table above)")
 
 
 if __name__ == "__main__":

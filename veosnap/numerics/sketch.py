@@ -282,7 +282,7 @@ def rowsketch_torch(x2d: torch.Tensor, width: int, seed: int, *, row_offset: int
     words = max(1, k // 32)
     key = seed_key(seed)
     # A sign flip is an XOR of the float's sign bit: cheaper than a multiply or a select.
-    bits, sign_shift = (torch.int64, 63) if acc == torch.float64 else (torch.int32, 31)
+    bits, sign_bit = (torch.int64, -(1 << 63)) if acc == torch.float64 else (torch.int32, -(1 << 31))
     aligned = lead == 0 and columns == stripes * k
     step = max(1, chunk_elements // (stripes * k))
     for r0 in range(0, rows, step):
@@ -299,7 +299,7 @@ def rowsketch_torch(x2d: torch.Tensor, width: int, seed: int, *, row_offset: int
         landed = buf.gather(2, source)
         word = torch.stack([mix32(keys ^ (((w + 1) * WORD_MULT) & M32)) for w in range(words)], dim=-1)
         negative = ((word[..., None] >> shifts) & 1).view(r1 - r0, stripes, k)  # bucket j: bit j % 32 of word j // 32
-        signed = (landed.view(bits) ^ (negative.to(bits) << sign_shift)).view(acc)
+        signed = (landed.view(bits) ^ (negative.to(bits) * sign_bit)).view(acc)  # 0 or the sign bit: no overflow
         values[r0:r1] = pairwise_sum(signed, 1)
         sumsq[r0:r1] = pairwise_sum(pairwise_sum(buf * buf, 1), 1)
     return RowSketch(values, sumsq)
