@@ -1,0 +1,718 @@
+"""Row sketches: the row-error metric of `veosnap.tolerance` at bounded size.
+
+A tensor is cut into rows as the metric cuts it (`row_layout`): the last dimension is a row's
+columns, a 1-D tensor is one element per row, a scalar one row of one. Each row is reduced to
+`width` numbers by a seeded CountSketch; consecutive rows are summed in groups of `group` rows. The
+sketch is linear, so `sketch(c) - sketch(g) == sketch(c - g)`, and for any fixed difference `d`
+of a group, `||sketch(d)||^2` is an unbiased estimate of `||d||^2` whose relative variance is at most
+`2 / width` (exact when `d` lives in one element, or in one stripe of `width` columns of one row).
+
+The rule (version `rowsketch-v1`; any tool can recompute a sketch from it and the `SketchSpec`):
+
+    S        = mix32(seed ^ SEED_SALT)
+    A(r)     = mix32(S ^ r)                                 r: the row's index in the whole tensor
+    K(r, t)  = mix32(A(r) ^ (t * STRIPE_MULT mod 2^32))     t = c // width: the column's stripe
+    rot      = K(r, t) & (width - 1)
+    W_w      = mix32(K(r, t) ^ ((w + 1) * WORD_MULT mod 2^32))   w = 0 .. max(1, width / 32) - 1
+    element (r, c) goes to bucket j = (c % width + rot) % width, with sign -1 when bit (j % 32) of
+    W_(j // 32) is set, +1 otherwise; a row's sketch is the signed sum of its elements per bucket.
+
+Elements of one stripe never collide (a row no wider than `width` is sketched isometrically: its
+sketch is a signed permutation of it); elements of different stripes or rows collide with
+probability 1/width whatever their columns, so a difference that repeats with a period of `width`
+columns (one dimension of every attention head) is estimated as well as a spread-out one. The
+hash is per (row, stripe), so a row's sketch is a gather within contiguous stripes: memory-bound.
+
+Arithmetic: float32 and float64 inputs accumulate in float64, bfloat16 and float16 in float32; a
+sketch is stored in float32 (float64 for a float64 tensor, the noise run). Sums run in a fixed
+order, so the same tensor gives the same bytes on one machine, and a bit-identical candidate has
+error exactly 0. The CUDA kernel (`sketch_triton`, imported lazily) computes the same numbers
+within float rounding; both take `mix32` and the constants from this module.
+
+Comparison: a group's error is `||sketch(c_G) - sketch(g_G)|| / (sqrt(n_G) * tau)`, n_G the rows
+counted in the group and tau the RMS of the golden's exact row norms, so with one row per group it
+reads like the row error and with more it is the group's RMS row error. A golden whose rows are
+mostly zero (an embedding gradient: only the batch's tokens) keeps only its non-zero rows'
+sketches (its support); a candidate's rows outside the support are measured exactly (norm / tau).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import zlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+from veosnap.errors import VeosnapError
+
+METHOD = "rowsketch-v1"
+WIDTHS = tuple(1 << i for i in range(11))  # 1 .. 1024: powers of two, so a bucket is a mask
+MAX_ROWS = (1 << 31) - 1  # row and stripe indices are hashed as 32-bit words
+SEED_SALT = 0x5EED5EED
+STRIPE_MULT = 0x9E3779B9
+WORD_MULT = 0x85EBCA6B
+M32 = 0xFFFFFFFF
+# Rows per chunk of the torch path are chosen so its temporaries stay near this many elements.
+CHUNK_ELEMENTS = 1 << 19
+
+SUFFIXES = ("#sketch", "#norms", "#support")  # stored tensor names: f"{name}{suffix}"
+
+
+def mix32(x):  # noqa: ANN001, ANN201 - a Python int, a torch int64 tensor, or a Triton uint32 tensor
+    """A bijective 32-bit mixer (Wellons' lowbias32). Operators only: the Triton kernel compiles this
+    very function on uint32; here it runs on Python ints or int64 tensors holding 32-bit values."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    x = x ^ (x >> 16)
+    return x
+
+
+def seed_key(seed: int) -> int:
+    """S of the rule: the 32-bit key every row key derives from."""
+    return mix32((seed ^ SEED_SALT) & M32)
+
+
+def seed_for(name: str, seed: int = 0) -> int:
+    """A tensor's own seed from a golden's seed and the tensor's name (independent projections per
+    tensor; stored in the spec, so nobody needs to derive it again)."""
+    return (zlib.crc32(name.encode()) ^ (seed * 0x9E3779B1)) & M32
+
+
+def row_layout(shape: Sequence[int]) -> tuple[int, int]:
+    """(rows, columns) of a tensor as the row-error metric cuts it."""
+    shape = tuple(int(s) for s in shape)
+    if len(shape) == 0:
+        return 1, 1
+    if len(shape) == 1:
+        return shape[0], 1
+    return math.prod(shape[:-1]), shape[-1]
+
+
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """`x` as a (rows, columns) view (a copy only when its layout does not allow a view)."""
+    rows, columns = row_layout(x.shape)
+    return x.reshape(rows, columns)
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 for float32/float64 inputs (a float32 sum over thousands of stripes would round at the
+    float32 floor of the metric), float32 for 16-bit inputs."""
+    if dtype in (torch.float32, torch.float64):
+        return torch.float64
+    if dtype in (torch.bfloat16, torch.float16):
+        return torch.float32
+    raise VeosnapError(f"cannot sketch a {str(dtype).removeprefix('torch.')} tensor (floating tensors only)")
+
+
+def storage_dtype(dtype: torch.dtype) -> torch.dtype:
+    """How a sketch of a `dtype` tensor is stored: float64 for the float64 noise run, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# --- the spec ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SketchSpec:
+    """How one tensor was sketched: enough for any tool to recompute the sketch."""
+
+    seed: int
+    width: int  # k: numbers per group
+    group: int  # m: consecutive rows (or support rows) summed per group
+    shape: tuple[int, ...]  # the original tensor's shape
+    support: int | None = None  # rows of the golden's support (its non-zero rows), or None: all rows
+    method: str = METHOD
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        problems = []
+        if self.method != METHOD:
+            problems.append(f"method {self.method!r} is not one this veosnap computes ({METHOD}); upgrade veosnap")
+        if not _is_int(self.seed) or not 0 <= self.seed <= M32:
+            problems.append(f"seed {self.seed!r} is not an integer in 0..2^32-1")
+        if not _is_int(self.width) or self.width not in WIDTHS:
+            problems.append(f"width {self.width!r} is not a power of two in 1..{WIDTHS[-1]}")
+        if not _is_int(self.group) or self.group < 1:
+            problems.append(f"group {self.group!r} is not a positive integer")
+        if any(s < 0 for s in self.shape):
+            problems.append(f"shape {list(self.shape)} has a negative size")
+        elif self.rows > MAX_ROWS:
+            problems.append(f"{self.rows} rows: over the {MAX_ROWS} rows a sketch can index")
+        if self.support is not None and (not _is_int(self.support) or not 0 <= self.support <= self.rows):
+            problems.append(f"support {self.support!r} is not a row count in 0..{self.rows}")
+        if problems:
+            raise VeosnapError(f"sketch spec: {'; '.join(problems)}")
+
+    @property
+    def rows(self) -> int:
+        return row_layout(self.shape)[0]
+
+    @property
+    def columns(self) -> int:
+        return row_layout(self.shape)[1]
+
+    @property
+    def sketched_rows(self) -> int:
+        """Rows that enter the sketch: the support's, or all."""
+        return self.rows if self.support is None else self.support
+
+    @property
+    def groups(self) -> int:
+        return -(-self.sketched_rows // self.group)
+
+    def to_dict(self) -> dict:
+        """JSON-ready; `rows` and `columns` are written for readers and checked on load."""
+        return {"method": self.method, "seed": self.seed, "width": self.width, "group": self.group,
+                "shape": list(self.shape), "rows": self.rows, "columns": self.columns, "support": self.support}
+
+    @classmethod
+    def from_dict(cls, data: object, source: object = "sketch spec") -> SketchSpec:
+        """Parse and validate; any problem is one `VeosnapError` line naming `source`."""
+        try:
+            if not isinstance(data, dict):
+                raise TypeError("not a JSON object")
+            unknown = set(data) - {"method", "seed", "width", "group", "shape", "rows", "columns", "support"}
+            if unknown:
+                raise ValueError(f"unknown field(s) {sorted(unknown)}")
+            shape = data["shape"]
+            if not isinstance(shape, list) or not all(_is_int(s) for s in shape):
+                raise TypeError(f"shape {shape!r} is not a list of integers")
+            spec = cls(seed=data["seed"], width=data["width"], group=data["group"], shape=tuple(shape),
+                       support=data.get("support"), method=data["method"])
+            if (data.get("rows"), data.get("columns")) != (spec.rows, spec.columns):
+                raise ValueError(f"rows/columns {data.get('rows')}x{data.get('columns')} do not match shape {shape}")
+        except VeosnapError as exc:
+            raise VeosnapError(f"{source}: {exc}") from None
+        except (KeyError, TypeError, ValueError) as exc:
+            raise VeosnapError(f"{source}: malformed sketch spec ({type(exc).__name__}: {exc})") from None
+        return spec
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# --- per-row sketches (the device-side reduction) ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RowSketch:
+    """Every row's sketch and exact sum of squares, in the accumulation dtype, on the input's device."""
+
+    values: torch.Tensor  # (rows, width)
+    sumsq: torch.Tensor  # (rows,)
+
+
+def pairwise_sum(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sum over `dim` by adding neighbours pairwise: a fixed order whatever the thread count, and
+    rounding that grows with log2 of the length rather than with the length."""
+    t = t.movedim(dim, 0)
+    if t.shape[0] == 0:
+        return torch.zeros(t.shape[1:], dtype=t.dtype, device=t.device)
+    while t.shape[0] > 1:
+        half = t.shape[0] // 2
+        summed = t[0 : 2 * half : 2] + t[1 : 2 * half : 2]
+        t = torch.cat([summed, t[2 * half :]]) if t.shape[0] % 2 else summed
+    return t[0]
+
+
+def rowsketch(x2d: torch.Tensor, width: int, seed: int, *, row_offset: int = 0, col_offset: int = 0,
+              impl: str = "auto") -> RowSketch:
+    """Sketch every row of the 2-D `x2d` on its own device.
+
+    `row_offset` and `col_offset` place `x2d` inside a larger tensor (a shard, a chunk): the hash
+    uses global indices, so shards' sketches add up to the whole tensor's. `impl`: `triton` (CUDA),
+    `torch` (any device), or `auto` (Triton on CUDA when it imports, else torch).
+    """
+    if x2d.ndim != 2:
+        raise VeosnapError(f"rowsketch takes a 2-D (rows, columns) tensor, got {x2d.ndim}-D")
+    if width not in WIDTHS:
+        raise VeosnapError(f"sketch width {width} is not a power of two in 1..{WIDTHS[-1]}")
+    if row_offset < 0 or col_offset < 0 or row_offset + x2d.shape[0] > MAX_ROWS + 1:
+        raise VeosnapError(f"row offset {row_offset} / column offset {col_offset} out of range")
+    accumulation_dtype(x2d.dtype)  # refuses non-floating tensors with one line
+    if impl == "auto":
+        impl = "triton" if x2d.is_cuda and triton_available() else "torch"
+    if impl == "triton":
+        from . import sketch_triton  # noqa: PLC0415 - CUDA only, and triton may be absent
+
+        return sketch_triton.rowsketch(x2d, width, seed, row_offset=row_offset, col_offset=col_offset)
+    if impl != "torch":
+        raise VeosnapError(f"unknown sketch implementation {impl!r} (auto, torch, triton)")
+    return rowsketch_torch(x2d, width, seed, row_offset=row_offset, col_offset=col_offset)
+
+
+_TRITON: list[bool] = []
+
+
+def triton_available() -> bool:
+    """Whether the Triton kernel can be imported here (cached)."""
+    if not _TRITON:
+        try:
+            import triton  # noqa: F401, PLC0415
+
+            _TRITON.append(True)
+        except ImportError:
+            _TRITON.append(False)
+    return _TRITON[0]
+
+
+def rowsketch_torch(x2d: torch.Tensor, width: int, seed: int, *, row_offset: int = 0, col_offset: int = 0,
+                    chunk_elements: int = CHUNK_ELEMENTS) -> RowSketch:
+    """The rule in torch, on any device, a chunk of rows at a time (no full-size temporary)."""
+    rows, columns = x2d.shape
+    acc = accumulation_dtype(x2d.dtype)
+    device = x2d.device
+    k = width
+    values = torch.zeros((rows, k), dtype=acc, device=device)
+    sumsq = torch.zeros((rows,), dtype=acc, device=device)
+    if rows == 0 or columns == 0:
+        return RowSketch(values, sumsq)
+    lead, first_stripe = col_offset % k, col_offset // k
+    stripes = -(-(lead + columns) // k)
+    bucket = torch.arange(k, device=device)
+    shifts = torch.arange(min(k, 32), device=device)
+    stripe_mix = (torch.arange(first_stripe, first_stripe + stripes, device=device) * STRIPE_MULT) & M32
+    words = max(1, k // 32)
+    key = seed_key(seed)
+    # A sign flip is an XOR of the float's sign bit: cheaper than a multiply or a select.
+    bits, sign_bit = (torch.int64, -(1 << 63)) if acc == torch.float64 else (torch.int32, -(1 << 31))
+    aligned = lead == 0 and columns == stripes * k
+    step = max(1, chunk_elements // (stripes * k))
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        if aligned:
+            buf = x2d[r0:r1].to(acc).view(r1 - r0, stripes, k)
+        else:
+            buf = torch.zeros((r1 - r0, stripes * k), dtype=acc, device=device)
+            buf[:, lead : lead + columns] = x2d[r0:r1]
+            buf = buf.view(r1 - r0, stripes, k)
+        row_keys = mix32(key ^ (torch.arange(r0, r1, device=device) + row_offset))
+        keys = mix32(row_keys[:, None] ^ stripe_mix[None, :])  # (rows, stripes)
+        source = (bucket - (keys & (k - 1))[:, :, None]) & (k - 1)  # the element landing in bucket j
+        landed = buf.gather(2, source)
+        word = torch.stack([mix32(keys ^ (((w + 1) * WORD_MULT) & M32)) for w in range(words)], dim=-1)
+        negative = ((word[..., None] >> shifts) & 1).view(r1 - r0, stripes, k)  # bucket j: bit j % 32 of word j // 32
+        signed = (landed.view(bits) ^ (negative.to(bits) * sign_bit)).view(acc)  # 0 or the sign bit: no overflow
+        values[r0:r1] = pairwise_sum(signed, 1)
+        sumsq[r0:r1] = pairwise_sum(pairwise_sum(buf * buf, 1), 1)
+    return RowSketch(values, sumsq)
+
+
+def _groups(rs: RowSketch, spec: SketchSpec, row_mask: torch.Tensor | None, support: torch.Tensor | None,
+            out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row sketches to per-group ones: (values (G, k) in `out_dtype`, sum of squares (G,),
+    counted rows (G,)). Golden and candidate both come through here: same input, same bits."""
+    values, sumsq = rs.values, rs.sumsq
+    if support is not None:
+        values, sumsq = values.index_select(0, support), sumsq.index_select(0, support)
+        counts = torch.ones(support.shape[0], dtype=torch.int64, device=values.device)
+    elif row_mask is not None:
+        keep = row_mask.reshape(-1).to(device=values.device, dtype=torch.bool)
+        values = torch.where(keep[:, None], values, torch.zeros((), dtype=values.dtype, device=values.device))
+        sumsq = torch.where(keep, sumsq, torch.zeros((), dtype=sumsq.dtype, device=sumsq.device))
+        counts = keep.to(torch.int64)
+    else:
+        counts = torch.ones(values.shape[0], dtype=torch.int64, device=values.device)
+    m = spec.group
+    pad = spec.groups * m - values.shape[0]
+    if pad:
+        values, sumsq, counts = F.pad(values, (0, 0, 0, pad)), F.pad(sumsq, (0, pad)), F.pad(counts, (0, pad))
+    grouped = pairwise_sum(values.view(spec.groups, m, spec.width), 1).to(out_dtype)
+    return grouped, pairwise_sum(sumsq.view(spec.groups, m), 1), counts.view(spec.groups, m).sum(1)
+
+
+# --- what a golden stores ----------------------------------------------------------------------------
+
+
+@dataclass
+class GoldenSketch:
+    """A sketched golden tensor: its spec, group sketches, exact group norms, support, and tau."""
+
+    spec: SketchSpec
+    values: torch.Tensor  # (groups, width), float32 (float64 for a float64 tensor)
+    norms: torch.Tensor  # (groups,): the exact L2 norm of each golden group, same dtype
+    support: torch.Tensor | None  # (spec.support,) int64, sorted: the rows sketched (None: all)
+    tau: float  # RMS of the golden's exact row norms over the counted rows
+    rows_counted: int  # rows the metric counts (token tensors: real tokens)
+
+    def tensors(self, name: str) -> dict[str, torch.Tensor]:
+        """The tensors a golden file holds for the sketched tensor `name`."""
+        out = {f"{name}#sketch": self.values.cpu().contiguous(), f"{name}#norms": self.norms.cpu().contiguous()}
+        if self.support is not None:
+            out[f"{name}#support"] = self.support.cpu().contiguous()
+        return out
+
+    def meta(self) -> dict:
+        """JSON-ready manifest entry: the spec, tau and the counted rows."""
+        return {"spec": self.spec.to_dict(), "tau": self.tau, "rows_counted": self.rows_counted}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors("_").values())
+
+    @classmethod
+    def from_parts(cls, name: str, meta: object, tensors: dict[str, torch.Tensor], source: object = "golden") -> GoldenSketch:
+        """Rebuild from a manifest entry and a golden's tensors, refusing anything inconsistent."""
+        where = f"{source}: sketched tensor {name!r}"
+        if not isinstance(meta, dict) or set(meta) != {"spec", "tau", "rows_counted"}:
+            raise VeosnapError(f"{where}: malformed sketch entry (expected spec, tau, rows_counted)")
+        spec = SketchSpec.from_dict(meta["spec"], where)
+        tau, counted = meta["tau"], meta["rows_counted"]
+        if not isinstance(tau, (int, float)) or isinstance(tau, bool) or not math.isfinite(tau) or tau < 0:
+            raise VeosnapError(f"{where}: tau {tau!r} is not a finite non-negative number")
+        if not _is_int(counted) or not 0 <= counted <= spec.sketched_rows:
+            raise VeosnapError(f"{where}: rows_counted {counted!r} is not in 0..{spec.sketched_rows}")
+        values, norms = tensors.get(f"{name}#sketch"), tensors.get(f"{name}#norms")
+        support = tensors.get(f"{name}#support")
+        if values is None or norms is None:
+            raise VeosnapError(f"{where}: its #sketch or #norms tensor is missing")
+        floats = (torch.float32, torch.float64)
+        if values.dtype not in floats or tuple(values.shape) != (spec.groups, spec.width):
+            raise VeosnapError(f"{where}: #sketch is {_describe(values)}, expected float32 [{spec.groups}, {spec.width}]")
+        if norms.dtype != values.dtype or tuple(norms.shape) != (spec.groups,):
+            raise VeosnapError(f"{where}: #norms is {_describe(norms)}, expected {_describe_dtype(values.dtype)} [{spec.groups}]")
+        if not torch.isfinite(values).all() or not torch.isfinite(norms).all() or (norms < 0).any():
+            raise VeosnapError(f"{where}: non-finite sketch values or negative norms (corrupt)")
+        if (support is None) != (spec.support is None):
+            raise VeosnapError(f"{where}: #support tensor {'missing' if support is None else 'present'} but the spec "
+                               f"says support={spec.support}")
+        if support is not None:
+            if support.dtype != torch.int64 or tuple(support.shape) != (spec.support,):
+                raise VeosnapError(f"{where}: #support is {_describe(support)}, expected int64 [{spec.support}]")
+            if support.numel() and (support[0] < 0 or support[-1] >= spec.rows or (support[1:] <= support[:-1]).any()):
+                raise VeosnapError(f"{where}: #support is not sorted distinct rows in 0..{spec.rows - 1}")
+        return cls(spec, values, norms, support, float(tau), int(counted))
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"{_describe_dtype(t.dtype)} {list(t.shape)}"
+
+
+def _describe_dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _check_shape(x: torch.Tensor, spec: SketchSpec, name: str) -> None:
+    if tuple(x.shape) != spec.shape:
+        raise VeosnapError(f"{name}: shape {list(x.shape)} but the sketch spec says {list(spec.shape)}")
+
+
+def _check_mask(row_mask: torch.Tensor | None, spec: SketchSpec, name: str) -> None:
+    if row_mask is not None and row_mask.numel() != spec.rows:
+        raise VeosnapError(f"{name}: row mask has {row_mask.numel()} entries for {spec.rows} rows")
+
+
+def record_sketch(x: torch.Tensor, spec: SketchSpec, *, row_mask: torch.Tensor | None = None,
+                  support_limit: int | None = None, name: str = "tensor", impl: str = "auto") -> GoldenSketch:
+    """Sketch a golden tensor on its device; returns the (small) record on the CPU.
+
+    `row_mask` (token tensors): rows left out of the metric (padding) are left out of every group.
+    `support_limit`: the planner's bound on the non-zero rows (an embedding gradient's support); if
+    the golden has at most that many non-zero rows, only they are sketched (the spec records how
+    many); if it has more, all rows are sketched with groups widened to fit the planned bytes.
+    """
+    _check_shape(x, spec, name)
+    _check_mask(row_mask, spec, name)
+    rs = rowsketch(as_rows(x.detach()), spec.width, spec.seed, impl=impl)
+    if not bool(torch.isfinite(rs.sumsq).all()) or not bool(torch.isfinite(rs.values).all()):
+        raise VeosnapError(f"{name}: the golden has non-finite values (NaN/Inf); a golden must be finite")
+    support = None
+    if spec.support is not None or support_limit is not None:
+        if row_mask is not None:
+            raise VeosnapError(f"{name}: a support (non-zero rows only) and a row mask cannot be combined")
+        nonzero = (rs.sumsq != 0).nonzero().flatten()
+        if spec.support is not None:  # recomputing a recorded sketch: the support must be the same
+            if nonzero.numel() != spec.support:
+                raise VeosnapError(f"{name}: {nonzero.numel()} non-zero rows but the spec's support has {spec.support}")
+            support = nonzero
+        elif nonzero.numel() <= support_limit and nonzero.numel() < spec.rows:
+            support = nonzero
+            spec = replace(spec, support=int(nonzero.numel()))
+        elif spec.rows > support_limit:  # denser than planned: wider groups keep the planned bytes
+            spec = replace(spec, group=spec.group * -(-spec.rows // max(1, support_limit)))
+    values, sq, counts = _groups(rs, spec, row_mask, support, storage_dtype(x.dtype))
+    counted = int(counts.sum())
+    total = float(pairwise_sum(sq.double(), 0)) if sq.numel() else 0.0
+    tau = math.sqrt(total / counted) if counted else 0.0
+    return GoldenSketch(spec=spec, values=values.cpu(), norms=sq.sqrt().to(values.dtype).cpu(),
+                        support=None if support is None else support.cpu(), tau=tau, rows_counted=counted)
+
+
+# --- a candidate, and the comparison -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CandidateSketch:
+    """A candidate tensor reduced on its device the way its golden was."""
+
+    values: torch.Tensor  # (groups, width)
+    counts: torch.Tensor  # (groups,) rows counted per group
+    off_support: torch.Tensor | None  # (rows,) exact norms of rows outside the golden's support (0 inside)
+    nonfinite_rows: int = 0
+    first_nonfinite_row: int = -1
+
+
+def sketch_candidate(x: torch.Tensor, golden: GoldenSketch, *, row_mask: torch.Tensor | None = None,
+                     name: str = "tensor", impl: str = "auto") -> CandidateSketch:
+    """Reduce a candidate tensor (or the float64 noise run) with its golden's spec, on its device."""
+    spec = golden.spec
+    _check_shape(x, spec, name)
+    _check_mask(row_mask, spec, name)
+    rs = rowsketch(as_rows(x.detach()), spec.width, spec.seed, impl=impl)
+    bad = ~(torch.isfinite(rs.sumsq) & torch.isfinite(rs.values).all(dim=1))
+    nonfinite = int(bad.sum())
+    first = int(bad.nonzero()[0, 0]) if nonfinite else -1
+    support = None if golden.support is None else golden.support.to(rs.values.device)
+    values, _, counts = _groups(rs, spec, row_mask, support, storage_dtype(x.dtype))
+    off = None
+    if support is not None:
+        off = rs.sumsq.index_fill(0, support, 0).clamp(min=0).sqrt()
+    return CandidateSketch(values=values, counts=counts, off_support=off, nonfinite_rows=nonfinite,
+                           first_nonfinite_row=first)
+
+
+@dataclass(frozen=True)
+class SketchError:
+    """The row-error verdict from a sketch: the (estimated) largest group error and where it is."""
+
+    error: float  # the largest group error (or off-support row error), like RowError.error
+    group: int  # the worst group's index; -1 when the worst is an off-support row (exact)
+    first_row: int  # original row range of the worst group (its first and last rows)
+    last_row: int
+    group_rows: int  # rows counted in the worst group
+    rows_over: int  # groups, and off-support rows, whose error exceeds the bound
+    groups: int  # groups compared (with a counted row), plus off-support rows
+    rows: int  # rows compared
+    estimate: bool  # True: the worst figure is an estimate from a sketch
+    width: int
+    group_size: int
+    nonfinite_rows: int = 0
+    first_nonfinite_row: int = -1
+
+
+def compare_sketch(golden: GoldenSketch, candidate: torch.Tensor | CandidateSketch, *, bound: float = float("inf"),
+                   row_mask: torch.Tensor | None = None, name: str = "tensor", impl: str = "auto") -> SketchError:
+    """The estimated row error of `candidate` against `golden`, on the candidate's device.
+
+    `candidate` is a tensor (sketched here with the golden's spec and `row_mask`) or its sketch.
+    Only scalars leave the device.
+    """
+    if isinstance(candidate, torch.Tensor):
+        candidate = sketch_candidate(candidate, golden, row_mask=row_mask, name=name, impl=impl)
+    spec = golden.spec
+    if tuple(candidate.values.shape) != tuple(golden.values.shape):
+        raise VeosnapError(f"{name}: candidate sketch {list(candidate.values.shape)} but golden {list(golden.values.shape)}")
+    common = {"width": spec.width, "group_size": spec.group}
+    if candidate.nonfinite_rows:
+        row = candidate.first_nonfinite_row
+        return SketchError(float("inf"), -1, row, row, 1, candidate.nonfinite_rows, spec.groups, spec.rows, False,
+                           nonfinite_rows=candidate.nonfinite_rows, first_nonfinite_row=row, **common)
+    counted = int(candidate.counts.sum())
+    if counted != golden.rows_counted:
+        raise VeosnapError(f"{name}: {counted} rows counted but the golden counted {golden.rows_counted} "
+                           "(another row mask than the golden's)")
+    device = candidate.values.device
+    scale = golden.tau if golden.tau > 0 else 1.0  # an all-zero golden: absolute error, as the exact metric
+    diff = candidate.values.double() - golden.values.to(device).double()
+    counts = candidate.counts
+    errors = diff.norm(dim=1) / (counts.clamp(min=1).double().sqrt() * scale)
+    errors = torch.where(counts > 0, errors, torch.zeros((), dtype=errors.dtype, device=device))
+    compared = int((counts > 0).sum())
+    worst = int(errors.argmax()) if errors.numel() else 0
+    error = float(errors[worst]) if errors.numel() else 0.0
+    over = int((errors > bound).sum())
+    first, last = _group_rows(golden, worst)
+    result = SketchError(error, worst, first, last, int(counts[worst]) if errors.numel() else 0, over, compared,
+                         counted, True, **common)
+    if candidate.off_support is None:
+        return result
+    off = candidate.off_support.double() / scale
+    outside = spec.rows - spec.sketched_rows
+    row = int(off.argmax())
+    off_error = float(off[row])
+    over += int((off > bound).sum())
+    fields = {"rows_over": over, "groups": compared + outside, "rows": counted + outside}
+    if off_error > error:
+        return replace(result, error=off_error, group=-1, first_row=row, last_row=row, group_rows=1, estimate=False, **fields)
+    return replace(result, **fields)
+
+
+def _group_rows(golden: GoldenSketch, group: int) -> tuple[int, int]:
+    """The first and last original rows of `group`."""
+    spec = golden.spec
+    start, stop = group * spec.group, min((group + 1) * spec.group, spec.sketched_rows)
+    if stop <= start:
+        return 0, 0
+    if golden.support is not None:
+        return int(golden.support[start]), int(golden.support[stop - 1])
+    return start, stop - 1
+
+
+def sketch_noise(golden: GoldenSketch, high_precision: torch.Tensor, *, row_mask: torch.Tensor | None = None,
+                 name: str = "tensor") -> SketchError:
+    """The reference's own noise in the currency of the check: its sketch against the float64 run's,
+    reduced with the same spec (the sketch is linear, so this is the sketch of their difference)."""
+    return compare_sketch(golden, high_precision, row_mask=row_mask, name=name)
+
+
+# --- the planner -------------------------------------------------------------------------------------
+
+TARGET_BYTES = 16 << 20
+HARD_LIMIT = 64 << 20
+# (width, group) from the finest to the coarsest; each step about halves a tensor's bytes. Width 64
+# estimates a row's error within about 9% (1/sqrt(2k)); groups grow to 64 rows at width 32 before the
+# width drops to 16, and never below (docs/sketch.md has the measurements behind these).
+LADDER: tuple[tuple[int, int], ...] = (
+    (64, 1), (32, 1), (32, 2), (32, 4), (32, 8), (32, 16), (32, 32), (32, 64),
+    (16, 64), (16, 128), (16, 256), (16, 512), (16, 1024),
+)
+MODES = ("auto", "always", "never")
+# A tensor's bound is alpha x a maximum over its groups; over a handful of groups that maximum is a
+# poor estimate of the noise (tolerance.MIN_SAMPLED_ROWS says the same of rows), so groups are
+# narrowed until a tensor has at least this many (a tensor with fewer rows keeps one row per group).
+MIN_GROUPS = 32
+STORED_TENSOR_OVERHEAD = 160  # bytes per stored tensor: safetensors header entry and manifest JSON
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int64": 8, "int32": 4}
+
+
+@dataclass(frozen=True)
+class TensorShape:
+    """What the planner knows of a golden tensor before it exists."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # float32, bfloat16, ...
+    support_rows: int | None = None  # a structural bound on non-zero rows (embedding gradient: tokens)
+    sketchable: bool = True  # False: always whole (the loss, routes)
+
+    @property
+    def exact_bytes(self) -> int:
+        if self.dtype not in _ITEMSIZE:
+            raise VeosnapError(f"{self.name}: unknown dtype {self.dtype!r} for a golden tensor")
+        return math.prod(self.shape) * _ITEMSIZE[self.dtype] + STORED_TENSOR_OVERHEAD
+
+    @property
+    def sketched_rows(self) -> int:
+        rows, _ = row_layout(self.shape)
+        return rows if self.support_rows is None else min(rows, self.support_rows)
+
+    def sketch_bytes(self, width: int, group: int) -> int:
+        sketched = self.sketched_rows
+        groups = -(-sketched // clamp_group(group, sketched))
+        support = 0 if self.support_rows is None else sketched * 8 + STORED_TENSOR_OVERHEAD
+        return groups * (width + 1) * 4 + 2 * STORED_TENSOR_OVERHEAD + support
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One tensor's form in a golden: whole (`spec` None) or sketched with `spec`."""
+
+    name: str
+    spec: SketchSpec | None
+    nbytes: int  # planned bytes (a support may make the real ones smaller, never larger)
+    support_limit: int | None = None  # pass to record_sketch
+
+    @property
+    def exact(self) -> bool:
+        return self.spec is None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every tensor's form, and the budget it was chosen for (recorded in the manifest)."""
+
+    mode: str
+    budget: int
+    hard_limit: int
+    fixed_bytes: int
+    choices: tuple[Choice, ...]
+
+    @property
+    def total_bytes(self) -> int:
+        return self.fixed_bytes + sum(c.nbytes for c in self.choices)
+
+    def choice(self, name: str) -> Choice:
+        for c in self.choices:
+            if c.name == name:
+                return c
+        raise KeyError(name)
+
+    @property
+    def sketched(self) -> dict[str, SketchSpec]:
+        return {c.name: c.spec for c in self.choices if c.spec is not None}
+
+    def to_dict(self) -> dict:
+        return {"mode": self.mode, "budget": self.budget, "hard_limit": self.hard_limit,
+                "planned_bytes": self.total_bytes, "sketched": sorted(self.sketched)}
+
+
+def plan(tensors: Iterable[TensorShape], *, mode: str = "auto", budget: int = TARGET_BYTES,
+         hard_limit: int = HARD_LIMIT, fixed_bytes: int = 0, seed: int = 0,
+         ladder: Sequence[tuple[int, int]] = LADDER) -> Plan:
+    """Choose each tensor's form so the golden fits `budget` bytes, localising as finely as it allows.
+
+    `auto`: everything whole if it fits; otherwise the largest tensor (by its current bytes) is
+    sketched or coarsened one ladder step at a time until the total fits, so small tensors stay whole
+    and every sketched tensor ends with about the same bytes (the same number of groups).
+    `always`: every sketchable tensor sketched (tests; the "no loss of power" experiment), starting
+    at the ladder's first step. `never`: everything whole. The result is a function of the inputs
+    only. A golden that cannot fit `hard_limit` is refused with the limit and what to do.
+    """
+    if mode not in MODES:
+        raise VeosnapError(f"unknown sketch mode {mode!r} (auto, always, never)")
+    if not ladder or any(w not in WIDTHS or g < 1 for w, g in ladder):
+        raise VeosnapError(f"sketch ladder {list(ladder)} must list (power-of-two width, group >= 1) pairs")
+    shapes = sorted(tensors, key=lambda t: t.name)
+    if len({t.name for t in shapes}) != len(shapes):
+        raise VeosnapError("sketch plan: a tensor name appears twice")
+    level = {t.name: (0 if mode == "always" and _sketchable(t) else -1) for t in shapes}
+
+    def nbytes(t: TensorShape, at: int) -> int:
+        return t.exact_bytes if at < 0 else t.sketch_bytes(*ladder[at])
+
+    def next_level(t: TensorShape) -> int | None:
+        if mode == "never" or not _sketchable(t):
+            return None
+        current = nbytes(t, level[t.name])
+        return next((at for at in range(level[t.name] + 1, len(ladder)) if nbytes(t, at) < current), None)
+
+    total = fixed_bytes + sum(nbytes(t, level[t.name]) for t in shapes)
+    largest = [(-nbytes(t, level[t.name]), t.name, t) for t in shapes if next_level(t) is not None]
+    heapq.heapify(largest)  # the largest tensor first; ties by name
+    while total > budget and largest:
+        before, _, t = heapq.heappop(largest)
+        level[t.name] = next_level(t)
+        total += nbytes(t, level[t.name]) + before
+        if next_level(t) is not None:
+            heapq.heappush(largest, (-nbytes(t, level[t.name]), t.name, t))
+    if total > hard_limit:
+        coarsest = "whole" if mode == "never" else f"width {ladder[-1][0]}, groups of {ladder[-1][1]} rows"
+        fix = "use --sketch auto" if mode == "never" else "record fewer tokens or layers"
+        raise VeosnapError(f"golden would hold {total} bytes, over the {hard_limit} byte limit ({coarsest}); {fix}")
+    choices = []
+    for t in shapes:
+        at = level[t.name]
+        if at < 0:
+            choices.append(Choice(t.name, None, t.exact_bytes))
+            continue
+        width, group = ladder[at]
+        spec = SketchSpec(seed=seed_for(t.name, seed), width=width, group=clamp_group(group, t.sketched_rows),
+                          shape=t.shape)
+        choices.append(Choice(t.name, spec, nbytes(t, at), t.support_rows))
+    return Plan(mode=mode, budget=budget, hard_limit=hard_limit, fixed_bytes=fixed_bytes, choices=tuple(choices))
+
+
+def clamp_group(group: int, rows: int) -> int:
+    """`group`, narrowed so `rows` make at least MIN_GROUPS groups (never below one row)."""
+    return max(1, min(group, rows // MIN_GROUPS))
+
+
+def _sketchable(t: TensorShape) -> bool:
+    return t.sketchable and len(t.shape) >= 1 and math.prod(t.shape) > 0
