@@ -44,8 +44,8 @@ from veosnap.candidates import backends  # noqa: E402
 from veosnap.candidates.layouts import engine, registry  # noqa: E402
 from veosnap.candidates.layouts.protocol import LayoutContext  # noqa: E402
 from veosnap.golden import codec, names, store  # noqa: E402
-from veosnap.golden.manifest import Tolerance  # noqa: E402
 from veosnap.golden.key import GoldenKey  # noqa: E402
+from veosnap.golden.manifest import Tolerance  # noqa: E402
 from veosnap.numerics import tolerance  # noqa: E402
 from veosnap.numerics.metric import is_token_tensor  # noqa: E402
 from veosnap.numerics.sketch import (  # noqa: E402

@@ -48,10 +48,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
+import media  # noqa: E402
 import transformers  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-import media  # noqa: E402
 from veosnap.reference import inputs as vinputs  # noqa: E402
 from veosnap.reference import weights  # noqa: E402
 from veosnap.reference.models import KeepFloat64, hf_config  # noqa: E402

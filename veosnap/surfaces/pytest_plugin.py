@@ -202,7 +202,7 @@ class VeosnapSession:
     # --- the check -----------------------------------------------------------------------------
     def check(self, request: pytest.FixtureRequest, model: str, backend: str = REFERENCE_BACKEND,
               dtype: str = "float32", *, layout: str | None = None, scenario: str = "step") -> CheckReport:
-        """Check `backend` (and later `layout`) on `model` in `dtype` against its golden; see `veosnap_check`."""
+        """Check `backend` under `layout` on `model` in `dtype` against its golden; see `veosnap_check`."""
         __tracebackhide__ = True
         from ..candidates import backends
         from ..candidates.layouts import registry
@@ -466,9 +466,10 @@ def veosnap_project(request: pytest.FixtureRequest) -> Project:
 def veosnap_check(request: pytest.FixtureRequest) -> Callable[..., CheckReport]:
     """`veosnap_check(model, backend="eager", dtype="float32", *, layout=None, scenario="step")`.
 
-    Checks the backend on the model against its golden and returns veosnap's CheckReport. A failed
-    check raises `GoldenMismatch` (an AssertionError) carrying the report; a backend that does not
-    apply to the model skips the test; so does a hardware class with no goldens at all. Under
+    Checks the backend under the layout (any layout SPEC `veosnap check --layout` takes; None: single)
+    on the model against its golden and returns veosnap's CheckReport. A failed check raises
+    `GoldenMismatch` (an AssertionError) carrying the report; a backend or layout that does not apply
+    to the model skips the test; so does a hardware class with no goldens at all. Under
     `--snapshot-update` the golden is re-recorded from the reference first.
     """
     state = request.config.stash[_STATE]
