@@ -17,7 +17,7 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
-from veosnap.backends import Unsupported
+from veosnap import Unsupported
 
 
 def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

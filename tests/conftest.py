@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from veosnap.zoo import Project
+from veosnap.reference.zoo import Project
 
 ROOT = Path(__file__).resolve().parent.parent
 
 # An installed veosnap registers the plugin through its `pytest11` entry point; a checkout run with
 # PYTHONPATH pointing at it (and an older install's metadata) does not, so load it here instead.
-if not any(ep.value == "veosnap.pytest_plugin" for ep in entry_points(group="pytest11")):
-    pytest_plugins = ["veosnap.pytest_plugin"]
+if not any(ep.value == "veosnap.surfaces.pytest_plugin" for ep in entry_points(group="pytest11")):
+    pytest_plugins = ["veosnap.surfaces.pytest_plugin"]
 
 
 @pytest.fixture(scope="session")

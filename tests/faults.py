@@ -15,9 +15,8 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
-from veosnap.backends import Unsupported
-from veosnap.capture import decoder_layers
-from veosnap.routing import find_moe_layers
+from veosnap import Unsupported
+from veosnap.reference.probes import decoder_layers, find_moe_layers
 
 FAULT_LAYER = 1  # faults confined to one layer go in the second decoder layer
 PAD_LEAK_ROW = 1  # the batch row (a 17-token sequence behind 15 pads) whose mask is broken

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from veosnap import hardware
-from veosnap.zoo import Project
+from veosnap.reference import hardware
+from veosnap.reference.zoo import Project
 
 REPO = Path(__file__).resolve().parents[1]
 

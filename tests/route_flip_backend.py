@@ -2,7 +2,7 @@
 
 from torch import nn
 
-from veosnap.routing import find_moe_layers
+from veosnap.reference.probes import find_moe_layers
 
 
 def next_expert(model: nn.Module) -> nn.Module:

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from veosnap import backends
-from veosnap.check import check
-from veosnap.cli import main
-from veosnap.golden import GoldenKey
-from veosnap.zoo import Project
+from veosnap.candidates import backends
+from veosnap.golden.key import GoldenKey
+from veosnap.reference.zoo import Project
+from veosnap.runs.check import check
+from veosnap.surfaces.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = "examples/my_attention_backend.py"
@@ -58,7 +58,7 @@ def test_flex_attention_on_cpu_checks_the_forward_and_says_gradients_were_not(pr
 def test_a_user_backend_declares_forward_only_by_returning_it(project: Project, tmp_path: Path) -> None:
     file = tmp_path / "fwd.py"
     file.write_text(textwrap.dedent("""
-        from veosnap.backends import forward_only
+        from veosnap import forward_only
 
         def no_backward_here(model):
             return forward_only(model, "my kernel has no backward yet")

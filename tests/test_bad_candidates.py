@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from veosnap import golden
-from veosnap.cli import main
+from veosnap.golden import store
+from veosnap.surfaces.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -88,7 +88,7 @@ def problems(result: dict) -> dict[str, str]:
 
 def golden_shape(name: str) -> tuple[int, ...]:
     path = REPO / "goldens" / "cpu" / "llama" / "step-float32.safetensors.zst"
-    return tuple(golden.read(path).tensors[name].shape)
+    return tuple(store.read(path).tensors[name].shape)
 
 
 def test_nan_in_a_layer_fails_and_says_where(capsys, backend_file):

@@ -17,8 +17,9 @@ import torch
 import zstandard
 from safetensors.torch import save as st_save
 
-from veosnap import golden
-from veosnap.cli import main
+from veosnap.errors import GoldenError
+from veosnap.golden import codec
+from veosnap.surfaces.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCE = REPO / "goldens" / "cpu" / "llama" / "step-float32.safetensors.zst"
@@ -69,18 +70,18 @@ def frame_declaring(size: int, body: bytes) -> bytes:
 
 def with_manifest(edit) -> bytes:  # noqa: ANN001
     """The source golden re-encoded after `edit(manifest_dict)`, tensors untouched."""
-    g = golden.decode(SOURCE.read_bytes(), SOURCE)
+    g = codec.decode(SOURCE.read_bytes(), SOURCE)
     data = json.loads(g.manifest.to_json())
     edit(data)
-    raw = st_save(g.tensors, metadata={golden.METADATA_KEY: json.dumps(data)})
+    raw = st_save(g.tensors, metadata={codec.METADATA_KEY: json.dumps(data)})
     return compress(raw)
 
 
 def with_tensors(edit) -> bytes:  # noqa: ANN001
     """The source golden after `edit(tensors)`, re-encoded (so its payload hash is consistent)."""
-    g = golden.decode(SOURCE.read_bytes(), SOURCE)
+    g = codec.decode(SOURCE.read_bytes(), SOURCE)
     edit(g.tensors)
-    return golden.encode(g)
+    return codec.encode(g)
 
 
 # --- the container: zstd frame ------------------------------------------------------------------
@@ -148,23 +149,23 @@ def test_frame_without_content_size(capsys, goldens):
 def test_decompression_bomb_over_the_cap(capsys, goldens):
     (goldens / REL).write_bytes(frame_declaring(1 << 40, b"x" * 1000))
     assert_refused(capsys, goldens, f"zstd frame declares {1 << 40} bytes of content, over the "
-                                    f"{golden.MAX_DECOMPRESSED} byte cap; refusing (decompression bomb?)")
+                                    f"{codec.MAX_DECOMPRESSED} byte cap; refusing (decompression bomb?)")
 
 
 def test_decompression_bomb_under_the_cap_but_far_beyond_its_size(capsys, goldens):
-    declared = golden.MAX_DECOMPRESSED - 1
+    declared = codec.MAX_DECOMPRESSED - 1
     bomb = frame_declaring(declared, b"x" * 1000)
     (goldens / REL).write_bytes(bomb)
     assert_refused(capsys, goldens, f"zstd frame declares {declared} bytes of content from {len(bomb)} compressed bytes "
-                                    f"(over {golden.MAX_RATIO}x); refusing (decompression bomb?)")
+                                    f"(over {codec.MAX_RATIO}x); refusing (decompression bomb?)")
 
 
 def test_bombs_are_refused_before_allocating():
     tracemalloc.start()
     try:
-        for declared in (1 << 40, golden.MAX_DECOMPRESSED, 64 << 20):
-            with pytest.raises(golden.GoldenError, match="decompression bomb"):
-                golden.decode(frame_declaring(declared, b"x" * 1000), "bomb")
+        for declared in (1 << 40, codec.MAX_DECOMPRESSED, 64 << 20):
+            with pytest.raises(GoldenError, match="decompression bomb"):
+                codec.decode(frame_declaring(declared, b"x" * 1000), "bomb")
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -174,10 +175,10 @@ def test_bombs_are_refused_before_allocating():
 # --- the safetensors file inside ----------------------------------------------------------------
 
 def test_oversized_safetensors_header(capsys, goldens):
-    declared = golden.MAX_HEADER + 1
+    declared = codec.MAX_HEADER + 1
     (goldens / REL).write_bytes(compress(struct.pack("<Q", declared) + b"{}"))
     assert_refused(capsys, goldens, f"safetensors header declares {declared} bytes, "
-                                    f"over the {golden.MAX_HEADER} byte cap")
+                                    f"over the {codec.MAX_HEADER} byte cap")
 
 
 def test_safetensors_header_past_the_end(capsys, goldens):
@@ -198,7 +199,7 @@ def test_safetensors_without_a_manifest(capsys, goldens):
 
 
 def test_tensor_offsets_out_of_range(capsys, goldens):
-    manifest = golden.decode(SOURCE.read_bytes(), SOURCE).manifest.to_json()
+    manifest = codec.decode(SOURCE.read_bytes(), SOURCE).manifest.to_json()
     header = json.dumps({"__metadata__": {"veosnap": manifest},
                          "x": {"dtype": "F32", "shape": [1000], "data_offsets": [0, 4000]}}).encode()
     (goldens / REL).write_bytes(compress(struct.pack("<Q", len(header)) + header + b"\0" * 16))
@@ -216,7 +217,7 @@ def test_unknown_schema_version(capsys, goldens):
 
 
 def test_manifest_is_not_json(capsys, goldens):
-    g = golden.decode(SOURCE.read_bytes(), SOURCE)
+    g = codec.decode(SOURCE.read_bytes(), SOURCE)
     (goldens / REL).write_bytes(compress(st_save(g.tensors, metadata={"veosnap": "{oops"})))
     assert_refused(capsys, goldens, "malformed manifest (JSONDecodeError: Expecting property name enclosed in "
                                     "double quotes: line 1 column 2 (char 1))")
@@ -233,7 +234,7 @@ NOT_A_BOUND = "tolerance of 'logits' is not [noise, bound] with finite numbers, 
     ("true", NOT_A_BOUND),
 ])
 def test_a_bound_that_would_pass_anything_is_refused(capsys, goldens, bound, cause):
-    g = golden.decode(SOURCE.read_bytes(), SOURCE)
+    g = codec.decode(SOURCE.read_bytes(), SOURCE)
     data = json.loads(g.manifest.to_json())
     data["tolerance"]["logits"] = [0.0, "BOUND"]
     text = json.dumps(data).replace('"BOUND"', bound)
@@ -271,7 +272,7 @@ def test_config_hash_disagrees_with_the_model_checked(capsys, goldens, tmp_path)
 # --- the tensors ---------------------------------------------------------------------------------
 
 def first_gradient() -> str:
-    return min(n for n in golden.decode(SOURCE.read_bytes(), SOURCE).tensors if n.startswith("grad."))
+    return min(n for n in codec.decode(SOURCE.read_bytes(), SOURCE).tensors if n.startswith("grad."))
 
 
 def test_tensor_missing(capsys, goldens):
@@ -287,7 +288,7 @@ def test_tensor_extra(capsys, goldens, name):
 
 
 def test_tensor_edited_after_recording(capsys, goldens):
-    g = golden.decode(SOURCE.read_bytes(), SOURCE)
+    g = codec.decode(SOURCE.read_bytes(), SOURCE)
     g.tensors["logits"] = g.tensors["logits"] * 1.001
     (goldens / REL).write_bytes(compress(st_save(g.tensors, metadata={"veosnap": g.manifest.to_json()})))
     assert_refused(capsys, goldens, "payload hash mismatch: the tensors are not the ones recorded (corrupt or edited)")
@@ -307,7 +308,7 @@ def test_inputs_of_the_wrong_dtype(capsys, goldens):
         tensors["inputs.labels"] = tensors["inputs.labels"].float()
 
     (goldens / REL).write_bytes(with_tensors(floats))
-    shape = list(golden.decode(SOURCE.read_bytes(), SOURCE).tensors["inputs.labels"].shape)
+    shape = list(codec.decode(SOURCE.read_bytes(), SOURCE).tensors["inputs.labels"].shape)
     assert_refused(capsys, goldens, f"tensor 'inputs.labels' is float32 {shape}, expected int64 {shape} (2-D)")
 
 
@@ -428,11 +429,11 @@ def test_unreadable_token_table_is_one_line(capsys, tmp_path):
 
 def test_an_unreadable_directory_is_one_line(capsys, goldens, monkeypatch):
     # Tests may run as root, which reads any directory: simulate what stat() raises for others.
-    from veosnap import check
+    from veosnap.reference import zoo
 
     def denied(project, key):  # noqa: ANN001
         raise PermissionError(13, "Permission denied", str(goldens / "cpu"))
 
-    monkeypatch.setattr(check, "load_golden", denied)
+    monkeypatch.setattr(zoo, "load_golden", denied)
     code, err = check_llama(capsys, goldens)
     assert (code, err) == (2, f"veosnap: error: {goldens / 'cpu'}: Permission denied\n")

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from veosnap import golden
+from veosnap.errors import GoldenError
+from veosnap.golden import store
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCE = REPO / "goldens" / "cpu" / "llama" / "step-float32.safetensors.zst"
@@ -66,27 +67,27 @@ def temp_of(path: Path, name: str, age_s: float) -> Path:
 def test_the_next_write_removes_temp_files_of_killed_writers_only(tmp_path):
     path = tmp_path / "cpu" / "llama" / "step-float32.safetensors.zst"
     path.parent.mkdir(parents=True)
-    dead = temp_of(path, "dead", age_s=golden.STALE_TMP_SECONDS + 5)
+    dead = temp_of(path, "dead", age_s=store.STALE_TMP_SECONDS + 5)
     young = temp_of(path, "young", age_s=0)  # its writer may be about to lock it
-    busy = temp_of(path, "busy", age_s=golden.STALE_TMP_SECONDS + 5)
+    busy = temp_of(path, "busy", age_s=store.STALE_TMP_SECONDS + 5)
     with open(busy, "rb") as held:
         fcntl.flock(held.fileno(), fcntl.LOCK_EX)  # a live writer, however slow
-        golden.write_bytes(SOURCE.read_bytes(), path)
-    assert golden.temp_files(path) == sorted([young, busy])
+        store.write_bytes(SOURCE.read_bytes(), path)
+    assert store.temp_files(path) == sorted([young, busy])
     assert not dead.exists()
     assert path.read_bytes() == SOURCE.read_bytes()
-    assert [p for _, p in golden.list_goldens(tmp_path)] == [path]
+    assert [p for _, p in store.list_goldens(tmp_path)] == [path]
 
 
 def test_a_failed_write_leaves_the_previous_golden_and_no_temp_file(tmp_path, monkeypatch):
     path = tmp_path / "cpu" / "llama" / "step-float32.safetensors.zst"
-    golden.write_bytes(SOURCE.read_bytes(), path)
+    store.write_bytes(SOURCE.read_bytes(), path)
 
     def disk_full(fd: int) -> None:
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "fsync", disk_full)
-    with pytest.raises(golden.GoldenError, match=r"cannot write \(No space left on device\)$"):
-        golden.write_bytes(b"new bytes", path)
+    with pytest.raises(GoldenError, match=r"cannot write \(No space left on device\)$"):
+        store.write_bytes(b"new bytes", path)
     assert path.read_bytes() == SOURCE.read_bytes()
-    assert golden.temp_files(path) == []
+    assert store.temp_files(path) == []

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from veosnap.cli import main
-from veosnap.record import record
-from veosnap.zoo import Project
+from veosnap.reference.zoo import Project
+from veosnap.runs.record import record
+from veosnap.surfaces.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 

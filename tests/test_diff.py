@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 
 from golden_repo import REPO, commit, copy_zoo, git, git_repo
-from veosnap import cli, golden
-from veosnap.diff import diff, diff_goldens
-from veosnap.golden import GoldenKey
-from veosnap.tolerance import rows_of
+
+from veosnap.golden import codec, store
+from veosnap.golden.key import GoldenKey
+from veosnap.golden.manifest import Manifest
+from veosnap.numerics.metric import rows_of
+from veosnap.reference.inputs import Batch
+from veosnap.runs.diff import diff, diff_goldens
+from veosnap.surfaces import cli
 
 LLAMA = GoldenKey("cpu", "llama", "step", "float32")
 
@@ -22,7 +27,7 @@ def test_identical_trees_report_no_change(tmp_path, capsys):
     report = diff(str(a), str(b), goldens_dir=a)
 
     assert report.empty and not report.material
-    assert len(report.unchanged) == len(golden.list_goldens(a)) > 0
+    assert len(report.unchanged) == len(store.list_goldens(a)) > 0
     assert cli.main(["diff", str(a), str(b), "--fail-on-change"]) == 0
     assert "no golden changed" in capsys.readouterr().out
 
@@ -32,14 +37,14 @@ def test_working_tree_against_head_in_a_git_repo(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
 
     assert cli.main(["diff", "HEAD", "--fail-on-change"]) == 0
-    committed = sum(1 for key, _ in golden.list_goldens(REPO / "goldens") if key.hardware_class == "cpu")
+    committed = sum(1 for key, _ in store.list_goldens(REPO / "goldens") if key.hardware_class == "cpu")
     assert f"0 changed (0 material), 0 added, 0 removed, {committed} unchanged" in capsys.readouterr().out
 
 
 def test_noise_level_move_reads_as_noise_and_large_move_as_material(tmp_path):
-    old = golden.read(REPO / "goldens" / LLAMA.relpath)
+    old = store.read(REPO / "goldens" / LLAMA.relpath)
     bound = old.manifest.tolerance["logits"].bound
-    rows, _ = rows_of("logits", old.tensors["logits"], old.batch.token_mask)
+    rows, _ = rows_of("logits", old.tensors["logits"], Batch.from_golden(old).token_mask)
     typical = rows.norm(dim=1).pow(2).mean().sqrt()
     worst_row = rows.norm(dim=1).max()
 
@@ -47,7 +52,7 @@ def test_noise_level_move_reads_as_noise_and_large_move_as_material(tmp_path):
         # Scaling by (1 + e) moves each row by e * |row|; the worst row sets the tensor's row error.
         e = times_bound * bound * float(typical / worst_row)
         tensors = dict(old.tensors, logits=(old.tensors["logits"].double() * (1 + e)).to(old.tensors["logits"].dtype))
-        return golden.decode(golden.encode(golden.Golden(old.manifest, tensors)), "edited")
+        return codec.decode(codec.encode(codec.Golden(old.manifest, tensors)), "edited")
 
     noise = diff_goldens(old, scaled_logits(0.3))
     real = diff_goldens(old, scaled_logits(40.0))
@@ -75,16 +80,16 @@ def test_removed_and_added_goldens_are_material(tmp_path, capsys, monkeypatch):
 
 def test_routes_and_provenance_changes_are_listed(tmp_path):
     key = GoldenKey("cpu", "qwen3_moe", "step", "float32")
-    old = golden.read(REPO / "goldens" / key.relpath)
+    old = store.read(REPO / "goldens" / key.relpath)
     tensors = dict(old.tensors)
     experts = tensors["routes.0.experts"].clone()
-    real_tokens = old.batch.token_mask.nonzero().flatten()[:3]
+    real_tokens = Batch.from_golden(old).token_mask.nonzero().flatten()[:3]
     experts[real_tokens] = experts[real_tokens].flip(-1) + 1000  # any ids that differ
     tensors["routes.0.experts"] = experts
-    manifest = golden.Manifest.from_json(old.manifest.to_json(), "copy")
-    manifest.provenance["torch"] = "0.0-test"
+    manifest = Manifest.from_json(old.manifest.to_json(), "copy")
+    manifest.provenance = replace(manifest.provenance, torch="0.0-test")
     edited = tmp_path / "edited"
-    golden.write(golden.Golden(manifest, tensors), golden.path_for(edited, key))
+    store.write(codec.Golden(manifest, tensors), store.path_for(edited, key))
 
     report = diff(str(REPO / "goldens"), str(edited), goldens_dir=edited)
 
@@ -96,9 +101,9 @@ def test_routes_and_provenance_changes_are_listed(tmp_path):
 
 def test_markdown_puts_the_summary_first_and_folds_details(tmp_path, capsys, monkeypatch):
     project = git_repo(tmp_path)
-    g = golden.read(project.goldens / LLAMA.relpath)
+    g = store.read(project.goldens / LLAMA.relpath)
     g.tensors["loss"] = g.tensors["loss"] + 1.0
-    golden.write(g, project.goldens / LLAMA.relpath)
+    store.write(g, project.goldens / LLAMA.relpath)
     commit(tmp_path, "hand-edited loss")
     monkeypatch.chdir(tmp_path)
 

@@ -14,14 +14,16 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from veosnap import golden
+from veosnap.errors import GoldenError
+from veosnap.golden import codec
+from veosnap.golden.manifest import READABLE_SCHEMAS
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCE = REPO / "goldens" / "cpu" / "qwen3_moe" / "step-bfloat16.safetensors.zst"  # small, and has routes
 DATA = SOURCE.read_bytes()
 RAW = zstandard.ZstdDecompressor().decompress(DATA)
 HEADER_END = 8 + struct.unpack("<Q", RAW[:8])[0]
-MANIFEST = json.loads(json.loads(RAW[8:HEADER_END])["__metadata__"][golden.METADATA_KEY])
+MANIFEST = json.loads(json.loads(RAW[8:HEADER_END])["__metadata__"][codec.METADATA_KEY])
 # A decode may hold the file, its decompressed content and a copy or two of that; never more.
 ALLOCATION_CAP = 4 * (len(DATA) + len(RAW)) + (8 << 20)
 
@@ -82,7 +84,7 @@ def manifest_edit(draw: st.DrawFn) -> bytes:
         name = draw(st.sampled_from(sorted(section) or ["0"]))
         section[name] = value
     header = json.loads(RAW[8:HEADER_END])
-    header["__metadata__"][golden.METADATA_KEY] = json.dumps(manifest)
+    header["__metadata__"][codec.METADATA_KEY] = json.dumps(manifest)
     blob = json.dumps(header).encode()
     blob += b" " * (-len(blob) % 8)
     return compress(struct.pack("<Q", len(blob)) + blob + RAW[HEADER_END:])
@@ -98,10 +100,10 @@ MUTANTS = st.one_of(
 def decode_outcome(data: bytes) -> str:
     tracemalloc.start()
     try:
-        g = golden.decode(data, "fuzzed")
+        g = codec.decode(data, "fuzzed")
         outcome = "valid"
-        assert g.manifest.schema_version in golden.READABLE_SCHEMAS
-    except golden.GoldenError as exc:
+        assert g.manifest.schema_version in READABLE_SCHEMAS
+    except GoldenError as exc:
         outcome = "refused"
         message = str(exc)
         assert message.startswith("fuzzed: ") and "\n" not in message

@@ -1,7 +1,8 @@
 """Layouts checked against the single-process golden: every CPU layout passes; planted faults fail.
 
 Each torchrun start costs seconds, so the multi-process layouts of one check share one torchrun
-(`check_layouts`), and each fixture below runs once per module.
+(`check_layouts`), and each fixture below runs once per module. Planted layout bugs are layouts of
+their own (`tests/layout_faults.py`), given by SPEC like a user's.
 """
 
 from __future__ import annotations
@@ -11,14 +12,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from veosnap import backends, layouts
-from veosnap.cli import main
+from veosnap.candidates import backends
+from veosnap.candidates.layouts import registry, torchrun
+from veosnap.candidates.layouts.protocol import Layout, Shard, shard_rows
 from veosnap.errors import VeosnapError
-from veosnap.golden import GoldenKey
-from veosnap.zoo import Project
+from veosnap.golden.key import GoldenKey
+from veosnap.reference.zoo import Project
+from veosnap.runs.check import check, check_layouts
+from veosnap.surfaces.cli import main
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+FAULTS = HERE / "layout_faults.py"
 RUN_ON_CPU = ["single", "packed", "microbatch", "ddp", "fsdp2", "hsdp", "tp", "ep"]
 TIMEOUT_S = 300
 
@@ -39,14 +44,14 @@ def by_layout(reports: list) -> dict:
 
 @pytest.fixture(scope="module", params=["llama", "qwen3_moe"])
 def every_layout(request: pytest.FixtureRequest, project: Project) -> tuple[str, dict]:
-    reports = layouts.check_layouts(project, key(request.param), backends.resolve("eager"), layouts.names(),
-                                    nproc=2, timeout_s=TIMEOUT_S)
+    reports = check_layouts(project, key(request.param), backends.resolve("eager"), registry.names(),
+                            nproc=2, timeout_s=TIMEOUT_S)
     return request.param, by_layout(reports)
 
 
 def test_every_layout_the_cpu_runs_passes_against_the_single_process_golden(every_layout: tuple[str, dict]) -> None:
     model, reports = every_layout
-    assert list(reports) == layouts.names()
+    assert list(reports) == registry.names()
     for name in RUN_ON_CPU:
         report = reports[name]
         if name == "ep" and model == "llama":
@@ -69,11 +74,10 @@ def test_sequence_and_context_parallel_are_skipped_on_cpu_with_the_reason(every_
 @pytest.fixture(scope="module")
 def faulty(project: Project) -> dict:
     # One torchrun for the multi-process faults; `die` comes last because it ends the run.
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(layouts.FAULT_ENV, "packed=no_restart,ddp=sum_grads,fsdp2=swap_shard,hsdp=die")
-        reports = layouts.check_layouts(project, key("qwen3_moe"), backends.resolve("eager"),
-                                        ["packed", "ddp", "fsdp2", "hsdp"], nproc=2, timeout_s=TIMEOUT_S)
-    return by_layout(reports)
+    planted = {"packed": "packed_no_restart", "ddp": "ddp_sum_grads", "fsdp2": "fsdp2_swap_shard", "hsdp": "hsdp_die"}
+    reports = check_layouts(project, key("qwen3_moe"), backends.resolve("eager"),
+                            [f"{FAULTS}:{fault}" for fault in planted.values()], nproc=2, timeout_s=TIMEOUT_S)
+    return dict(zip(planted, reports))
 
 
 def failing(report) -> set[str]:  # noqa: ANN001
@@ -111,56 +115,53 @@ def test_a_rank_that_dies_ends_the_check_with_an_error_naming_it(faulty: dict) -
     assert "rank 1 exited with status 17" in faulty["hsdp"].error
 
 
-def test_a_rank_that_hangs_is_ended_at_the_time_limit(project: Project, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(layouts.FAULT_ENV, "ddp=hang")
-    report = layouts.check_layout(project, key("llama"), backends.resolve("eager"), "ddp", timeout_s=15)
+def test_a_rank_that_hangs_is_ended_at_the_time_limit(project: Project) -> None:
+    report = check(project, key("llama"), backends.resolve("eager"), f"{FAULTS}:ddp_hang", timeout_s=15)
     assert report.status == "ERROR" and "timed out after 15 s" in report.error
 
 
 def test_route_flips_under_layouts_are_reported_and_gradients_compared_under_replay(project: Project) -> None:
     backend = backends.resolve(f"{HERE / 'route_flip_backend.py'}:next_expert")
-    for report in layouts.check_layouts(project, key("qwen3_moe"), backend, ["microbatch", "ddp"], timeout_s=TIMEOUT_S):
+    for report in check_layouts(project, key("qwen3_moe"), backend, ["microbatch", "ddp"], timeout_s=TIMEOUT_S):
         assert report.status == "FAIL" and report.route_replay, report.layout
         assert all(r.clear_flips == r.tokens > 0 for r in report.routes)
         assert "routing differs: layer 0 sends" in report.routes[0].message()
         assert all(t.passed for t in report.tensors)  # the kernels are right; only the routing is not
 
 
-def two_halves(model, golden, forced):  # noqa: ANN001, ANN201 - a user's layout, as the docs show it
-    """Gradient accumulation over two half-batches, from veosnap's public building blocks."""
-    batch, total = golden.batch, layouts.predictions(golden.batch)
-    model.zero_grad(set_to_none=True)
-    parts = []
-    for half in torch.arange(batch.input_ids.shape[0]).chunk(2):
-        mine = {k: v[layouts.token_index(golden, half)] for k, v in forced.items()} if forced else None
-        parts.append(layouts.run_part(model, model, layouts.rows(batch, half), total, forced=mine))
-    return layouts.join(parts, layouts.gradients(model))
+class TwoHalves(Layout):
+    """Gradient accumulation over two half-batches: a user's layout, as the docs show it."""
+
+    name = "halves"
+    description = "two half-batches"
+
+    def shard(self, ctx, setup):  # noqa: ANN001, ANN201
+        return [Shard.rows(ctx.batch, half) for half in torch.arange(ctx.batch.rows).chunk(2)]
 
 
 def test_a_registered_in_process_layout_is_checked_like_the_built_in_ones(project: Project,
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(layouts.LAYOUTS, "halves", layouts.Layout("halves", "two half-batches", run=two_halves))
-    report = layouts.check_layout(project, key("qwen3_moe"), backends.resolve("eager"), "halves")
+    monkeypatch.setitem(registry.LAYOUTS, "halves", TwoHalves())
+    report = check(project, key("qwen3_moe"), backends.resolve("eager"), "halves")
     assert report.layout == "halves" and report.passed and report.routes
 
 
 def test_data_parallel_shares_cover_every_row_once() -> None:
     for num_rows, world in [(4, 2), (4, 3), (5, 4)]:
-        shares = [layouts.shard_rows(num_rows, world, rank) for rank in range(world)]
+        shares = [shard_rows(num_rows, world, rank) for rank in range(world)]
         assert torch.cat(shares).tolist() == list(range(num_rows))
 
 
-def test_bad_layout_inputs_are_one_line_errors(project: Project, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bad_layout_inputs_are_one_line_errors(project: Project) -> None:
     eager = backends.resolve("eager")
     with pytest.raises(VeosnapError, match="unknown layout 'zigzag'"):
-        layouts.check_layout(project, key("llama"), eager, "zigzag")
+        check(project, key("llama"), eager, "zigzag")
     with pytest.raises(VeosnapError, match="at least 2 processes"):
-        layouts.check_layout(project, key("llama"), eager, "ddp", nproc=1)
+        check(project, key("llama"), eager, "ddp", nproc=1)
     with pytest.raises(VeosnapError, match="4 rows"):
-        layouts.check_layout(project, key("llama"), eager, "ddp", nproc=5)
-    monkeypatch.setenv(layouts.FAULT_ENV, "ddp=typo")
-    with pytest.raises(VeosnapError, match="unknown fault 'typo'"):
-        layouts.check_layout(project, key("llama"), eager, "ddp")
+        check(project, key("llama"), eager, "ddp", nproc=5)
+    with pytest.raises(VeosnapError, match=f"{FAULTS} has no Layout instance 'typo'"):
+        check(project, key("llama"), eager, f"{FAULTS}:typo")
 
 
 def test_cli_checks_a_layout(project: Project, capsys: pytest.CaptureFixture) -> None:
@@ -194,7 +195,7 @@ Root Cause (first observed failure):
 
 def test_a_rank_that_died_is_named_over_the_peer_that_lost_it() -> None:
     errors = {0: "rank 0: RuntimeError: Connection closed by peer [127.0.0.1]:48811"}
-    assert layouts.explain_failure(TORCHRUN_LOG, errors, 1, 9.4) == "rank 1 exited with status 17 after 9 s"
+    assert torchrun.explain_failure(TORCHRUN_LOG, errors, 1, 9.4) == "rank 1 exited with status 17 after 9 s"
     # With every rank's own message, the root cause's message is the answer.
     both = {**errors, 1: "rank 1: ValueError: bad shard"}
-    assert layouts.explain_failure(TORCHRUN_LOG, both, 1, 9.4) == errors[0]
+    assert torchrun.explain_failure(TORCHRUN_LOG, both, 1, 9.4) == errors[0]

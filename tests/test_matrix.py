@@ -8,12 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from veosnap import backends
-from veosnap.cli import main
-from veosnap.compare import CheckReport, TensorResult
-from veosnap.golden import GoldenKey
-from veosnap.matrix import Cell, Column, Row, default_backends, run_matrix, text
-from veosnap.zoo import Project
+from veosnap.candidates import backends
+from veosnap.golden.key import GoldenKey
+from veosnap.numerics.compare import TensorResult
+from veosnap.reference.zoo import Project
+from veosnap.render.text import matrix as text
+from veosnap.runs.matrix import Cell, Column, Row, default_backends, run_matrix
+from veosnap.runs.verdict import CheckReport
+from veosnap.surfaces.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -111,7 +113,7 @@ def test_layouts_plug_in_as_a_layouts_check() -> None:
 def test_a_matrix_of_only_skips_and_passes_passes() -> None:
     cells = [Cell("llama", "float32", "liger", "single", "skip", reason="needs a GPU"),
              Cell("llama", "float32", "eager", "single", "pass", worst_ratio=0.0)]
-    from veosnap.matrix import Matrix
+    from veosnap.runs.matrix import Matrix
 
     assert Matrix([Row("llama", "float32")], [Column("eager"), Column("liger")], cells).passed
 

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import faults
 import pytest
 
-import faults
-from veosnap import backends, check
-from veosnap.compare import CheckReport
-from veosnap.golden import GoldenKey
-from veosnap.routing import find_moe_layers
+from veosnap.candidates import backends
+from veosnap.golden.key import GoldenKey
+from veosnap.reference.probes import find_moe_layers
+from veosnap.runs.check import check
+from veosnap.runs.verdict import CheckReport
 
 FAULTS_FILE = Path(__file__).with_name("faults.py")
 MODELS = ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"]
@@ -25,7 +26,7 @@ FORWARD_FAULTS = ["swapped_activation", "kv_groups_swapped", "pad_leak", "next_t
 
 def run(project, model: str, dtype: str, fault: str) -> CheckReport:  # noqa: ANN001
     key = GoldenKey("cpu", model, "step", dtype)
-    report = check.check(project, key, backends.resolve(f"{FAULTS_FILE}:{fault}"))
+    report = check(project, key, backends.resolve(f"{FAULTS_FILE}:{fault}"))
     assert not report.error, report.error
     return report
 
@@ -105,8 +106,8 @@ def test_faults_cover_at_least_eight_kinds_small_ones_among_them():
 
 
 def test_moe_models_have_moe_layers(repo_project):
-    from veosnap import models
-    from veosnap.zoo import load_config
+    from veosnap.reference import models
+    from veosnap.reference.zoo import load_config
 
     for name in MOE_MODELS:
         model = models.build(load_config(repo_project.configs, name), models.dtype_from_name("float32"))

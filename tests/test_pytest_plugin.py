@@ -47,8 +47,8 @@ def pytest_in(project: Path, *args: str) -> Run:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("PYTEST_", "VEOSNAP_")) and k != "PYTHONPATH"}
     env["PYTHONPATH"] = str(Path(veosnap.__file__).resolve().parents[1])
-    plugin = [] if any(ep.value == "veosnap.pytest_plugin" for ep in entry_points(group="pytest11")) \
-        else ["-p", "veosnap.pytest_plugin"]
+    plugin = [] if any(ep.value == "veosnap.surfaces.pytest_plugin" for ep in entry_points(group="pytest11")) \
+        else ["-p", "veosnap.surfaces.pytest_plugin"]
     proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *plugin, "-q", *args],
                           cwd=project, env=env, capture_output=True, text=True, timeout=600)
     return Run(proc.returncode, proc.stdout + proc.stderr)
@@ -141,6 +141,21 @@ def test_a_planted_bug_in_the_backend_fails_with_veosnaps_report(project: Path) 
     assert "this candidate was checked, not written" in run.output
     assert "1 candidate check(s) ran under --snapshot-update: checked against the goldens, never written" in run.output
     assert git(project, "status", "--porcelain") == " M mypkg/attention.py\n"
+
+
+def test_a_layout_checked_through_the_fixture_fails_on_a_planted_layout_bug(project: Path) -> None:
+    planted = REPO / "tests" / "layout_faults.py"
+    (project / "tests" / "test_layouts.py").write_text(
+        "def test_packed(veosnap_check):\n"
+        "    veosnap_check('llama', backend='blockwise', layout='packed')\n\n\n"
+        "def test_packed_with_a_bug(veosnap_check):\n"
+        f"    veosnap_check('llama', backend='blockwise', layout='{planted}:packed_no_restart')\n"
+    )
+    run = pytest_in(project, "tests/test_layouts.py")
+    assert run.ret == 1, run.output
+    assert "1 failed, 1 passed" in run.output
+    assert f"FAIL  cpu/llama/step-float32  backend=blockwise  layout={planted}:packed_no_restart" in run.output
+    assert "first diverging layer: layer 0 (layers.0.output" in run.output
 
 
 def test_unused_goldens_fail_a_full_run_are_kept_by_partial_runs_and_deleted_by_snapshot_update(project: Path) -> None:

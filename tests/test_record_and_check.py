@@ -18,12 +18,14 @@ import torch
 import zstandard
 from safetensors import safe_open
 
-from veosnap import golden, models, weights
-from veosnap.cli import main
 from veosnap.errors import VeosnapError
-from veosnap.golden import GoldenKey
-from veosnap.record import record
-from veosnap.zoo import load_config
+from veosnap.golden import store
+from veosnap.golden.key import GoldenKey
+from veosnap.reference import models, weights
+from veosnap.reference.inputs import Batch
+from veosnap.reference.zoo import load_config
+from veosnap.runs.record import record
+from veosnap.surfaces.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -130,8 +132,8 @@ def test_weights_depend_only_on_seed_and_parameter_name(repo_project):
 @pytest.mark.parametrize("model", ["qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"])
 def test_committed_moe_goldens_route_clearly_and_use_every_expert(repo_project, model):
     for dtype in ("float32", "bfloat16"):
-        g = golden.read(golden.path_for(repo_project.goldens, GoldenKey("cpu", model, "step", dtype)))
-        mask = g.batch.token_mask
+        g = store.read(store.path_for(repo_project.goldens, GoldenKey("cpu", model, "step", dtype)))
+        mask = Batch.from_golden(g).token_mask
         assert g.manifest.min_margin, "an MoE golden records its routers' margins"
         for layer, margin in g.manifest.min_margin.items():
             assert margin > 10 * g.manifest.tie_epsilon, f"layer {layer} margin {margin}"
@@ -151,16 +153,16 @@ def test_recorder_refuses_a_router_with_near_ties(scratch_project, monkeypatch):
 
 def test_committed_goldens_are_what_the_recorder_writes_here(repo_project, tmp_path):
     """The bundled cpu goldens are reproducible on this machine (if torch and transformers match)."""
-    g = golden.read(golden.path_for(repo_project.goldens, GoldenKey("cpu", "llama", "step", "float32")))
+    g = store.read(store.path_for(repo_project.goldens, GoldenKey("cpu", "llama", "step", "float32")))
     import transformers
 
-    if (g.manifest.provenance["torch"], g.manifest.provenance["transformers"]) != (torch.__version__, transformers.__version__):
+    if (g.manifest.provenance.torch, g.manifest.provenance.transformers) != (torch.__version__, transformers.__version__):
         pytest.skip("goldens were recorded with other torch/transformers versions")
     from dataclasses import replace
 
     project = replace(repo_project, goldens=tmp_path)
     record(project, "llama", "float32")
-    fresh = golden.read(tmp_path / "cpu" / "llama" / "step-float32.safetensors.zst")
+    fresh = store.read(tmp_path / "cpu" / "llama" / "step-float32.safetensors.zst")
     assert fresh.manifest.payload_hash == g.manifest.payload_hash
 
 
@@ -177,7 +179,7 @@ def test_wheel_bundles_the_zoo_so_check_works_after_a_plain_install(tmp_path):
     with zipfile.ZipFile(wheel) as zf:
         zf.extractall(site)  # what pip would unpack into site-packages
     env = {**os.environ, "PYTHONPATH": str(site)}
-    run = subprocess.run([sys.executable, "-m", "veosnap.cli", "check", "--model", "llama", "--dtype", "float32"],
+    run = subprocess.run([sys.executable, "-m", "veosnap", "check", "--model", "llama", "--dtype", "float32"],
                          cwd=tmp_path, env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert "PASS  cpu/llama/step-float32" in run.stdout
@@ -185,7 +187,7 @@ def test_wheel_bundles_the_zoo_so_check_works_after_a_plain_install(tmp_path):
 
 def test_another_class_is_refused_unless_cross_class_asked(repo_project, monkeypatch, capsys):
     """On a GPU the cpu goldens are refused by default; --cross-class measures the gap instead."""
-    from veosnap import hardware
+    from veosnap.reference import hardware
 
     monkeypatch.setattr(hardware, "detect", lambda: "cuda-sm90")
     monkeypatch.setattr(hardware, "device_for", lambda _cls: torch.device("cpu"))

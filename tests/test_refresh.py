@@ -5,14 +5,16 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from golden_repo import commit, copy_zoo, git_repo, needs_cpu
-from veosnap import cli, golden, hardware
+
 from veosnap.errors import GoldenError, VeosnapError
-from veosnap.golden import GoldenKey
-from veosnap.refresh import refresh
-from veosnap.show import describe
-from veosnap.verify import verify_file
+from veosnap.golden import store
+from veosnap.golden.key import GoldenKey
+from veosnap.reference import hardware
+from veosnap.render.text import golden as describe
+from veosnap.runs.refresh import refresh
+from veosnap.runs.verify import verify_file
+from veosnap.surfaces import cli
 
 LLAMA = GoldenKey("cpu", "llama", "step", "float32")
 
@@ -38,7 +40,7 @@ def test_config_change_refresh_and_diff_show_only_that_model_moved(tmp_path, cap
     assert min(t["ratio"] for t in changed["tensors"]) > 100  # ...by large multiples of its bound
     assert [a["reason"] for a in changed["approvals"]] == ["llama switches to gelu"]
     assert {"field": "config.hidden_act", "old": "silu", "new": "gelu"} in changed["manifest"]
-    others = len(golden.list_goldens(project.goldens)) - 1
+    others = len(store.list_goldens(project.goldens)) - 1
     assert len(doc["unchanged"]) == others and not doc["added"] and not doc["removed"]
 
 
@@ -58,17 +60,17 @@ def test_refresh_of_an_unchanged_model_leaves_the_file_byte_identical(tmp_path):
 def test_forced_refresh_appends_to_the_approval_trail(tmp_path):
     project = copy_zoo(tmp_path)
     path = project.goldens / LLAMA.relpath
-    original = golden.read(path).manifest.payload_hash
+    original = store.read(path).manifest.payload_hash
 
     first = refresh(project, "llama", "float32", reason="new torch", force=True)
     second = refresh(project, "llama", "float32", reason="new driver", force=True)
 
     assert first.action == second.action == "rewrote"
-    trail = golden.read(path).manifest.approvals
-    assert [a["reason"] for a in trail] == ["new torch", "new driver"]
-    assert trail[0]["previous_payload_hash"] == original
-    assert [a["reason"] for a in second.diff.approvals] == ["new driver"]  # the diff shows the new entry only
-    assert "approved    'new driver'" in describe(golden.read(path))
+    trail = store.read(path).manifest.approvals
+    assert [a.reason for a in trail] == ["new torch", "new driver"]
+    assert trail[0].previous_payload_hash == original
+    assert [a.reason for a in second.diff.approvals] == ["new driver"]  # the diff shows the new entry only
+    assert "approved    'new driver'" in describe(store.read(path))
     assert verify_file(path).ok
 
 
@@ -76,10 +78,10 @@ def test_forced_refresh_appends_to_the_approval_trail(tmp_path):
 def test_a_golden_within_noise_of_the_reference_is_not_rewritten(tmp_path):
     project = copy_zoo(tmp_path)
     path = project.goldens / LLAMA.relpath
-    g = golden.read(path)
+    g = store.read(path)
     # As if recorded on another CPU of the same class: logits off by a small fraction of their bound.
     g.tensors["logits"] = g.tensors["logits"] * (1 + 0.1 * g.manifest.tolerance["logits"].bound)
-    golden.write(g, path)
+    store.write(g, path)
     edited = path.read_bytes()
 
     assert refresh(project, "llama", "float32", reason="routine").action == "unchanged"

@@ -7,15 +7,20 @@ Each torchrun start costs about 10 s: the passing data-parallel layouts share on
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from veosnap import backends, golden, layouts, train
-from veosnap.check import check
-from veosnap.cli import main
-from veosnap.golden import GoldenKey
-from veosnap.zoo import Project
+from veosnap.candidates import backends
+from veosnap.golden import names, store
+from veosnap.golden.key import GoldenKey
+from veosnap.reference.zoo import Project
+from veosnap.runs.check import check, check_layouts
+from veosnap.surfaces.cli import main
 
 TIMEOUT_S = 300
+FAULTS = Path(__file__).with_name("layout_faults.py")
+LOSS, GRAD_NORM, UPDATE = str(names.TRAIN_LOSS), str(names.TRAIN_GRAD_NORM), names.Update.prefix
 
 
 def key(model: str, dtype: str = "float32", scenario: str = "train") -> GoldenKey:
@@ -33,57 +38,53 @@ def test_backends_pass_the_train_golden(repo_project: Project, model: str, dtype
     report = check(repo_project, key(model, dtype), backends.resolve(backend))
     assert report.passed, (report.error, report.worst)
     compared = {t.name for t in report.tensors}
-    assert {train.LOSS, train.GRAD_NORM} <= compared
-    assert any(n.startswith(train.UPDATE) for n in compared) and not any(n.startswith("grad.") for n in compared)
+    assert {LOSS, GRAD_NORM} <= compared
+    assert any(n.startswith(UPDATE) for n in compared) and not any(n.startswith("grad.") for n in compared)
     if model == "qwen3_moe":
         assert report.routes and all(r.clear_flips == 0 for r in report.routes)
 
 
 def test_a_train_golden_records_its_steps_and_clips_at_every_one(repo_project: Project) -> None:
-    gold = golden.read(golden.path_for(repo_project.goldens, key("llama")))
-    hyper = train.Hyper.from_reference(gold.manifest.reference)
-    assert gold.tensors[train.LOSS].shape == (hyper.steps,)
-    assert (gold.tensors[train.GRAD_NORM] > hyper.max_norm).all(), "clipping is active at every step"
+    gold = store.read(store.path_for(repo_project.goldens, key("llama")))
+    hyper = gold.manifest.reference.train
+    assert gold.tensors[LOSS].shape == (hyper.steps,)
+    assert (gold.tensors[GRAD_NORM] > hyper.max_norm).all(), "clipping is active at every step"
     assert "logits" not in gold.tensors and not any(n.startswith("grad.") for n in gold.tensors)
 
 
 @pytest.mark.parametrize("model", ["llama", "qwen3_moe"])
 def test_microbatch_accumulation_passes_on_train(repo_project: Project, model: str) -> None:
-    report = layouts.check_layout(repo_project, key(model), backends.resolve("eager"), "microbatch")
+    report = check(repo_project, key(model), backends.resolve("eager"), "microbatch")
     assert report.passed, (report.error, report.worst)
 
 
 def test_ddp_and_fsdp2_pass_on_train_and_tp_says_why_it_does_not_run(repo_project: Project) -> None:
-    reports = layouts.check_layouts(repo_project, key("qwen3_moe"), backends.resolve("eager"),
-                                    ["ddp", "fsdp2", "tp"], nproc=2, timeout_s=TIMEOUT_S)
+    reports = check_layouts(repo_project, key("qwen3_moe"), backends.resolve("eager"),
+                            ["ddp", "fsdp2", "tp"], nproc=2, timeout_s=TIMEOUT_S)
     ddp, fsdp2, tp = reports
     for report in (ddp, fsdp2):
         assert report.passed and not report.skipped, (report.layout, report.error, report.worst)
-        assert any(t.name.startswith(train.UPDATE) for t in report.tensors)
+        assert any(t.name.startswith(UPDATE) for t in report.tensors)
     assert tp.skipped and "train" in tp.skipped
 
 
-def test_clipping_per_micro_batch_fails_on_train_while_step_passes(repo_project: Project,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(layouts.FAULT_ENV, "microbatch=clip_micro")
-    eager = backends.resolve("eager")
-    assert layouts.check_layout(repo_project, key("llama", scenario="step"), eager, "microbatch").passed
-    report = layouts.check_layout(repo_project, key("llama"), eager, "microbatch")
+def test_clipping_per_micro_batch_fails_on_train_while_step_passes(repo_project: Project) -> None:
+    eager, planted = backends.resolve("eager"), f"{FAULTS}:microbatch_clip_micro"
+    assert check(repo_project, key("llama", scenario="step"), eager, planted).passed
+    report = check(repo_project, key("llama"), eager, planted)
     assert not report.passed
-    assert train.GRAD_NORM in names_over(report)
-    assert any(n.startswith(train.UPDATE) for n in names_over(report))
+    assert GRAD_NORM in names_over(report)
+    assert any(n.startswith(UPDATE) for n in names_over(report))
 
 
-def test_clipping_by_the_local_shard_norm_fails_under_fsdp2_while_step_passes(repo_project: Project,
-                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(layouts.FAULT_ENV, "fsdp2=clip_local")
-    eager = backends.resolve("eager")
-    step = layouts.check_layout(repo_project, key("llama", scenario="step"), eager, "fsdp2", timeout_s=TIMEOUT_S)
+def test_clipping_by_the_local_shard_norm_fails_under_fsdp2_while_step_passes(repo_project: Project) -> None:
+    eager, planted = backends.resolve("eager"), f"{FAULTS}:fsdp2_clip_local"
+    step = check(repo_project, key("llama", scenario="step"), eager, planted, timeout_s=TIMEOUT_S)
     assert step.passed, (step.error, step.worst)
-    report = layouts.check_layout(repo_project, key("llama"), eager, "fsdp2", timeout_s=TIMEOUT_S)
+    report = check(repo_project, key("llama"), eager, planted, timeout_s=TIMEOUT_S)
     assert not report.passed and not report.error
-    assert report.worst.name == train.GRAD_NORM
-    assert any(n.startswith(train.UPDATE) for n in names_over(report))
+    assert report.worst.name == GRAD_NORM
+    assert any(n.startswith(UPDATE) for n in names_over(report))
 
 
 def test_cli_records_and_checks_the_train_scenario(scratch_project: Project, capsys: pytest.CaptureFixture) -> None:

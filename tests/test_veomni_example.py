@@ -88,7 +88,7 @@ def test_plugin_skips_with_the_reason_without_veomni() -> None:
     """In an environment without VeOmni, every VeOmni cell is a skip that says how to get it, not an error."""
     if HERE:
         pytest.skip("veomni is importable here: the skip path is for environments without it")
-    proc = subprocess.run([sys.executable, "-m", "veosnap.cli", "check", "--model", "qwen3", "--dtype", "float32",
+    proc = subprocess.run([sys.executable, "-m", "veosnap", "check", "--model", "qwen3", "--dtype", "float32",
                            "--backend", f"{PLUGIN}:veomni", "--format", "json"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -103,8 +103,9 @@ def test_plugin_restores_transformers_loss_mapping() -> None:
     import torch
     from transformers.loss.loss_utils import LOSS_MAPPING
 
-    from veosnap import backends, models
-    from veosnap.zoo import Project, load_config
+    from veosnap.candidates import backends
+    from veosnap.reference import models
+    from veosnap.reference.zoo import Project, load_config
 
     before = dict(LOSS_MAPPING)
     reference = models.build(load_config(Project.resolve(configs=ROOT / "toy_configs").configs, "qwen3"), torch.float32)
@@ -124,10 +125,10 @@ def test_plugin_restores_transformers_loss_mapping() -> None:
 @pytest.mark.skipif(not HERE, reason="veomni is not importable in this interpreter (tools/veomni_env.sh)")
 def test_a_bug_planted_in_veomnis_model_fails_at_its_layer() -> None:
     """The check reaches VeOmni's own modules: a wrong RMSNorm epsilon in one VeOmni layer fails from there."""
-    from veosnap import backends
-    from veosnap.check import check
-    from veosnap.golden import GoldenKey
-    from veosnap.zoo import Project
+    from veosnap.candidates import backends
+    from veosnap.golden.key import GoldenKey
+    from veosnap.reference.zoo import Project
+    from veosnap.runs.check import check
 
     def planted(model):  # noqa: ANN001, ANN202
         assert type(model).__module__.startswith("veomni.")

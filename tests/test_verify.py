@@ -5,12 +5,13 @@ from __future__ import annotations
 import shutil
 
 import pytest
-
 from golden_repo import REPO
-from veosnap import cli, golden
-from veosnap.golden import GoldenKey
-from veosnap.tolerance import Tolerance
-from veosnap.verify import verify, verify_file
+
+from veosnap.golden import store
+from veosnap.golden.key import GoldenKey
+from veosnap.golden.manifest import Tolerance
+from veosnap.runs.verify import verify, verify_file
+from veosnap.surfaces import cli
 
 LLAMA = GoldenKey("cpu", "llama", "step", "float32")
 
@@ -36,11 +37,11 @@ def test_flipping_one_byte_makes_verify_exit_1_naming_that_file(goldens, capsys)
     assert cli.main(["verify", "--goldens", str(goldens)]) == 1
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith(f"{path}: ") and "corrupt" in lines[0]
-    assert lines[1] == f"verified {len(golden.list_goldens(goldens))} golden(s): 1 bad"
+    assert lines[1] == f"verified {len(store.list_goldens(goldens))} golden(s): 1 bad"
 
 
 def test_sound_files_given_by_path_exit_0(goldens, capsys):
-    paths = [str(p) for _, p in golden.list_goldens(goldens)[:2]]
+    paths = [str(p) for _, p in store.list_goldens(goldens)[:2]]
     assert cli.main(["verify", *paths]) == 0
     assert capsys.readouterr().out == "verified 2 golden(s): 0 bad\n"
 
@@ -68,11 +69,11 @@ def _zero_bound(g):
     (_zero_bound, "tolerance of 'loss' is not [noise, bound]"),
 ])
 def test_hand_edits_that_keep_the_payload_hash_valid_are_caught(goldens, edit, cause):
-    # golden.write recomputes the payload hash, as a careful hand-editor would.
+    # store.write recomputes the payload hash, as a careful hand-editor would.
     path = goldens / LLAMA.relpath
-    g = golden.read(path)
+    g = store.read(path)
     edit(g)
-    golden.write(g, path)
+    store.write(g, path)
 
     result = verify_file(path)
     assert not result.ok and cause in result.problem

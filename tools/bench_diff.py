@@ -22,8 +22,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from veosnap import golden  # noqa: E402
-from veosnap.diff import diff, diff_goldens, one_thread, open_tree  # noqa: E402
+from veosnap.golden import codec, store  # noqa: E402
+from veosnap.reference.determinism import one_thread  # noqa: E402
+from veosnap.runs.diff import diff, diff_goldens, open_tree  # noqa: E402
 
 
 def _git(cwd: Path, *args: str) -> None:
@@ -38,11 +39,11 @@ def worst_case_repo(dest: Path) -> Path:
     _git(dest, "init", "-q")
     _git(dest, "add", "-A")
     _git(dest, "commit", "-qm", "base")
-    for _, path in golden.list_goldens(goldens):
-        g = golden.read(path)
+    for _, path in store.list_goldens(goldens):
+        g = store.read(path)
         for name in g.manifest.tolerance:
             g.tensors[name] = g.tensors[name] * (1 + 1e-3)
-        golden.write(g, path)
+        store.write(g, path)
     _git(dest, "commit", "-qam", "every tensor moved")
     return goldens
 
@@ -59,7 +60,7 @@ def per_golden(base: str, head: str | None, goldens_dir: Path) -> list[tuple[str
         if a == b:
             rows.append((str(key), len(a) + len(b), t1 - t0, 0.0, 0.0, "unchanged"))
             continue
-        ga, gb = golden.decode(a, key), golden.decode(b, key)
+        ga, gb = codec.decode(a, key), codec.decode(b, key)
         t2 = time.perf_counter()
         d = diff_goldens(ga, gb)
         t3 = time.perf_counter()
@@ -101,7 +102,7 @@ def main() -> int:
         print(f"\ndiff() in process, {base} -> {head or 'working tree'}: {best:.3f} s "
               f"(best of {args.repeat}; {len(report.changed)} changed, {len(report.unchanged)} unchanged)")
 
-        cmd = [sys.executable, "-m", "veosnap.cli", "diff", base, *([head] if head else []), "--goldens", str(goldens)]
+        cmd = [sys.executable, "-m", "veosnap", "diff", base, *([head] if head else []), "--goldens", str(goldens)]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
         t0 = time.perf_counter()
         done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)

@@ -15,9 +15,11 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from veosnap import backends, layouts
-from veosnap.golden import GoldenKey
-from veosnap.zoo import Project
+from veosnap.candidates import backends
+from veosnap.candidates.layouts import registry
+from veosnap.golden.key import GoldenKey
+from veosnap.reference.zoo import Project
+from veosnap.runs.check import check, check_layouts
 
 
 def cell(report) -> str:  # noqa: ANN001
@@ -41,8 +43,8 @@ def main() -> None:
     console = Console(width=200)
 
     start = time.perf_counter()
-    report = layouts.check_layout(project, GoldenKey(project.hardware_class, args.fsdp_model, "step", args.dtype),
-                                  eager, "fsdp2", nproc=args.nproc)
+    report = check(project, GoldenKey(project.hardware_class, args.fsdp_model, "step", args.dtype), eager, "fsdp2",
+                   nproc=args.nproc)
     single = Table(title=f"one {args.nproc}-process FSDP2 check")
     for col in ("model", "dtype", "status", "wall s"):
         single.add_column(col)
@@ -50,7 +52,7 @@ def main() -> None:
     console.print(single)
 
     models = args.models.split(",") if args.models else project.models()
-    names = layouts.names()
+    names = registry.names()
     table = Table(title=f"every layout, {args.dtype}, nproc {args.nproc} (cell: status and worst error/bound ratio)")
     for col in ("model", *names, "wall s"):
         table.add_column(col)
@@ -59,8 +61,8 @@ def main() -> None:
     total = time.perf_counter()
     for model in models:
         start = time.perf_counter()
-        reports = layouts.check_layouts(project, GoldenKey(project.hardware_class, model, "step", args.dtype), eager,
-                                        names, nproc=args.nproc)
+        reports = check_layouts(project, GoldenKey(project.hardware_class, model, "step", args.dtype), eager,
+                                names, nproc=args.nproc)
         table.add_row(model, *(cell(r) for r in reports), f"{time.perf_counter() - start:.1f}")
         skips.update({r.layout: r.skipped for r in reports if r.skipped and r.layout not in skips})
         errors += [f"{model}/{r.layout}: {r.error}" for r in reports if r.error]

@@ -14,10 +14,14 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from veosnap import backends, check, golden, inputs, models, record
-from veosnap.capture import run_step
-from veosnap.golden import GoldenKey
-from veosnap.zoo import Project, load_config
+from veosnap.candidates import backends
+from veosnap.golden import store
+from veosnap.golden.key import DTYPE_NAMES, GoldenKey
+from veosnap.reference import inputs, models
+from veosnap.reference.capture import run_step
+from veosnap.reference.zoo import Project, load_config
+from veosnap.runs import record
+from veosnap.runs.check import check
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -42,16 +46,16 @@ def main() -> None:
         scratch = replace(project, goldens=Path(tmp))
         for name in project.models():
             toy = load_config(project.configs, name)
-            for dtype in golden.DTYPE_NAMES:
+            for dtype in DTYPE_NAMES:
                 model = models.build(toy, models.dtype_from_name(dtype))
                 step = best_of(lambda: run_step(model, batch))
                 t = time.perf_counter()
                 record.record(scratch, name, dtype)
                 rec = time.perf_counter() - t
                 t = time.perf_counter()
-                check.check(project, GoldenKey("cpu", name, "step", dtype), backends.resolve("eager"))
+                check(project, GoldenKey("cpu", name, "step", dtype), backends.resolve("eager"))
                 chk = time.perf_counter() - t
-                size = golden.path_for(project.goldens, GoldenKey("cpu", name, "step", dtype)).stat().st_size
+                size = store.path_for(project.goldens, GoldenKey("cpu", name, "step", dtype)).stat().st_size
                 table.add_row(name, f"{sum(p.numel() for p in model.parameters()):,}", dtype, f"{step * 1000:.0f} ms",
                               f"{rec:.2f} s", f"{chk:.2f} s", f"{size / 1024:.0f} KiB")
     Console(width=120).print(table)

@@ -23,11 +23,13 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from veosnap import backends, check, tolerance  # noqa: E402
-from veosnap.golden import GoldenKey  # noqa: E402
-from veosnap.zoo import Project  # noqa: E402
-
 import faults  # noqa: E402
+
+from veosnap.candidates import backends  # noqa: E402
+from veosnap.golden.key import GoldenKey  # noqa: E402
+from veosnap.numerics import tolerance  # noqa: E402
+from veosnap.reference.zoo import Project  # noqa: E402
+from veosnap.runs.check import check  # noqa: E402
 
 LEGIT = ["sdpa", "grouped_mm", "batched_mm", "sdpa+grouped_mm"]
 
@@ -50,7 +52,7 @@ def run(project: Project, models: list[str]) -> list[tuple[str, str, str, str, f
 
 
 def _one(project: Project, key: GoldenKey, spec: str, kind: str, label: str) -> tuple:
-    report = check.check(project, key, backends.resolve(spec))
+    report = check(project, key, backends.resolve(spec))
     if report.skipped or report.error:
         return (label, kind, key.model, key.dtype, float("nan"), report.skipped or report.error)
     worst = report.worst

@@ -27,9 +27,14 @@ sys.path.insert(0, str(ROOT / "tests"))
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from veosnap import backends, check, hardware, matrix, record, report, verify  # noqa: E402
-from veosnap.golden import GoldenKey  # noqa: E402
-from veosnap.zoo import Project  # noqa: E402
+from veosnap.candidates import backends  # noqa: E402
+from veosnap.golden.key import GoldenKey  # noqa: E402
+from veosnap.reference import hardware  # noqa: E402
+from veosnap.reference.zoo import Project  # noqa: E402
+from veosnap.render import json as render_json  # noqa: E402
+from veosnap.render import text as render_text  # noqa: E402
+from veosnap.runs import matrix, record, verify  # noqa: E402
+from veosnap.runs.check import check  # noqa: E402
 
 GPU_BACKENDS = ["eager", "sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "sdpa_math", "flex_attention",
                 "grouped_mm", "batched_mm", "sdpa+grouped_mm", "liger", "flash_attention_2"]
@@ -74,19 +79,19 @@ def phase_matrix(project: Project, out: Path) -> None:
                                               f"{cell.status} {cell.worst_ratio} {cell.reason[:100]}", flush=True)
     results: dict = {"env": environment()}
     single = matrix.run_matrix(project, models, ["float32", "bfloat16"], GPU_BACKENDS, on_cell=progress)
-    results["single"] = json.loads(matrix.json_text(single))
-    (out / "matrix.txt").write_text(matrix.text(single))
+    results["single"] = render_json.matrix_dict(single)
+    (out / "matrix.txt").write_text(render_text.matrix(single))
     save(out, "matrix.json", results)  # saved as each part ends: a run cut short still brings back the rest
-    print(matrix.text(single), flush=True)
+    print(render_text.matrix(single), flush=True)
 
     # A precision regression: exact in float32, it must fail the bfloat16 goldens.
     precision = []
     for model in models:
         for dtype in ("float32", "bfloat16"):
             for fault in ("fp8_attention_probabilities", "low_precision_attention"):
-                r = check.check(project, GoldenKey(project.hardware_class, model, "step", dtype),
+                r = check(project, GoldenKey(project.hardware_class, model, "step", dtype),
                                 backends.resolve(f"{ROOT}/tests/faults.py:{fault}"))
-                precision.append(report.as_dict(r))
+                precision.append(render_json.check_dict(r))
                 print(f"precision {fault} {model} {dtype}: {r.status} {r.worst.ratio if r.worst else ''}", flush=True)
     results["precision"] = precision
     save(out, "matrix.json", results)
@@ -97,19 +102,19 @@ def phase_matrix(project: Project, out: Path) -> None:
                           hardware_class="cpu")
     for model in models:
         for dtype in ("float32", "bfloat16"):
-            r = check.check(cpu, GoldenKey("cpu", model, "step", dtype), backends.resolve("eager"), cross_class=True)
-            cross.append(report.as_dict(r))
+            r = check(cpu, GoldenKey("cpu", model, "step", dtype), backends.resolve("eager"), cross_class=True)
+            cross.append(render_json.check_dict(r))
             print(f"cross-class cpu golden {model} {dtype}: {r.status} worst {r.worst.name if r.worst else ''} "
                   f"{r.worst.ratio if r.worst else ''}", flush=True)
     results["cross_class"] = cross
     save(out, "matrix.json", results)
 
     compiled = matrix.run_matrix(project, COMPILE_MODELS, ["float32", "bfloat16"], ["compile"], on_cell=progress)
-    results["compile"] = json.loads(matrix.json_text(compiled))
+    results["compile"] = render_json.matrix_dict(compiled)
     save(out, "matrix.json", results)
     with open(out / "matrix.txt", "a") as fh:
-        fh.write("\n" + matrix.text(compiled))
-    print(matrix.text(compiled), flush=True)
+        fh.write("\n" + render_text.matrix(compiled))
+    print(render_text.matrix(compiled), flush=True)
 
 
 def phase_layouts(project: Project, out: Path, nproc: int, models: list[str]) -> None:
@@ -117,9 +122,9 @@ def phase_layouts(project: Project, out: Path, nproc: int, models: list[str]) ->
                                               f"{cell.status} {cell.worst_ratio} {cell.reason[:120]}", flush=True)
     result = matrix.run_matrix(project, models or project.models(), ["float32", "bfloat16"], ["eager"], LAYOUTS,
                                check_cells=matrix.default_check(nproc), on_cell=progress)
-    (out / "layouts.txt").write_text(matrix.text(result))
-    print(matrix.text(result), flush=True)
-    save(out, "layouts.json", {"env": environment(), "nproc": nproc, "layouts": json.loads(matrix.json_text(result))})
+    (out / "layouts.txt").write_text(render_text.matrix(result))
+    print(render_text.matrix(result), flush=True)
+    save(out, "layouts.json", {"env": environment(), "nproc": nproc, "layouts": render_json.matrix_dict(result)})
 
 
 def main() -> None:

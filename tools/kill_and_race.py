@@ -4,11 +4,11 @@ each other and a reader. Prints a table (or JSON with --json); tests/test_crashe
     python tools/kill_and_race.py kill --kills 100 [--mode record|write] [--seed 0] [--dir DIR]
     python tools/kill_and_race.py race --rounds 6 [--dir DIR]
 
-Recorders run `veosnap.cli.main(["record", ...])` in children forked from this process, which has
+Recorders run `veosnap.surfaces.cli.main(["record", ...])` in children forked from this process, which has
 already imported torch and transformers, so a kill costs a fork instead of a ~4 s interpreter start.
 `kill --mode record` kills at random moments of whole recordings (model build, runs, encode, write);
 `kill --mode write` kills children that only rewrite the golden, so most kills land inside the write.
-After every kill the golden must read (`golden.read`) and be byte-identical to one recorded version.
+After every kill the golden must read (`store.read`) and be byte-identical to one recorded version.
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from veosnap import golden  # noqa: E402
-from veosnap.cli import main as cli  # noqa: E402
 from veosnap.errors import GoldenError  # noqa: E402
-from veosnap.golden import GoldenKey  # noqa: E402
+from veosnap.golden import codec, store  # noqa: E402
+from veosnap.golden.key import GoldenKey  # noqa: E402
+from veosnap.surfaces.cli import main as cli  # noqa: E402
 
 # One intra-op thread before any fork: a child must not inherit a half-initialized thread pool.
 # (Recording runs on one thread anyway, for reproducible bytes.)
@@ -54,7 +54,7 @@ def record(goldens: Path, seed: int, model: str = MODEL) -> None:
 
 
 def golden_path(goldens: Path, model: str = MODEL) -> Path:
-    return golden.path_for(goldens, GoldenKey("cpu", model, "step", "float32"))
+    return store.path_for(goldens, GoldenKey("cpu", model, "step", "float32"))
 
 
 def fork(work: Callable[[], None]) -> int:
@@ -101,7 +101,7 @@ def kill(work_dir: Path, kills: int, mode: str, rng: random.Random) -> dict:
     goldens = work_dir / "goldens"
     path = golden_path(goldens)
     t0 = time.monotonic()
-    golden.write_bytes(by_seed[1], path)  # the previous golden every kill must leave intact
+    store.write_bytes(by_seed[1], path)  # the previous golden every kill must leave intact
     write_seconds = time.monotonic() - t0
     # record: kills spread over two recordings and what lies between; write: over about ten writes
     window = 2.5 * record_seconds if mode == "record" else 10 * max(write_seconds, 1e-3)
@@ -118,10 +118,10 @@ def kill(work_dir: Path, kills: int, mode: str, rng: random.Random) -> dict:
                 if mode == "record":
                     record(goldens, turn)
                 else:
-                    golden.write_bytes(by_seed[turn], path)
+                    store.write_bytes(by_seed[turn], path)
                 turn = 2 if turn == 1 else 1
 
-        temps_before = set(golden.temp_files(path))
+        temps_before = set(store.temp_files(path))
         pid = fork(churn)
         time.sleep(rng.uniform(0, window))
         os.kill(pid, signal.SIGKILL)
@@ -133,12 +133,12 @@ def kill(work_dir: Path, kills: int, mode: str, rng: random.Random) -> dict:
             stats["changed"] += known[data] != current
             current = known[data]
         try:
-            golden.read(path, root=goldens)
+            store.read(path, root=goldens)
             stats["readable"] += 1
         except GoldenError as exc:
             stats["errors"].append(str(exc))
-        stats["temps_left"] += len(set(golden.temp_files(path)) - temps_before)
-        stats["listed_once"] += [p for _, p in golden.list_goldens(goldens)] == [path]
+        stats["temps_left"] += len(set(store.temp_files(path)) - temps_before)
+        stats["listed_once"] += [p for _, p in store.list_goldens(goldens)] == [path]
     stats["lost"] = stats["kills"] - min(stats["readable"], stats["whole_version"])
     return stats
 
@@ -163,7 +163,7 @@ def race(work_dir: Path, rounds: int) -> dict:
     known, _ = versions(work_dir / "versions", seeds)
     shared = work_dir / "shared"
     path = golden_path(shared)
-    golden.write_bytes(next(iter(known)), path)
+    store.write_bytes(next(iter(known)), path)
     pids = [fork(lambda seed=seed: [record(shared, seed) if i % 2 == 0 else record(shared, 3 - seed)
                                     for i in range(rounds)]) for seed in seeds]
     reads = whole = readable = switches = 0
@@ -183,7 +183,7 @@ def race(work_dir: Path, rounds: int) -> dict:
         switches += last is not None and data != last
         last = data
         try:
-            golden.decode(data, path)
+            codec.decode(data, path)
             readable += 1
         except GoldenError as exc:
             errors.append(str(exc))

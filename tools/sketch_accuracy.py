@@ -39,9 +39,15 @@ sys.path.insert(0, str(ROOT / "tests"))
 import faults  # noqa: E402
 from sketch_shapes import REAL_SHAPES, golden_shapes, parameters  # noqa: E402
 
-from veosnap import backends, golden, models, tolerance  # noqa: E402
-from veosnap.capture import run_step  # noqa: E402
-from veosnap.compare import compare  # noqa: E402
+from veosnap import Unsupported  # noqa: E402
+from veosnap.candidates import backends  # noqa: E402
+from veosnap.candidates.layouts import engine, registry  # noqa: E402
+from veosnap.candidates.layouts.protocol import LayoutContext  # noqa: E402
+from veosnap.golden import codec, names, store  # noqa: E402
+from veosnap.golden.key import GoldenKey  # noqa: E402
+from veosnap.golden.manifest import Tolerance  # noqa: E402
+from veosnap.numerics import tolerance  # noqa: E402
+from veosnap.numerics.metric import is_token_tensor  # noqa: E402
 from veosnap.numerics.sketch import (  # noqa: E402
     GoldenSketch,
     Plan,
@@ -56,9 +62,12 @@ from veosnap.numerics.sketch import (  # noqa: E402
     seed_for,
     sketch_noise,
 )
-from veosnap.record import deterministic  # noqa: E402
-from veosnap.routing import replay_routes  # noqa: E402
-from veosnap.zoo import Project, load_config  # noqa: E402
+from veosnap.reference import models  # noqa: E402
+from veosnap.reference.capture import run_step  # noqa: E402
+from veosnap.reference.determinism import deterministic  # noqa: E402
+from veosnap.reference.inputs import Batch  # noqa: E402
+from veosnap.reference.zoo import Project, load_config  # noqa: E402
+from veosnap.runs.check import judge  # noqa: E402
 
 WIDTHS = (8, 16, 32, 64, 128, 256)
 GROUPS = (1, 2, 4, 8, 16)
@@ -70,7 +79,7 @@ POWER_LEVELS = {
     "64x1": lambda name: (64, 1),
     "32x1": lambda name: (32, 1),
     "32x4": lambda name: (32, 4),
-    "1B-like": lambda name: (32, 2) if tolerance.is_token_tensor(name) else (16, 64),
+    "1B-like": lambda name: (32, 2) if is_token_tensor(name) else (16, 64),
     "16x16": lambda name: (16, 16),
     "8x1": lambda name: (8, 1),
 }
@@ -140,15 +149,15 @@ def accuracy(project: Project, model_names: list[str]) -> Estimates:
     est = Estimates()
     gen = torch.Generator().manual_seed(0)
     for model in model_names:
-        f32 = golden.read(golden.path_for(project.goldens, golden.GoldenKey("cpu", model, "step", "float32")))
-        bf16 = golden.read(golden.path_for(project.goldens, golden.GoldenKey("cpu", model, "step", "bfloat16")))
-        mask = f32.batch.token_mask
+        f32 = store.read(store.path_for(project.goldens, GoldenKey("cpu", model, "step", "float32")))
+        bf16 = store.read(store.path_for(project.goldens, GoldenKey("cpu", model, "step", "bfloat16")))
+        mask = Batch.from_golden(f32).token_mask
         head = int(f32.manifest.config.get("head_dim", 16))
         for name in f32.compared_names():
             g = f32.tensors[name]
-            if g.ndim < 2 or name.startswith("routes."):
+            if g.ndim < 2 or isinstance(names.parse(name), names.Route):
                 continue  # a 1-D tensor's rows are single elements: sketched exactly
-            m = mask if tolerance.is_token_tensor(name) else None
+            m = mask if is_token_tensor(name) else None
             seed = seed_for(name)
             est.add("toy goldens", "bf16 vs f32 golden", bf16.tensors[name].double() - g.double(), m, seed)
             for kind, diff in patterns(g, gen, head).items():
@@ -250,59 +259,49 @@ class Verdict:
     note: str = ""
 
 
-def reference_and_truth(project: Project, gold: golden.Golden) -> dict[str, torch.Tensor]:
+def reference_and_truth(project: Project, gold: codec.Golden) -> dict[str, torch.Tensor]:
     """The float64 run of the golden's reference, as record.build_golden makes it (step scenario)."""
     key = gold.key
     toy = load_config(project.configs, key.model)
-    seed = gold.manifest.reference.get("seed", 0)
+    seed = gold.manifest.reference.seed
     with deterministic():
         torch.manual_seed(seed)
         model = models.build(toy, models.dtype_from_name(key.dtype), "cpu", seed)
         high = models.upcast_copy(model, toy, torch.float64)
         del model
         with models.KeepFloat64():
-            truth = run_step(high, gold.batch, own_loss=True)
+            truth = run_step(high, Batch.from_golden(gold), own_loss=True)
     return truth.all_tensors()
 
 
-def sketched_tolerances(gold: golden.Golden, truth: dict[str, torch.Tensor], level
-                        ) -> tuple[dict[str, GoldenSketch], dict[str, tolerance.Tolerance]]:
+def sketched_tolerances(gold: codec.Golden, truth: dict[str, torch.Tensor], level
+                        ) -> tuple[dict[str, GoldenSketch], dict[str, Tolerance]]:
     """Every compared tensor but the loss and routes sketched at `level(name)`, bounds from the sketched
     noise (pooled as record pools exact noise, a group counting as a row)."""
-    mask = gold.batch.token_mask
+    mask = Batch.from_golden(gold).token_mask
     sketches, measured = {}, {}
     for name in gold.compared_names():
         g = gold.tensors[name]
-        if name == "loss" or name.startswith("routes.") or g.ndim == 0:
+        if name == str(names.LOSS) or isinstance(names.parse(name), names.Route) or g.ndim == 0:
             continue
         width, group = level(name)
         spec = SketchSpec(seed=seed_for(name), width=width, group=clamp_group(group, row_layout(g.shape)[0]),
                           shape=tuple(g.shape))
-        m = mask if tolerance.is_token_tensor(name) else None
+        m = mask if is_token_tensor(name) else None
         sketches[name] = record_sketch(g, spec, row_mask=m, name=name)
         err = sketch_noise(sketches[name], truth[name], row_mask=m, name=name)
         measured[name] = SimpleNamespace(error=err.error, rows=err.groups)  # a max over this many groups
     pooled = tolerance.pooled_noises(measured)
-    return sketches, {n: tolerance.Tolerance.from_noise(v, gold.key.dtype) for n, v in pooled.items()}
+    return sketches, {n: tolerance.tolerance_for(v, gold.key.dtype) for n, v in pooled.items()}
 
 
-def run_candidate(project: Project, gold: golden.Golden, spec: str):  # noqa: ANN201
-    """The candidate's capture as `veosnap check` makes it (with route replay when routes differ)."""
-    toy = load_config(project.configs, gold.key.model)
-    backend = backends.resolve(spec)
+def run_candidate(project: Project, gold: codec.Golden, spec: str):  # noqa: ANN201
+    """The candidate's report and capture as `veosnap check` makes them (route replay when routes differ)."""
+    ctx = LayoutContext.checking(gold, load_config(project.configs, gold.key.model), torch.device("cpu"))
     with deterministic():
-        model = models.build(toy, models.dtype_from_name(gold.key.dtype), "cpu", gold.manifest.reference.get("seed", 0))
-        with backend.prepare(model) as candidate:
-            backward = not candidate.forward_only
-            capture = run_step(candidate.model, gold.batch, backward=backward)
-            report = compare(gold, capture, backend=spec)
-            replayed = None
-            if not report.routes_passed:
-                forced = {int(n.split(".")[1]): t.long() for n, t in gold.tensors.items() if n.endswith(".experts")}
-                with replay_routes(candidate.model, forced):
-                    replayed = run_step(candidate.model, gold.batch, backward=backward)
-                report = compare(gold, capture, replayed=replayed, backend=spec)
-    return report, (replayed if replayed is not None else capture)
+        result = engine.run(registry.LAYOUTS["single"], backends.resolve(spec), ctx)
+    report = judge(gold, ctx.batch, result, {"backend": spec})
+    return report, (result.replayed if result.replayed is not None else result.capture)
 
 
 def power(project: Project, model_names: list[str]) -> list[Verdict]:
@@ -313,15 +312,15 @@ def power(project: Project, model_names: list[str]) -> list[Verdict]:
     for model in model_names:
         for dtype in ("float32", "bfloat16"):
             started = time.perf_counter()
-            gold = golden.read(golden.path_for(project.goldens, golden.GoldenKey("cpu", model, "step", dtype)))
+            gold = store.read(store.path_for(project.goldens, GoldenKey("cpu", model, "step", dtype)))
             truth = reference_and_truth(project, gold)
             _check_truth(gold, truth)
             levels = {label: sketched_tolerances(gold, truth, level) for label, level in POWER_LEVELS.items()}
-            mask = gold.batch.token_mask
+            mask = Batch.from_golden(gold).token_mask
             for spec, kind, label in candidates:
                 try:
                     report, source = run_candidate(project, gold, str(ROOT / spec) if spec.startswith("tests/") else spec)
-                except backends.Unsupported as exc:
+                except Unsupported as exc:
                     verdicts.append(Verdict(label, kind, model, dtype, float("nan"), {}, note=f"skipped: {exc}"))
                     continue
                 exact = {t.name: t for t in report.tensors}
@@ -336,7 +335,7 @@ def power(project: Project, model_names: list[str]) -> list[Verdict]:
                         if name not in sketches or result.problem:
                             ratio = max(ratio, result.ratio)
                             continue
-                        m = mask if tolerance.is_token_tensor(name) else None
+                        m = mask if is_token_tensor(name) else None
                         err = compare_sketch(sketches[name], produced[name], bound=tols[name].bound, row_mask=m, name=name)
                         ratio = max(ratio, err.error / tols[name].bound)
                     sketched[level] = ratio
@@ -346,9 +345,9 @@ def power(project: Project, model_names: list[str]) -> list[Verdict]:
     return verdicts
 
 
-def _check_truth(gold: golden.Golden, truth: dict[str, torch.Tensor]) -> None:
+def _check_truth(gold: codec.Golden, truth: dict[str, torch.Tensor]) -> None:
     """The re-run float64 twin must give the golden's own recorded noise (else the experiment is off)."""
-    mask = gold.batch.token_mask
+    mask = Batch.from_golden(gold).token_mask
     for name in ("logits", "layers.0.output"):
         recorded = gold.manifest.tolerance[name].noise
         again = tolerance.noise(name, gold.tensors[name], truth[name], mask).error

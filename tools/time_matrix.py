@@ -32,8 +32,8 @@ def main() -> int:
     if not args.warm_cache:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="veosnap-inductor-")
 
-    from veosnap import matrix
-    from veosnap.zoo import Project
+    from veosnap.reference.zoo import Project
+    from veosnap.runs import matrix
 
     project = Project.resolve()
     specs, unavailable = matrix.default_backends()

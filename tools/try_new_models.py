@@ -1,7 +1,7 @@
 """Prove the recipe for the ten new toy models (issue 15) before veosnap integrates them.
 
 For each model of `toy_configs_next/`: build it from its toy config as the HF eager reference (eager
-attention, eager experts, float32), draw its weights the way veosnap does (`veosnap.weights.initialize`)
+attention, eager experts, float32), draw its weights the way veosnap does (`veosnap.reference.weights.initialize`)
 plus the proposed rules where veosnap's rule does not fit (`--rules veosnap` leaves them out), and run
 forward + backward on: a text-only left-padded batch; for the vision-language and omni models an
 image+text batch, a video+text batch, an audio+text batch (omni), a mixed batch where half the rows
@@ -48,15 +48,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
+import media  # noqa: E402
 import transformers  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-import media  # noqa: E402
-from veosnap import inputs as vinputs  # noqa: E402
-from veosnap import weights  # noqa: E402
-from veosnap.models import KeepFloat64, hf_config  # noqa: E402
-from veosnap.routing import find_moe_layers  # noqa: E402
-from veosnap.zoo import load_config  # noqa: E402
+from veosnap.reference import inputs as vinputs  # noqa: E402
+from veosnap.reference import weights  # noqa: E402
+from veosnap.reference.models import KeepFloat64, hf_config  # noqa: E402
+from veosnap.reference.probes import find_moe_layers  # noqa: E402
+from veosnap.reference.zoo import load_config  # noqa: E402
 
 CONFIGS = ROOT / "toy_configs_next"
 TESTDATA = ROOT / "testdata"

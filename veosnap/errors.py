@@ -1,6 +1,14 @@
-"""The one exception type users see: a one-line message, never a traceback."""
+"""The exceptions veosnap raises and recognizes, shared by every package.
+
+`VeosnapError` and its kinds are the user's problem (a file, a name, a flag): one line, exit 2, never
+a traceback. `Unsupported` is an extension's polite refusal (a backend or layout that does not apply
+here): the check is reported as skipped with its reason. Anything else a candidate raises is the
+candidate's failure, reported in one line by `describe`.
+"""
 
 from __future__ import annotations
+
+import traceback
 
 
 class VeosnapError(Exception):
@@ -23,3 +31,14 @@ class GoldenError(VeosnapError):
 
 class MissingGoldenError(VeosnapError):
     """No golden for the asked key; the message says how to record one."""
+
+
+class Unsupported(Exception):
+    """Raised by a backend or layout that does not apply to this model or machine; the check is skipped."""
+
+
+def describe(exc: BaseException) -> str:
+    """An exception in one line, with where it was raised: `RuntimeError: boom (at file.py:12)`."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    origin = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    return (f"{type(exc).__name__}: {exc}".splitlines() or [type(exc).__name__])[0] + origin

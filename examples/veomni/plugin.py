@@ -47,7 +47,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from veosnap.backends import Unsupported
+from veosnap import Unsupported
 
 # model_type -> VeOmni's registry has a patched class for it (0.1.12: `veomni/models/transformers/*`).
 # Mixtral is the one zoo family VeOmni does not implement.
@@ -83,8 +83,8 @@ def where() -> Where:
     """Where this candidate runs, as far as a plugin can learn it from veosnap 0.1 (CORE.md item 4).
 
     Rank and world size come from torch.distributed. The layout name does not reach a backend at all:
-    the one source is the worker's documented command line (`--layouts a,b`), which names every layout
-    of the torchrun, so with several in one run the plugin cannot tell which one is building it.
+    the one source is the worker's documented command line (`--layout a --layout b`), which names every
+    layout of the torchrun, so with several in one run the plugin cannot tell which one is building it.
     """
     import torch.distributed as dist
 
@@ -92,7 +92,7 @@ def where() -> Where:
         return Where("in-process")
     rank, world = dist.get_rank(), dist.get_world_size()
     argv = sys.argv
-    names = argv[argv.index("--layouts") + 1].split(",") if "--layouts" in argv[:-1] else []
+    names = [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "--layout"]
     if len(names) != 1:
         raise Unsupported(f"the plugin cannot tell which of the torchrun's layouts ({', '.join(names) or '?'}) is "
                           "building it (veosnap gives a backend no layout name: issue 14 item 4); check one "
@@ -298,7 +298,7 @@ def init_parallel_state(here: Where):  # noqa: ANN201 - veomni's ParallelState
     if here.layout == "fsdp2":
         return veomni_init(dp_size=world, dp_shard_size=world, dp_mode="fsdp2", device_type=device_type, name=None)
     if here.layout == "hsdp":
-        from veosnap.layouts import hsdp_mesh
+        from veosnap.candidates.layouts.hsdp import hsdp_mesh
 
         replicate, shard = hsdp_mesh(world)
         return veomni_init(dp_size=world, dp_replicate_size=replicate, dp_shard_size=shard, dp_mode="fsdp2",

@@ -65,9 +65,9 @@ def plan(models: list[str], quick: bool) -> list[tuple[str, str, str, tuple[str,
 
 
 def run_cells(models: list[str], quick: bool, nproc: int, timeout_s: float) -> list[Cell]:
-    from veosnap import backends, layouts
-    from veosnap.golden import GoldenKey
-    from veosnap.zoo import Project
+    from veosnap import GoldenKey, Project
+    from veosnap.candidates import backends
+    from veosnap.runs.check import check_layouts
 
     project = Project.resolve(goldens=ROOT / "goldens", configs=ROOT / "toy_configs", testdata=ROOT / "testdata")
     cells = []
@@ -75,8 +75,8 @@ def run_cells(models: list[str], quick: bool, nproc: int, timeout_s: float) -> l
         spec = name if name == "eager" else f"{PLUGIN}:{name}"
         backend = backends.resolve(spec)
         start = time.monotonic()
-        reports = layouts.check_layouts(project, GoldenKey(project.hardware_class, model, "step", dtype), backend,
-                                        list(names), nproc=nproc, timeout_s=timeout_s)
+        reports = check_layouts(project, GoldenKey(project.hardware_class, model, "step", dtype), backend,
+                                list(names), nproc=nproc, timeout_s=timeout_s)
         seconds = (time.monotonic() - start) / len(reports)
         for report in reports:
             worst = report.worst
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--out", type=Path, help="write results.json and table.md here")
     args = p.parse_args(argv)
-    from veosnap.zoo import Project
+    from veosnap import Project
 
     models = args.models.split(",") if args.models else list(QUICK_MODELS) if args.quick else \
         Project.resolve(configs=ROOT / "toy_configs").models()

@@ -1,5 +1,12 @@
-"""Numerics: the row-error metric, reference noise and bounds, comparators, and row sketches.
+"""Numbers about tensors: the row-error metric, reference noise and bounds, route comparison, the
+tensor comparators, row sketches, and how numbers read in reports.
 
-Modules here are pure functions over tensors and small dataclasses; they import nothing from the
-rest of veosnap but `veosnap.errors`.
+- `metric`: a tensor cut into rows; the row error of a candidate against the golden.
+- `tolerance`: the reference's noise, the bound rule (alpha x noise + floor), few-row pooling.
+- `routes`: router margins and how two sets of expert choices compare.
+- `compare`: each golden tensor against a candidate's, as typed results (`TensorResult`, `RouteDiff`).
+- `sketch` (+ `sketch_triton`): seeded row sketches that answer the row-error metric at bounded size.
+- `fmt`: the one place numbers are formatted for people.
+
+Pure functions over tensors and small dataclasses; imports only `golden` and `errors`.
 """

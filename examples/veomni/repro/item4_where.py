@@ -12,7 +12,7 @@ again, ERROR "fully_shard has already been applied".
 
 import torch.distributed as dist
 
-from veosnap.backends import Unsupported
+from veosnap import Unsupported
 
 
 def where(model):

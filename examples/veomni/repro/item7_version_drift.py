@@ -12,17 +12,17 @@ provenance, this environment's versions, and the eager check's verdict and notes
 import importlib.metadata as md
 from pathlib import Path
 
-from veosnap import backends, layouts
-from veosnap.check import load_golden
-from veosnap.golden import GoldenKey
-from veosnap.zoo import Project
+from veosnap import GoldenKey, Project
+from veosnap.candidates import backends
+from veosnap.reference.zoo import load_golden
+from veosnap.runs.check import check
 
 root = Path(__file__).resolve().parents[3]
 project = Project.resolve(goldens=root / "goldens", configs=root / "toy_configs", testdata=root / "testdata")
 key = GoldenKey("cpu", "deepseek_v3", "step", "bfloat16")
 provenance = load_golden(project, key).manifest.provenance
-print("golden:", {k: provenance.get(k) for k in ("torch", "transformers")})
+print("golden:", {k: getattr(provenance, k) for k in ("torch", "transformers")})
 print("here:  ", {k: md.version(k) for k in ("torch", "transformers")})
-report = layouts.check_layout(project, key, backends.resolve("eager"))
+report = check(project, key, backends.resolve("eager"))
 print("eager check:", report.status, "| worst:", report.worst.name if report.worst else None,
       "| notes:", report.notes or "none", "| mentions a version:", "transformers" in " ".join(report.notes))

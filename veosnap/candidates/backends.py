@@ -1,0 +1,315 @@
+"""Backends: how a candidate model is made from the reference one.
+
+A backend is a callable that receives the built reference model (in the golden's dtype, on the
+device) and returns the model to run; it may patch the model in place and return it (or None).
+It may also:
+
+- return `forward_only(model, reason)` when the candidate cannot run a backward pass here: the check
+  then compares the forward tensors (loss, logits, layer outputs, routes) and says why gradients
+  were not checked;
+- raise `Unsupported(reason)` when it does not apply to this model or machine: the check is skipped;
+- be a generator function that yields the model once: code after the `yield` (put it in a
+  `finally`) runs when the check is done, to undo process-wide patches (as in a pytest fixture).
+
+SPEC is:
+
+- a registered name: `eager`, `sdpa`, `flex_attention`, `grouped_mm`, `batched_mm`, `compile`,
+  `liger`, or one added with `register` (`veosnap.register_backend`);
+- `path/to/file.py:function` or `package.module:function`;
+- the name of a `veosnap.backends` entry point;
+- several of these joined by `+` (`sdpa+grouped_mm`), applied left to right.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import sys
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+
+from ..errors import Unsupported, VeosnapError
+from . import specs
+
+BackendFn = Callable[[nn.Module], object]
+ENTRY_POINT_GROUP = "veosnap.backends"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """The model a backend made, and, when it cannot run backward here, why (gradients unchecked)."""
+
+    model: nn.Module
+    forward_only: str = ""
+
+
+def forward_only(model: nn.Module, reason: str) -> Candidate:
+    """What a backend returns when `model` runs forward but not backward here (say why)."""
+    return Candidate(model, forward_only=reason)
+
+
+@dataclass(frozen=True)
+class Registered:
+    """A built-in backend: its function, and a test of whether this machine can run it at all."""
+
+    fn: BackendFn
+    requires: Callable[[], str | None] = lambda: None  # the reason it cannot run here, or None
+
+
+_REGISTRY: dict[str, Registered] = {}
+
+
+def register(name: str, fn: BackendFn | None = None, *,
+             requires: Callable[[], str | None] | None = None) -> Callable[[BackendFn], BackendFn] | BackendFn:
+    """Register a backend under `name`: `register(name, fn)`, or `@register(name)` as a decorator.
+
+    `requires` returns why this machine cannot run it (None when it can); `veosnap check --matrix`
+    leaves such backends out of its default columns. A backend registered at run time is known to
+    this process only: torchrun ranks resolve SPECs again (give them a file, module or entry point).
+    """
+
+    def wrap(fn: BackendFn) -> BackendFn:
+        _REGISTRY[name] = Registered(fn, requires or (lambda: None))
+        return fn
+
+    return wrap if fn is None else wrap(fn)
+
+
+def builtin_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def unavailable_here(name: str) -> str | None:
+    """Why the registered backend `name` cannot run on this machine, or None when it can."""
+    return _REGISTRY[name].requires()
+
+
+def runnable_builtins() -> list[str]:
+    """Registered backends this machine can run, `eager` first (the matrix's default columns)."""
+    names = [n for n in builtin_names() if unavailable_here(n) is None]
+    return sorted(names, key=lambda n: (n != "eager", n))
+
+
+# --- built-ins -------------------------------------------------------------------------------------
+
+
+@register("eager")
+def eager(model: nn.Module) -> nn.Module:
+    """The reference itself (eager attention, eager experts)."""
+    return model
+
+
+def attention(implementation: str) -> BackendFn:
+    """A backend that switches the model to transformers' attention `implementation`."""
+
+    def apply(model: nn.Module) -> nn.Module:
+        try:
+            model.set_attn_implementation(implementation)
+        except (ValueError, ImportError) as exc:  # transformers refuses models it has no support for
+            raise Unsupported(str(exc).split(". ")[0].strip()) from None
+        return model
+
+    apply.__doc__ = f"transformers' `{implementation}` attention."
+    return apply
+
+
+register("sdpa")(attention("sdpa"))
+
+
+def _gpu_with(module: str | None, what: str, missing: str = "") -> Callable[[], str | None]:
+    """A `requires` test: a CUDA GPU and, if named, an importable `module`."""
+
+    def requires() -> str | None:
+        if not torch.cuda.is_available():
+            return f"{what} needs a CUDA GPU"
+        if module and importlib.util.find_spec(module) is None:
+            return f"{what} is not installed ({missing})"
+        return None
+
+    return requires
+
+
+_flash_attn_requires = _gpu_with("flash_attn", "flash-attn", "it has no binary wheel; build it for your GPU")
+register("flash_attention_2", requires=_flash_attn_requires)(attention("flash_attention_2"))
+
+
+def _sdpa_kernel(kernel: str) -> BackendFn:
+    """SDPA pinned to one of torch's kernels (flash, efficient, cudnn, math), where it applies."""
+
+    def apply(model: nn.Module) -> Iterator[nn.Module]:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        backend = getattr(SDPBackend, {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
+                                        "cudnn": "CUDNN_ATTENTION", "math": "MATH"}[kernel])
+        param = next(model.parameters())
+        # The golden's batch is padded: HF passes a mask, which some kernels refuse. Ask first, on a
+        # tiny call shaped like HF's, so an inapplicable kernel is a skip and not an error.
+        q = torch.zeros(1, 2, 4, 16, device=param.device, dtype=param.dtype)
+        mask = torch.zeros(1, 1, 4, 4, device=param.device, dtype=param.dtype)
+        try:
+            with sdpa_kernel(backend):
+                torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+        except RuntimeError as exc:
+            raise Unsupported(f"SDPA's {kernel} kernel cannot run a masked {param.dtype} attention here "
+                              f"({str(exc).splitlines()[0][:120]})") from None
+        attention("sdpa")(model)
+        with sdpa_kernel(backend):
+            yield model
+
+    apply.__doc__ = f"SDPA restricted to torch's `{kernel}` kernel."
+    return apply
+
+
+for _kernel in ("flash", "efficient", "cudnn"):
+    register(f"sdpa_{_kernel}", requires=_gpu_with(None, f"SDPA's {_kernel} kernel"))(_sdpa_kernel(_kernel))
+register("sdpa_math")(_sdpa_kernel("math"))
+
+
+@register("flex_attention")
+def flex_attention(model: nn.Module) -> nn.Module | Candidate:
+    """transformers' `flex_attention`; forward only where torch has no flex backward (CPU)."""
+    attention("flex_attention")(model)
+    if next(model.parameters()).device.type != "cpu":
+        return model
+    if any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules()):
+        raise Unsupported("flex_attention cannot run attention sinks on CPU")
+    # FlexAttention refuses inputs that require grad on CPU, so only the forward can be checked.
+    return forward_only(model, "flex_attention has no backward on CPU")
+
+
+def _experts(implementation: str) -> BackendFn:
+    def apply(model: nn.Module) -> nn.Module:
+        if type(model)._can_set_experts_implementation():  # dense models have no experts to swap
+            model.set_experts_implementation(implementation)
+        return model
+
+    apply.__doc__ = f"transformers' `{implementation}` experts kernel (dense models: unchanged)."
+    return apply
+
+
+register("grouped_mm")(_experts("grouped_mm"))
+register("batched_mm")(_experts("batched_mm"))
+
+
+@register("compile")
+def compile_(model: nn.Module) -> Iterator[nn.Module]:
+    """`torch.compile` (inductor) on the model's forward, in place so parameter names are unchanged."""
+    # Dynamo's caches are per code object, shared by every model of a family: after its recompile
+    # limit (8) it silently runs eager, and a matrix's later `compile` cells would check nothing.
+    # Each check starts from a reset (inductor's on-disk cache still spares repeated compiles).
+    torch._dynamo.reset()
+    # nn.Module.compile keeps the module (and its parameter names, which name the gradients);
+    # torch.compile(model) would wrap it and prefix every name with `_orig_mod.`.
+    model.compile(backend="inductor")
+    try:
+        yield model
+    finally:
+        torch._dynamo.reset()
+
+
+_liger_requires = _gpu_with("liger_kernel", "liger-kernel", "pip install liger-kernel")
+
+
+# Liger's fused linear cross-entropy never materializes the logits the golden compares, so the
+# plain fused cross-entropy stands in for it; every other patch is liger's default.
+LIGER_OPTIONS = {"fused_linear_cross_entropy": False, "cross_entropy": True}
+
+
+@register("liger", requires=_liger_requires)
+def liger(model: nn.Module) -> Iterator[nn.Module]:
+    """liger-kernel's patches for this model type (RMSNorm, RoPE, SwiGLU, cross-entropy); GPU only.
+
+    Liger patches transformers' modeling modules process-wide, not just this instance: they are
+    restored when the check is done so later checks in the same process run unpatched code.
+    """
+    reason = _liger_requires()
+    if reason:
+        raise Unsupported(reason)
+    from liger_kernel.transformers import monkey_patch
+
+    model_type = model.config.model_type
+    if model_type not in monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN:
+        raise Unsupported(f"liger-kernel has no patches for model type {model_type!r}")
+    with _restoring_modules(type(model).__module__, "transformers.loss.loss_utils", "torch.nn.functional"):
+        monkey_patch._apply_liger_kernel_to_instance(model=model, **LIGER_OPTIONS)
+        yield model
+
+
+@contextmanager
+def _restoring_modules(*module_names: str) -> Iterator[None]:
+    """Within the block, module attributes and the classes they define may be patched; then restored."""
+    saved = []
+    for name in module_names:
+        module = sys.modules.get(name) or importlib.import_module(name)
+        saved.append((module, dict(vars(module))))
+        for value in list(vars(module).values()):
+            if isinstance(value, type) and value.__module__ == name:
+                saved.append((value, {k: v for k, v in vars(value).items() if k != "__dict__"}))
+    try:
+        yield
+    finally:
+        for owner, attrs in reversed(saved):
+            for key in [k for k in vars(owner) if k not in attrs]:
+                delattr(owner, key)
+            for key, value in attrs.items():
+                if vars(owner).get(key, _MISSING) is not value:
+                    try:
+                        setattr(owner, key, value)
+                    except (AttributeError, TypeError):  # read-only slots of builtin types
+                        pass
+
+
+_MISSING = object()
+
+
+# --- resolving specs -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A resolved backend spec: its display name and the functions applied in order."""
+
+    spec: str
+    steps: tuple[BackendFn, ...]
+
+    @contextmanager
+    def prepare(self, model: nn.Module) -> Iterator[Candidate]:
+        """Apply every step to `model`; within the block the candidate runs, after it patches are undone.
+
+        Forward-only is sticky: if any step declares it, the combination is forward only.
+        """
+        reasons: list[str] = []
+        with ExitStack() as stack:
+            for step in self.steps:
+                if inspect.isgeneratorfunction(step):
+                    result = stack.enter_context(contextmanager(step)(model))
+                else:
+                    result = step(model)
+                if isinstance(result, Candidate):
+                    model = result.model
+                    if result.forward_only:
+                        reasons.append(result.forward_only)
+                elif result is not None:
+                    model = result
+            yield Candidate(model, forward_only="; ".join(reasons))
+
+
+def resolve(spec: str) -> Backend:
+    """Turn a SPEC into a Backend, with a one-line error naming what could not be found."""
+    if not spec or not spec.strip():
+        raise VeosnapError("empty backend spec")
+    return Backend(spec=spec, steps=tuple(_resolve_one(part.strip()) for part in spec.split("+")))
+
+
+def _resolve_one(spec: str) -> BackendFn:
+    registry = {name: registered.fn for name, registered in _REGISTRY.items()}
+    try:
+        return specs.load(spec, "backend", registry, ENTRY_POINT_GROUP, callable, "callable")  # type: ignore[return-value]
+    except KeyError:
+        known = ", ".join(builtin_names())
+        raise VeosnapError(f"unknown backend {spec!r} (built in: {known}; or path/to/file.py:function, module:function)") from None

@@ -1,0 +1,30 @@
+"""Tensor and expert parallel through transformers' own `DistributedConfig` (the `tp` and `ep` layouts):
+rank 0 saves the reference model, every rank loads it with `from_pretrained(distributed_config=...)`."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+from ...reference import models
+from .protocol import LayoutContext
+
+NO_TRAIN = ("not wired for the train scenario yet: the worker's train loop runs the data-parallel layouts "
+            "(ddp, fsdp2, hsdp); transformers' tensor/expert-parallel plans are checked on step only")
+
+
+def load_pretrained(ctx: LayoutContext, config: object) -> nn.Module:
+    """The reference model saved by rank 0 into the shared directory, loaded by this rank with `config`."""
+    import transformers
+
+    saved = ctx.workdir / "model"
+    if ctx.rank == 0 and not saved.is_dir():
+        ctx.build(torch.device("cpu")).save_pretrained(saved)
+    ctx.barrier()
+    with warnings.catch_warnings(), models.quiet_transformers():
+        warnings.simplefilter("ignore")
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            saved, dtype=models.dtype_from_name(ctx.golden.key.dtype), attn_implementation=models.REFERENCE_ATTN,
+            experts_implementation=models.REFERENCE_EXPERTS, distributed_config=config)

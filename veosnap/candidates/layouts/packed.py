@@ -1,0 +1,39 @@
+"""`packed`: the batch's sequences in one row, position ids restarting per sequence, no attention mask
+(transformers finds the sequences from the restarting positions). Token outputs go back to the golden's
+padded positions; pads keep the golden's values and are never compared."""
+
+from __future__ import annotations
+
+from ...errors import Unsupported
+from ...golden.codec import Golden
+from ...reference import inputs
+from .protocol import Layout, LayoutContext, Setup, Shard
+
+# Model families whose transformers implementation cannot run packed sequences: checked anyway, they
+# fail at ~1e5x bound from layers.0.output (sequences attend to each other), a transformers bug that
+# no candidate can fix, so the cell says why instead of failing every support matrix.
+NO_PACKING = {
+    "gpt_oss": "transformers' GptOssModel builds its attention masks without position_ids, so packed sequences "
+               "attend to each other (a transformers bug, seen with 5.24)",
+}
+
+
+class Packed(Layout):
+    name = "packed"
+    description = "the batch's sequences packed into one row, position ids restarting per sequence"
+
+    def accept(self, golden: Golden, nproc: int) -> None:
+        model_type = golden.manifest.config.get("model_type")
+        if model_type in NO_PACKING:
+            raise Unsupported(NO_PACKING[model_type])
+
+    def shard(self, ctx: LayoutContext, setup: Setup) -> list[Shard]:
+        batch = ctx.batch
+        if batch.extra:
+            raise Unsupported(f"packing a batch with {', '.join(sorted(batch.extra))} is not supported yet")
+        sequences = [ids[mask.bool()].tolist() for ids, mask in zip(batch.input_ids, batch.attention_mask)]
+        real = batch.token_mask.nonzero().flatten()  # the golden position of each packed token, in order
+        return [Shard(inputs.packed(sequences), real)]
+
+
+LAYOUT = Packed()

@@ -1,0 +1,175 @@
+"""The parent's side of a multi-process layout check: one torchrun for every multi-process layout of a
+check, a time limit, the reason it failed, and the ranks' results.
+
+    python -m torch.distributed.run --standalone --nproc-per-node N -m veosnap.candidates.layouts.worker \\
+        --goldens DIR --configs DIR --testdata DIR --hardware-class cpu --model M --dtype D --scenario S \\
+        --backend SPEC --layout SPEC [--layout SPEC ...] --out DIR --timeout S
+
+For the i-th layout, rank 0 writes `OUT/<i>.safetensors` (the assembled capture, and under `replayed.`
+the run forced onto the golden's routes) or `OUT/<i>.skip` (why it does not apply). A rank that fails
+writes `OUT/error-rank<R>.txt` (one line) and exits, so torchrun ends the others. A rank that fails or
+hangs ends the run within the time limit: the whole process group is killed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import veosnap
+
+from ...golden.key import GoldenKey
+from ...reference.capture import Capture
+from ...reference.zoo import Project
+from .engine import LayoutResult
+
+DEFAULT_TIMEOUT_S = 600.0
+END_GRACE_S = 10.0  # how long torchrun gets to end its ranks after a timeout
+WORKER = "veosnap.candidates.layouts.worker"
+REPLAYED = "replayed."
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What the ranks said about one layout: its result, why it was skipped, or why it failed."""
+
+    result: LayoutResult | None = None
+    skipped: str = ""
+    error: str = ""
+
+
+def run(project: Project, key: GoldenKey, backend: str, layouts: list[str], nproc: int,
+        timeout_s: float = DEFAULT_TIMEOUT_S) -> list[Outcome]:
+    """Run `layouts` (SPECs) of the golden for `key` with `backend` (a SPEC) on `nproc` torchrun ranks."""
+    with tempfile.TemporaryDirectory(prefix="veosnap-layouts-") as tmp:
+        out = Path(tmp)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", WORKER, "--goldens", str(project.goldens), "--configs", str(project.configs),
+               "--testdata", str(project.testdata), "--hardware-class", key.hardware_class, "--model", key.model,
+               "--dtype", key.dtype, "--scenario", key.scenario, "--backend", backend,
+               *(arg for spec in layouts for arg in ("--layout", spec)), "--out", str(out), "--timeout", str(timeout_s)]
+        env = dict(os.environ)
+        # The ranks import this very veosnap, and the backend's and layouts' modules wherever the parent found them.
+        paths = [str(Path(veosnap.__file__).resolve().parent.parent), *(p for p in sys.path if p and Path(p).is_dir())]
+        env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+        env.setdefault("OMP_NUM_THREADS", "1")
+        failure = _run_group(cmd, env, out, timeout_s)
+        outcomes = []
+        ended_in = ""  # the first layout without a result is where the run ended; later ones never ran
+        for index, spec in enumerate(layouts):
+            result, skip = out / f"{index}.safetensors", out / f"{index}.skip"
+            if skip.is_file():
+                outcomes.append(Outcome(skipped=skip.read_text(encoding="utf-8").strip()))
+            elif result.is_file():
+                outcomes.append(Outcome(result=read_result(result)))
+            elif ended_in:
+                outcomes.append(Outcome(error=f"not run: the ranks ended in layout {ended_in} before it"))
+            else:
+                ended_in = spec
+                outcomes.append(Outcome(error=failure or "the worker wrote no result"))
+        return outcomes
+
+
+def _run_group(cmd: list[str], env: dict, out: Path, timeout_s: float) -> str:
+    """Run torchrun in its own process group; '' when it succeeded, else why it did not (one line)."""
+    log = out / "torchrun.log"
+    started = time.monotonic()
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            code = None
+        finally:
+            _end(proc)
+    text = log.read_text(encoding="utf-8", errors="replace")
+    errors = {int(p.stem.removeprefix("error-rank")): p.read_text(encoding="utf-8").strip().splitlines()[0]
+              for p in sorted(out.glob("error-rank*.txt"), key=lambda p: p.stat().st_mtime_ns)}
+    if code is None:
+        first = next(iter(errors.values()), "")
+        return f"timed out after {timeout_s:g} s (process group killed)" + (f"; {first}" if first else "")
+    if code == 0:
+        return ""
+    return explain_failure(text, errors, code, time.monotonic() - started)
+
+
+# torchrun's failure summary: a "rank : N (local_rank: M)" line followed by its "exitcode : S" line.
+_RANK_EXIT_RE = re.compile(r"^\s*rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)", re.M)
+
+
+def explain_failure(log: str, errors: dict[int, str], code: int, seconds: float) -> str:
+    """One line saying why a torchrun failed, from its log and the ranks' own error lines."""
+    # A rank that died without writing why (killed, crashed, exited) is the cause; the others' errors
+    # (a collective whose peer vanished) are its consequences, whatever order torchrun saw them in.
+    # Ranks torchrun itself stopped once another failed end on a signal (negative status): those are
+    # consequences too, so a rank that exited by itself comes first.
+    exits = {int(m.group(1)): m.group(2) for m in _RANK_EXIT_RE.finditer(log)}
+    silent = sorted((rank for rank in exits if rank not in errors), key=lambda r: (int(exits[r]) < 0, r))
+    if silent:
+        rank = silent[0]
+        return f"rank {rank} exited with status {exits[rank]} after {seconds:.0f} s"
+    # Otherwise torchrun names the first rank that failed, and its own message says why.
+    root = _RANK_EXIT_RE.search(log, max(log.find("Root Cause"), 0))
+    if root:
+        rank, status = int(root.group(1)), root.group(2)
+        return errors.get(rank) or f"rank {rank} exited with status {status} after {seconds:.0f} s"
+    if errors:
+        return next(iter(errors.values()))
+    tail = [line for line in log.splitlines() if line.strip()][-1:] or ["no output"]
+    return f"torchrun exited with status {code}: {tail[0][:300]}"
+
+
+def _end(proc: subprocess.Popen) -> None:
+    """Nothing of a torchrun outlives the check, ranks stuck in a collective included.
+
+    torchrun puts each rank in its own session, so killing its group is not enough: SIGTERM lets it end
+    its ranks; SIGKILL follows, and ranks whose torchrun is gone die by their parent-death signal.
+    """
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=END_GRACE_S)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def write_result(path: Path, result: LayoutResult) -> None:
+    """A rank 0 result file: the capture's tensors and routes, the replayed run's under `replayed.`."""
+    from safetensors.torch import save_file
+
+    tensors = {n: t.contiguous().clone() for n, t in result.capture.all_tensors().items()}
+    if result.replayed is not None:
+        tensors.update({REPLAYED + n: t.contiguous().clone() for n, t in result.replayed.all_tensors().items()})
+    meta = {"notes": result.notes, "forward_only": result.forward_only, "backward": result.capture.backward}
+    save_file(tensors, str(path), metadata={"veosnap": json.dumps(meta)})
+
+
+def read_result(path: Path) -> LayoutResult:
+    """What `write_result` wrote."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with safe_open(str(path), framework="pt") as fh:
+        meta = json.loads((fh.metadata() or {})["veosnap"])
+    tensors: dict[str, torch.Tensor] = load_file(str(path))
+    main = {n: t for n, t in tensors.items() if not n.startswith(REPLAYED)}
+    replayed = {n[len(REPLAYED):]: t for n, t in tensors.items() if n.startswith(REPLAYED)}
+    backward = meta["backward"]
+    return LayoutResult(Capture.from_tensors(main, backward),
+                        Capture.from_tensors(replayed, backward) if replayed else None,
+                        notes=meta["notes"], forward_only=meta["forward_only"])

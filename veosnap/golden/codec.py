@@ -1,0 +1,241 @@
+"""A golden in memory (`Golden`) and its bytes: one zstd frame around a safetensors file whose metadata
+holds the JSON manifest.
+
+`zstd -d` yields a file any safetensors reader opens. Nothing is ever unpickled or executed; sizes
+are capped before anything is decompressed or parsed; every tensor the payload holds must be one a
+golden holds (see `names`), with its tolerance, and the stored inputs must be the ones the manifest
+describes. Same golden, same bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import zstandard
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from ..errors import GoldenError
+from . import names
+from .key import GoldenKey
+from .manifest import Manifest
+
+METADATA_KEY = "veosnap"
+# What each scenario's golden must hold besides its inputs (train: per-step loss and gradient norm).
+REQUIRED = {"step": (names.LOSS, names.LOGITS), "train": (names.TRAIN_LOSS, names.TRAIN_GRAD_NORM)}
+MAX_COMPRESSED = 256 << 20
+MAX_DECOMPRESSED = 1 << 30
+MAX_HEADER = 16 << 20
+# Goldens compress about 1.2-1.5x (float tensors); a frame declaring far more content than its size
+# could hold is a decompression bomb, refused before anything is allocated.
+MAX_RATIO = 64
+RATIO_SLACK = 1 << 20
+ZSTD_LEVEL = 12
+
+
+@dataclass
+class Golden:
+    """A golden in memory: its manifest and its tensors (CPU), by name."""
+
+    manifest: Manifest
+    tensors: dict[str, torch.Tensor]
+    path: Path | None = None
+
+    @property
+    def key(self) -> GoldenKey:
+        return self.manifest.key
+
+    def inputs(self) -> dict[str, torch.Tensor]:
+        """The stored batch, by input field (`input_ids`, `attention_mask`, ...)."""
+        return {parsed.field: t for name, t in self.tensors.items()
+                if isinstance(parsed := names.try_parse(name), names.Input)}
+
+    def input_tensors(self) -> dict[str, torch.Tensor]:
+        """The stored batch under its golden names (`inputs.<field>`): what the inputs hash covers."""
+        return {f"inputs.{field}": t for field, t in self.inputs().items()}
+
+    def compared_names(self) -> list[str]:
+        """Tensors a check compares numerically (inputs, route ids and margins are not)."""
+        return sorted(self.manifest.tolerance)
+
+    def route_layers(self) -> list[int]:
+        """The MoE layers whose routes the golden holds."""
+        return sorted(parsed.layer for name in self.tensors
+                      if isinstance(parsed := names.try_parse(name), names.Route) and parsed.part == "experts")
+
+    def experts(self) -> dict[int, torch.Tensor]:
+        """The golden's expert ids per MoE layer: [tokens of the batch, top_k] int64, sorted per token."""
+        return {layer: self.tensors[str(names.Route(layer, "experts"))].long() for layer in self.route_layers()}
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.route_layers())
+
+
+def tensor_bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def tensors_hash(tensors: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over names, dtypes, shapes and raw bytes, in name order."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name]
+        h.update(f"{name}|{str(t.dtype).removeprefix('torch.')}|{list(t.shape)}|".encode())
+        h.update(tensor_bytes(t))
+    return "sha256:" + h.hexdigest()
+
+
+def encode(golden: Golden) -> bytes:
+    """The golden's file bytes (its payload and manifest hashes are set first). Same golden, same bytes."""
+    manifest = golden.manifest
+    manifest.payload_hash = tensors_hash(golden.tensors)
+    manifest.manifest_hash = manifest.own_hash()
+    tensors = {name: t.detach().cpu().contiguous() for name, t in golden.tensors.items()}
+    raw = st_save(tensors, metadata={METADATA_KEY: manifest.to_json()})
+    compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True, write_content_size=True, threads=0)
+    return compressor.compress(raw)
+
+
+def decode(data: bytes, source: object) -> Golden:
+    """Parse golden bytes, refusing anything oversized, corrupt or inconsistent with one line.
+
+    Raises only `GoldenError`; nothing is allocated beyond the capped, declared content size.
+    """
+    if len(data) > MAX_COMPRESSED:
+        raise GoldenError(source, f"file is over the {MAX_COMPRESSED} byte cap")
+    raw = _decompress(data, source)
+    metadata = _safetensors_metadata(raw, source)
+    if METADATA_KEY not in metadata:
+        raise GoldenError(source, f"safetensors metadata has no '{METADATA_KEY}' manifest (not a veosnap golden)")
+    manifest = Manifest.from_json(metadata[METADATA_KEY], source)
+    if manifest.key.scenario == "train" and manifest.reference.train is None:
+        raise GoldenError(source, "a train golden's manifest has no reference.train hyper-parameters")
+    try:
+        tensors = st_load(raw)
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+        raise GoldenError(source, f"malformed safetensors payload ({_first_line(exc)})") from None
+    golden = Golden(manifest=manifest, tensors=tensors)
+    if tensors_hash(tensors) != manifest.payload_hash:
+        raise GoldenError(source, "payload hash mismatch: the tensors are not the ones recorded (corrupt or edited)")
+    _check_tensor_set(golden, source)
+    return golden
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def _decompress(data: bytes, source: object) -> bytes:
+    if len(data) < 4 or data[:4] != b"\x28\xb5\x2f\xfd":
+        hint = " (this looks like an uncompressed safetensors file)" if data[8:10] == b'{"' else ""
+        raise GoldenError(source, f"not a zstd frame; a golden is zstd-compressed safetensors{hint}")
+    try:
+        params = zstandard.get_frame_parameters(data)
+    except zstandard.ZstdError:
+        raise GoldenError(source, "truncated or corrupt zstd frame header") from None
+    size = params.content_size
+    if size in (zstandard.CONTENTSIZE_UNKNOWN, zstandard.CONTENTSIZE_ERROR):
+        raise GoldenError(source, "zstd frame does not declare its content size; refusing (veosnap always writes it)")
+    if size == 0:
+        raise GoldenError(source, "zstd frame is empty")
+    if size > MAX_DECOMPRESSED:
+        raise GoldenError(source, f"zstd frame declares {size} bytes of content, over the {MAX_DECOMPRESSED} byte cap; "
+                                  "refusing (decompression bomb?)")
+    if size > MAX_RATIO * len(data) + RATIO_SLACK:
+        raise GoldenError(source, f"zstd frame declares {size} bytes of content from {len(data)} compressed bytes "
+                                  f"(over {MAX_RATIO}x); refusing (decompression bomb?)")
+    # Streaming: memory grows with the content actually decoded (a lying header costs nothing), and
+    # zstd stops with an error as soon as the content outgrows the declared size.
+    decoder = zstandard.ZstdDecompressor().decompressobj()
+    try:
+        raw = decoder.decompress(data)
+    except zstandard.ZstdError as exc:
+        raise GoldenError(source, _zstd_cause(str(exc))) from None
+    if not decoder.eof:
+        raise GoldenError(source, _zstd_cause("did not decompress full frame"))
+    if decoder.unused_data:
+        raise GoldenError(source, _zstd_cause("unused data"))
+    if len(raw) != size:
+        raise GoldenError(source, f"decompressed {len(raw)} bytes but the frame declares {size}")
+    return raw
+
+
+def _zstd_cause(message: str) -> str:
+    if "did not decompress full frame" in message:
+        return "truncated: the zstd frame ends early (an interrupted copy or download?)"
+    if "unused data" in message:
+        return "trailing bytes after the zstd frame (a golden is exactly one frame)"
+    # A flipped bit breaks decoding or the checksum depending on where it lands: one cause either way.
+    return "corrupt: the zstd data does not decode or fails its checksum (the file's bytes changed after it was written)"
+
+
+def _safetensors_metadata(raw: bytes, source: object) -> dict[str, str]:
+    if len(raw) < 8:
+        raise GoldenError(source, "safetensors payload shorter than its 8-byte header length")
+    (header_len,) = struct.unpack("<Q", raw[:8])
+    if header_len > MAX_HEADER:
+        raise GoldenError(source, f"safetensors header declares {header_len} bytes, over the {MAX_HEADER} byte cap")
+    if 8 + header_len > len(raw):
+        raise GoldenError(source, f"safetensors header declares {header_len} bytes, past the end of the payload")
+    try:
+        header = json.loads(raw[8 : 8 + header_len])
+        if not isinstance(header, dict):
+            raise TypeError("the header is not a JSON object")
+        metadata = header.get("__metadata__") or {}
+        if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+            raise TypeError("__metadata__ is not an object of strings")
+    except (ValueError, TypeError, RecursionError) as exc:
+        raise GoldenError(source, f"malformed safetensors header ({type(exc).__name__}: {_first_line(exc)})") from None
+    return metadata
+
+
+def _check_tensor_set(golden: Golden, source: object) -> None:
+    """The payload holds exactly what a golden holds: its known inputs, every toleranced tensor, and each
+    MoE layer's expert ids and margins; an extra or missing tensor would blame the candidate for it."""
+    present = set(golden.tensors)
+    tolerance = golden.manifest.tolerance
+    for name in sorted(tolerance):
+        if name not in present:
+            raise GoldenError(source, f"tensor {name!r} has a tolerance but is missing from the payload")
+    required_inputs = [f"inputs.{f.name}" for f in names.INPUT_FIELDS.values() if f.required]
+    for required in (*map(str, REQUIRED.get(golden.key.scenario, REQUIRED["step"])), *required_inputs):
+        if required not in present:
+            raise GoldenError(source, f"tensor {required!r} is missing")
+    route_layers = {parsed.layer for name in tolerance
+                    if isinstance(parsed := names.try_parse(name), names.Route) and parsed.part == "weights"}
+    for layer in sorted(route_layers):
+        for part in ("experts", "margin"):
+            if str(names.Route(layer, part)) not in present:
+                raise GoldenError(source, f"tensor 'routes.{layer}.{part}' is missing (layer {layer} has routes)")
+    for name in sorted(present):
+        if not _belongs(name, tolerance, route_layers):
+            raise GoldenError(source, f"tensor {name!r} is not part of a golden (extra or hand-added)")
+    if set(golden.manifest.min_margin) != route_layers:
+        raise GoldenError(source, "manifest router margins do not match the MoE layers in the payload")
+    shape = golden.tensors["inputs.input_ids"].shape
+    for field in (f for f in names.INPUT_FIELDS.values() if f.token_grid and f"inputs.{f.name}" in present):
+        t = golden.tensors[f"inputs.{field.name}"]
+        if t.dtype != torch.int64 or t.ndim != 2 or t.shape != shape:
+            raise GoldenError(source, f"tensor 'inputs.{field.name}' is {_describe(t)}, expected int64 {list(shape)} (2-D)")
+    if tensors_hash(golden.input_tensors()) != golden.manifest.inputs_hash:
+        raise GoldenError(source, "inputs hash mismatch: the stored batch is not the one the manifest describes")
+
+
+def _belongs(name: str, tolerance: dict, route_layers: set[int]) -> bool:
+    """Whether a golden holds a tensor of this name (given its tolerances and MoE layers)."""
+    if name in tolerance:
+        return True
+    parsed = names.try_parse(name)
+    if isinstance(parsed, names.Input):
+        return parsed.known is not None
+    return isinstance(parsed, names.Route) and parsed.part in ("experts", "margin") and parsed.layer in route_layers
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)}"

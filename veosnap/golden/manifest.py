@@ -1,0 +1,297 @@
+"""The manifest: everything about a golden besides its tensors, typed, and its canonical JSON.
+
+The JSON is sorted, compact and NaN-free, so a manifest always serializes to the same bytes, and
+re-encoding a golden read from disk reproduces its file byte for byte. Parsing is strict: a field of
+the wrong type, an unknown or missing field, a non-finite number or a bound that would pass anything
+is refused, so a golden that reads never crashes a check halfway or passes everything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
+
+from ..errors import GoldenError, VeosnapError
+from .key import GoldenKey
+
+SCHEMA_VERSION = 1
+READABLE_SCHEMAS = (1,)
+
+
+def config_hash(config: dict) -> str:
+    """A stable hash of a model config dict (canonical JSON)."""
+    blob = json.dumps(config, sort_keys=True, separators=(",", ":")).encode()
+    return "sha256:" + hashlib.sha256(blob).hexdigest()
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """One tensor's tolerance: the reference's measured noise and the bound a candidate must meet."""
+
+    noise: float
+    bound: float
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    """How the reference's batch was made from the test data."""
+
+    layout: str  # "padded"
+    padding_side: str  # "left"
+    sequences: tuple[int, ...]  # ids of the test data's sequences, one per row
+    source: str  # the test data file
+
+
+@dataclass(frozen=True)
+class TrainHyper:
+    """The optimizer steps a `train` golden records (and every check replays)."""
+
+    steps: int
+    lr: float
+    beta1: float
+    beta2: float
+    weight_decay: float
+    eps: float
+    max_norm: float
+    optimizer: str = "torch.optim.AdamW"
+    clip: str = "torch.nn.utils.clip_grad_norm_"
+
+
+@dataclass(frozen=True)
+class Reference:
+    """How the reference ran: its implementations, weight seed, batch, the noise run, the train steps."""
+
+    attn_implementation: str
+    experts_implementation: str
+    seed: int
+    batch: BatchSpec
+    noise_run: str  # "float64": the precision the reference's noise is measured against
+    train: TrainHyper | None = None  # the train scenario only
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """Where and with what the golden was recorded: versions, device, determinism settings."""
+
+    veosnap: str
+    torch: str
+    transformers: str
+    python: str
+    device: str
+    capability: str
+    deterministic_algorithms: bool
+    cpu_threads: int
+    tf32: bool
+    cuda: str | None = None  # CUDA devices only
+    driver: str | None = None
+
+
+@dataclass(frozen=True)
+class Approval:
+    """One entry of a golden's refresh trail."""
+
+    reason: str
+    previous_payload_hash: str | None  # None: the refresh created the golden
+
+
+@dataclass
+class Manifest:
+    """Everything about a golden besides its tensors."""
+
+    key: GoldenKey
+    config: dict  # the model's transformers config, as recorded
+    config_hash: str
+    inputs_hash: str
+    reference: Reference
+    provenance: Provenance
+    tolerance: dict[str, Tolerance]
+    alpha: float
+    floor: float
+    tie_epsilon: float
+    min_margin: dict[int, float]  # per MoE layer, the router's smallest margin over the batch
+    payload_hash: str = ""
+    approvals: list[Approval] = field(default_factory=list)
+    schema_version: int = SCHEMA_VERSION
+    # SHA-256 of this manifest's JSON with this field empty, so a hand-edited bound or seed is caught
+    # like a hand-edited tensor. Goldens written before it have none and are read without the check.
+    manifest_hash: str = ""
+
+    def own_hash(self) -> str:
+        """What `manifest_hash` should be for the manifest as it stands."""
+        return "sha256:" + hashlib.sha256(replace(self, manifest_hash="").to_json().encode()).hexdigest()
+
+    def to_json(self) -> str:
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        data.update(key=asdict(self.key), reference=json_object(self.reference), provenance=json_object(self.provenance),
+                    tolerance={name: [t.noise, t.bound] for name, t in sorted(self.tolerance.items())},
+                    min_margin={str(layer): value for layer, value in self.min_margin.items()},
+                    approvals=[asdict(a) for a in self.approvals])
+        return json.dumps(data, sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+    @classmethod
+    def from_json(cls, text: str, source: object) -> Manifest:
+        try:
+            data = json.loads(text, parse_constant=_refuse_constant)
+            if not isinstance(data, dict):
+                raise TypeError("the manifest is not a JSON object")
+            version = data.get("schema_version")
+            if type(version) is not int or version not in READABLE_SCHEMAS:
+                readable = ", ".join(map(str, READABLE_SCHEMAS))
+                raise GoldenError(source, f"schema version {version!r} is not one this veosnap reads "
+                                          f"(it reads {readable}); upgrade veosnap")
+            manifest = _parse(data)
+        except GoldenError:
+            raise
+        except (ValueError, TypeError, KeyError, AttributeError, IndexError, RecursionError, VeosnapError) as exc:
+            raise GoldenError(source, f"malformed manifest ({type(exc).__name__}: {exc})") from None
+        if config_hash(manifest.config) != manifest.config_hash:
+            raise GoldenError(source, "manifest config hash does not match its config (corrupt or edited)")
+        if manifest.manifest_hash and manifest.manifest_hash != manifest.own_hash():
+            raise GoldenError(source, "manifest hash mismatch: the manifest was edited after recording (corrupt or edited)")
+        return manifest
+
+
+def json_object(section: object) -> dict[str, Any]:
+    """A typed section as its JSON object: optional fields that are None are left out."""
+    return {k: json_object(v) if hasattr(v, "__dataclass_fields__") else list(v) if isinstance(v, tuple) else v
+            for k, v in ((f.name, getattr(section, f.name)) for f in fields(section)) if v is not None}
+
+
+# --- strict parsing ---------------------------------------------------------------------------------
+
+def _refuse_constant(name: str) -> float:
+    # json.loads accepts NaN and Infinity; an infinite bound would pass any candidate.
+    raise ValueError(f"{name} is not allowed in a manifest")
+
+
+_NUMBER = (int, float)
+_MANIFEST_TYPES: dict[str, type | tuple[type, ...]] = {
+    "key": dict, "config": dict, "config_hash": str, "inputs_hash": str, "reference": dict, "provenance": dict,
+    "tolerance": dict, "alpha": _NUMBER, "floor": _NUMBER, "tie_epsilon": _NUMBER,
+    "min_margin": dict, "payload_hash": str, "approvals": list, "schema_version": int, "manifest_hash": str,
+}
+_OPTIONAL = {"payload_hash", "approvals", "manifest_hash"}
+
+
+def _finite_non_negative(value: object) -> bool:
+    # 1e400 parses as inf, and bool is an int: both refused
+    return isinstance(value, _NUMBER) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+
+
+def _check_type(where: str, value: object, expected: type | tuple[type, ...]) -> None:
+    if not isinstance(value, expected) or (isinstance(value, bool) and bool not in _as_tuple(expected)):
+        raise TypeError(f"field {where!r} is {type(value).__name__}")
+
+
+def _as_tuple(expected: type | tuple[type, ...]) -> tuple[type, ...]:
+    return expected if isinstance(expected, tuple) else (expected,)
+
+
+def _section(cls: type, data: object, where: str, types: dict[str, Any]) -> Any:
+    """`data` (a JSON object) as `cls`: every required field present, no unknown one, each of its type."""
+    if not isinstance(data, dict):
+        raise TypeError(f"field {where!r} is {type(data).__name__}")
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ValueError(f"{where} has an unknown field {unknown[0]!r}")
+    values = {}
+    for name, spec in known.items():
+        if name not in data:
+            if spec.default is spec.default_factory:  # both MISSING: a required field
+                raise ValueError(f"{where} has no field {name!r}")
+            continue
+        parse = types[name]
+        values[name] = parse(data[name], f"{where}.{name}") if callable(parse) and not isinstance(parse, type) \
+            else _typed(data[name], f"{where}.{name}", parse)
+    return cls(**values)
+
+
+def _typed(value: object, where: str, expected: type | tuple[type, ...]) -> object:
+    _check_type(where, value, expected)
+    if _NUMBER == _as_tuple(expected) and not math.isfinite(value):  # type: ignore[arg-type]
+        raise ValueError(f"field {where!r} is not a finite number")
+    return value
+
+
+def _int_list(value: object, where: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(type(v) is int for v in value):
+        raise TypeError(f"field {where!r} is not a list of integers")
+    return tuple(value)
+
+
+def _optional_str(value: object, where: str) -> str | None:
+    return None if value is None else _typed(value, where, str)  # type: ignore[return-value]
+
+
+def _train(value: object, where: str) -> TrainHyper:
+    hyper = _section(TrainHyper, value, where, {
+        "steps": int, "lr": _NUMBER, "beta1": _NUMBER, "beta2": _NUMBER, "weight_decay": _NUMBER, "eps": _NUMBER,
+        "max_norm": _NUMBER, "optimizer": str, "clip": str})
+    numbers = [getattr(hyper, f) for f in ("lr", "beta1", "beta2", "weight_decay", "eps", "max_norm")]
+    if not 1 <= hyper.steps <= 100 or not all(map(_finite_non_negative, numbers)):
+        raise ValueError(f"{where} holds an unusable value ({value})")
+    return hyper
+
+
+def _reference(value: object, where: str) -> Reference:
+    return _section(Reference, value, where, {
+        "attn_implementation": str, "experts_implementation": str, "seed": int, "noise_run": str,
+        "batch": lambda v, w: _section(BatchSpec, v, w, {"layout": str, "padding_side": str, "sequences": _int_list,
+                                                           "source": str}),
+        "train": _train})
+
+
+def _provenance(value: object, where: str) -> Provenance:
+    return _section(Provenance, value, where, {
+        "veosnap": str, "torch": str, "transformers": str, "python": str, "device": str, "capability": str,
+        "deterministic_algorithms": bool, "cpu_threads": int, "tf32": bool, "cuda": _optional_str,
+        "driver": _optional_str})
+
+
+def _approval(value: object, where: str) -> Approval:
+    if not isinstance(value, dict):
+        raise TypeError("an approval is not an object")
+    return _section(Approval, value, where, {"reason": str, "previous_payload_hash": _optional_str})
+
+
+def _parse(data: dict) -> Manifest:
+    """Refuse fields of the wrong type or non-finite numbers, then build the typed manifest."""
+    for name, expected in _MANIFEST_TYPES.items():
+        if name not in data:
+            if name in _OPTIONAL:
+                continue
+            raise KeyError(name)
+        if not isinstance(data[name], expected) or isinstance(data[name], bool):
+            raise TypeError(f"field {name!r} is {type(data[name]).__name__}")
+    unknown = sorted(set(data) - set(_MANIFEST_TYPES))
+    if unknown:
+        raise ValueError(f"unknown field {unknown[0]!r}")
+    for name in ("alpha", "floor", "tie_epsilon"):
+        if not _finite_non_negative(data[name]):
+            raise ValueError(f"field {name!r} is not a finite non-negative number")
+    tolerance = {}
+    for name, value in data["tolerance"].items():
+        if not isinstance(value, list) or len(value) != 2 or not all(map(_finite_non_negative, value)) or value[1] <= 0:
+            # every bound has a positive floor: a zero one was written by hand
+            raise ValueError(f"tolerance of {name!r} is not [noise, bound] with finite numbers, noise >= 0 and bound > 0")
+        tolerance[name] = Tolerance(float(value[0]), float(value[1]))
+    min_margin = {}
+    for layer, value in data["min_margin"].items():
+        if not _finite_non_negative(value):
+            raise ValueError(f"min_margin of layer {layer!r} is not a finite non-negative number")
+        if not layer.isdigit() or str(int(layer)) != layer:
+            raise ValueError(f"min_margin has layer {layer!r}, not a layer number")
+        min_margin[int(layer)] = value
+    return Manifest(
+        key=GoldenKey(**data["key"]), config=data["config"], config_hash=data["config_hash"],
+        inputs_hash=data["inputs_hash"], reference=_reference(data["reference"], "reference"),
+        provenance=_provenance(data["provenance"], "provenance"), tolerance=tolerance, alpha=data["alpha"],
+        floor=data["floor"], tie_epsilon=data["tie_epsilon"], min_margin=min_margin,
+        payload_hash=data.get("payload_hash", ""),
+        approvals=[_approval(a, f"approvals[{i}]") for i, a in enumerate(data.get("approvals", []))],
+        schema_version=data["schema_version"], manifest_hash=data.get("manifest_hash", ""),
+    )

@@ -1,0 +1,240 @@
+"""The names of a golden's tensors, typed: parse a name once, then ask it what it is.
+
+    inputs.<field>                     the batch the reference ran          Input
+    loss                               the step's loss                      Loss
+    logits                             one row per token                    Logits
+    layers.N.output                    decoder layer N's output, per token  LayerOutput
+    grad.<param>                       a parameter's gradient               Grad
+    routes.N.experts|weights|margin    MoE layer N's routes, per token      Route
+    train.loss, train.grad_norm        per train step                       TrainLoss, TrainGradNorm
+    update.<param>                     a parameter's update over the steps  Update
+
+`parse(text)` gives the typed name, `str(name)` the text back exactly as goldens store it. A new kind
+(an encoder block's output, a sketched variant) is one small dataclass with a `pattern`, a `__str__`
+and the properties that differ from `TensorName`'s defaults, decorated with `@kind`.
+
+The inputs a golden may hold are the rows of `INPUT_FIELDS` (an open set: a multimodal input adds
+a row); the golden file refuses any other `inputs.*` tensor.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import ClassVar
+
+_IN_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+
+
+def layer_of(path: str) -> int | None:
+    """The decoder layer a module or parameter path is inside (`model.layers.3.mlp` -> 3), or None."""
+    match = _IN_LAYER_RE.search(path)
+    return int(match.group(1)) if match else None
+
+
+class TensorName:
+    """What every kind of tensor name answers (defaults; kinds override what differs)."""
+
+    pattern: ClassVar[re.Pattern[str]]
+    token_rows: ClassVar[bool] = False  # one row per token of the batch: compared on real tokens only
+    per_parameter: ClassVar[bool] = False  # one tensor per model parameter (gradients, updates)
+
+    @property
+    def compared(self) -> bool:
+        """Compared numerically, so the golden holds a tolerance for it."""
+        return True
+
+    @classmethod
+    def from_match(cls, match: re.Match[str]) -> TensorName:
+        return cls(*match.groups())  # type: ignore[call-arg]
+
+
+_KINDS: list[type[TensorName]] = []
+
+
+def kind(cls: type[TensorName]) -> type[TensorName]:
+    """Class decorator: `parse` knows this kind of name from now on."""
+    _KINDS.append(cls)
+    return cls
+
+
+def parse(text: str) -> TensorName:
+    """The typed name of `text`; ValueError when it is no kind of golden tensor."""
+    for cls in _KINDS:
+        match = cls.pattern.fullmatch(text)
+        if match:
+            name = cls.from_match(match)
+            if str(name) != text:  # `layers.01.output`: one tensor, one spelling
+                raise ValueError(f"{text!r} is not spelt as golden tensor names are ({name})")
+            return name
+    raise ValueError(f"{text!r} is not a golden tensor name")
+
+
+def try_parse(text: str) -> TensorName | None:
+    """The typed name of `text`, or None when it is no kind of golden tensor."""
+    try:
+        return parse(text)
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True)
+class InputField:
+    """A model input a golden may store as `inputs.<name>`.
+
+    `token_grid`: int64 [rows, positions], the shape of `input_ids` (a token's row and position).
+    """
+
+    name: str
+    required: bool = False
+    token_grid: bool = False
+
+
+INPUT_FIELDS: dict[str, InputField] = {field.name: field for field in (
+    InputField("input_ids", required=True, token_grid=True),
+    InputField("attention_mask", required=True, token_grid=True),  # 1 on real tokens: the ones compared
+    InputField("position_ids", required=True, token_grid=True),
+    InputField("labels", required=True, token_grid=True),
+)}
+
+
+@kind
+@dataclass(frozen=True)
+class Input(TensorName):
+    field: str
+
+    pattern = re.compile(r"inputs\.([A-Za-z0-9_]+)")
+
+    @property
+    def compared(self) -> bool:
+        return False
+
+    @property
+    def known(self) -> InputField | None:
+        return INPUT_FIELDS.get(self.field)
+
+    def __str__(self) -> str:
+        return f"inputs.{self.field}"
+
+
+@dataclass(frozen=True)
+class _Named(TensorName):
+    """A tensor a golden holds once, under a name of its own."""
+
+    text: ClassVar[str]
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.pattern = re.compile(re.escape(cls.text))
+
+    def __str__(self) -> str:
+        return self.text
+
+
+@kind
+class Loss(_Named):
+    text = "loss"
+
+
+@kind
+class Logits(_Named):
+    text = "logits"
+    token_rows = True
+
+
+@kind
+@dataclass(frozen=True)
+class LayerOutput(TensorName):
+    layer: int
+
+    pattern = re.compile(r"layers\.(\d+)\.output")
+    token_rows = True
+
+    @classmethod
+    def from_match(cls, match: re.Match[str]) -> LayerOutput:
+        return cls(int(match.group(1)))
+
+    def __str__(self) -> str:
+        return f"layers.{self.layer}.output"
+
+
+@dataclass(frozen=True)
+class _Parameter(TensorName):
+    """A tensor per model parameter, named by the parameter's path (`model.layers.1.mlp.up_proj.weight`)."""
+
+    param: str
+
+    prefix: ClassVar[str]
+    per_parameter = True
+
+    @property
+    def module(self) -> str:
+        """The path of the module holding the parameter."""
+        return self.param.rsplit(".", 1)[0]
+
+    @property
+    def layer(self) -> int | None:
+        """The decoder layer the parameter is in, or None (embeddings, final norm, LM head)."""
+        return layer_of(self.param)
+
+    @property
+    def within_layer(self) -> str:
+        """The module's path inside its decoder layer (`self_attn.o_proj`); the whole path outside one."""
+        layer = self.layer
+        return self.module if layer is None else self.module.split(f"layers.{layer}.", 1)[1]
+
+    def __str__(self) -> str:
+        return f"{self.prefix}{self.param}"
+
+
+@kind
+@dataclass(frozen=True)
+class Grad(_Parameter):
+    prefix = "grad."
+    pattern = re.compile(r"grad\.(.+)")
+
+
+@kind
+@dataclass(frozen=True)
+class Update(_Parameter):
+    prefix = "update."
+    pattern = re.compile(r"update\.(.+)")
+
+
+ROUTE_PARTS = ("experts", "weights", "margin")
+
+
+@kind
+@dataclass(frozen=True)
+class Route(TensorName):
+    """MoE layer `layer`'s routes: expert ids (sorted per token), their weights, the router's margin."""
+
+    layer: int
+    part: str
+
+    pattern = re.compile(r"routes\.(\d+)\.(experts|weights|margin)")
+    token_rows = True
+
+    @classmethod
+    def from_match(cls, match: re.Match[str]) -> Route:
+        return cls(int(match.group(1)), match.group(2))
+
+    @property
+    def compared(self) -> bool:
+        return self.part == "weights"  # expert ids are compared as routes, margins are the golden's own
+
+    def __str__(self) -> str:
+        return f"routes.{self.layer}.{self.part}"
+
+
+@kind
+class TrainLoss(_Named):
+    text = "train.loss"  # one element per train step
+
+
+@kind
+class TrainGradNorm(_Named):
+    text = "train.grad_norm"  # the pre-clip total gradient norm, one element per train step
+
+
+LOSS, LOGITS, TRAIN_LOSS, TRAIN_GRAD_NORM = Loss(), Logits(), TrainLoss(), TrainGradNorm()

@@ -1,0 +1,80 @@
+"""How clearly a router decided (margins), and how two sets of MoE routes compare.
+
+Routes are expert ids per token, sorted ascending per token (some routers, DeepSeek-V3's among them,
+pick with `topk(sorted=False)`). A token whose golden margin is under the tie epsilon is a near-tie:
+its flip is counted apart and does not fail a check.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def margins(scores: torch.Tensor, chosen: torch.Tensor, slope: torch.Tensor | None = None) -> torch.Tensor:
+    """Per token, in logit units: how far the lowest chosen expert is from the best one not chosen.
+
+    The score gap is divided by the mean slope of the two scores against their logits, so a
+    sigmoid router's margin reads on the same scale as a softmax router's logit gap, and one tie
+    epsilon serves both. For group-limited routers the group mask is ignored, which can only
+    understate a margin.
+    """
+    slope = torch.ones_like(scores) if slope is None else slope
+    picked = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, chosen.long(), True)
+    low_score, low_at = scores.masked_fill(~picked, float("inf")).min(dim=1)
+    high_score, high_at = scores.masked_fill(picked, float("-inf")).max(dim=1)
+    mean_slope = (slope.gather(1, low_at[:, None]) + slope.gather(1, high_at[:, None])).squeeze(1) / 2
+    return (low_score - high_score) / mean_slope.clamp_min(1e-12)
+
+
+def flips(golden_experts: torch.Tensor, candidate_experts: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor:
+    """[tokens] bool: the tokens of `token_mask` sent to another set of experts than the golden's."""
+    return (golden_experts != candidate_experts).any(dim=-1) & token_mask
+
+
+@dataclass(frozen=True)
+class RouteDiff:
+    """How a candidate's routes in one layer differ from the golden's, over the compared tokens."""
+
+    layer: int
+    tokens: int
+    clear_flips: int
+    near_tie_flips: int
+    first_flipped_token: int | None
+
+    @property
+    def passed(self) -> bool:
+        return self.clear_flips == 0
+
+    def message(self) -> str:
+        if self.clear_flips:
+            return (
+                f"routing differs: layer {self.layer} sends {self.clear_flips} of {self.tokens} tokens "
+                f"to other experts than the golden"
+            )
+        if self.near_tie_flips:
+            return f"layer {self.layer}: {self.near_tie_flips} near-tie token(s) flipped (reported, not failed)"
+        return f"layer {self.layer}: all {self.tokens} tokens routed as the golden"
+
+
+def compare_routes(
+    layer: int,
+    golden_experts: torch.Tensor,
+    golden_margin: torch.Tensor,
+    candidate_experts: torch.Tensor,
+    token_mask: torch.Tensor,
+    tie_epsilon: float,
+) -> RouteDiff:
+    """Count tokens (among `token_mask`) sent to other experts; near-ties are counted apart."""
+    differs = flips(golden_experts, candidate_experts, token_mask)
+    near_tie = golden_margin < tie_epsilon
+    clear = differs & ~near_tie
+    flipped = clear.nonzero().flatten()
+    return RouteDiff(
+        layer=layer,
+        tokens=int(token_mask.sum()),
+        clear_flips=int(clear.sum()),
+        near_tie_flips=int((differs & near_tie).sum()),
+        first_flipped_token=int(flipped[0]) if flipped.numel() else None,
+    )

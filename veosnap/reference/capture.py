@@ -1,0 +1,135 @@
+"""One forward and backward of a model on a batch, and every tensor a golden holds.
+
+Uniform hook points only (see `probes`): the loss from the model's own forward with labels (so a
+framework's fused loss is checked too), the logits, each decoder layer's output, every parameter's
+gradient, and each MoE router's decision. `forward_backward` runs one batch (a layout may run several,
+each weighted by its share of the loss); `run_step` is the golden's own step: the whole batch, once.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..golden import names
+from .inputs import IGNORE_INDEX, Batch
+from .probes import RouteRecord, full, record_layer_outputs, record_logits, record_routes, replay_routes
+
+
+@dataclass
+class Capture:
+    """Named CPU tensors of one step (`loss`, `logits`, `layers.N.output`, `grad.<param>`, or a train
+    run's) and the routes by MoE layer."""
+
+    tensors: dict[str, torch.Tensor]
+    routes: dict[int, RouteRecord] = field(default_factory=dict)
+    backward: bool = True  # False: a forward-only run, no `grad.*` tensors
+
+    def route_tensors(self) -> dict[str, torch.Tensor]:
+        """Routes as named tensors: `routes.N.experts`, `routes.N.weights`, `routes.N.margin`."""
+        out = {}
+        for layer, rec in sorted(self.routes.items()):
+            out[str(names.Route(layer, "experts"))] = rec.experts.to(torch.int32)
+            out[str(names.Route(layer, "weights"))] = rec.weights
+            out[str(names.Route(layer, "margin"))] = rec.margin.float()
+        return out
+
+    def all_tensors(self) -> dict[str, torch.Tensor]:
+        return {**self.tensors, **self.route_tensors()}
+
+    def experts(self) -> dict[int, torch.Tensor]:
+        """The expert ids chosen per MoE layer: [tokens, k] int64."""
+        return {layer: rec.experts for layer, rec in self.routes.items()}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], backward: bool = True) -> Capture:
+        """What `all_tensors` gave, back as a capture."""
+        routes, rest = {}, {}
+        for name, t in tensors.items():
+            parsed = names.try_parse(name)
+            if isinstance(parsed, names.Route):
+                routes.setdefault(parsed.layer, {})[parsed.part] = t
+            else:
+                rest[name] = t
+        records = {layer: RouteRecord(layer, parts["experts"].long(), parts["weights"], parts["margin"])
+                   for layer, parts in routes.items()}
+        return cls(tensors=rest, routes=records, backward=backward)
+
+
+@dataclass
+class Part:
+    """What one forward (and backward) of a batch produced, on the CPU."""
+
+    loss: torch.Tensor  # the loss, times the batch's share of the golden's predictions
+    logits: torch.Tensor  # [rows, positions, vocab]
+    layers: dict[int, torch.Tensor]  # decoder layer -> [rows, positions, hidden]
+    routes: dict[int, RouteRecord]  # MoE layer -> one route per token, row-major
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """HF's causal-LM loss (shifted labels, mean over non-ignored) in the logits' own precision.
+
+    HF upcasts logits to float32; the float64 noise run must not, or its loss would carry float32
+    rounding into every gradient.
+    """
+    shift_logits = logits[..., :-1, :].reshape(-1, logits.shape[-1])
+    shift_labels = labels[..., 1:].reshape(-1).to(logits.device)
+    return F.cross_entropy(shift_logits, shift_labels, ignore_index=IGNORE_INDEX)
+
+
+def forward_backward(model: nn.Module, batch: Batch, *, inner: nn.Module | None = None, share: float = 1.0,
+                     grad_scale: float = 1.0, own_loss: bool = False, backward: bool = True,
+                     forced: dict[int, torch.Tensor] | None = None) -> Part:
+    """Forward `batch` through `model` and backward its loss weighted by `share * grad_scale`.
+
+    `inner` is the HF model inside `model` (a DDP wrapper, say), where the hooks go; `share` is the
+    batch's share of the golden's predictions (the returned loss is weighted by it); `grad_scale`
+    undoes a reducer's averaging over ranks. With `own_loss`, the loss is computed here in the logits'
+    precision (the float64 noise run); without `backward`, only the forward runs, under no_grad; with
+    `forced`, the routers are forced onto those experts (route replay).
+    """
+    inner = model if inner is None else inner
+    batch = batch.to(next(inner.parameters()).device)
+    replay = replay_routes(inner, forced) if forced else nullcontext()
+    with record_layer_outputs(inner) as layers, record_routes(inner) as routes, record_logits(inner) as produced, \
+            replay, torch.set_grad_enabled(backward):
+        output = model(**batch.model_kwargs(with_labels=not own_loss), use_cache=False)
+        logits = produced["logits"] if "logits" in produced else full(output.logits.detach()).to("cpu", copy=True)
+        loss = causal_lm_loss(output.logits, batch.labels) if own_loss else output.loss
+    weight = share * grad_scale
+    if backward:
+        (loss if weight == 1.0 else loss * weight).backward()
+    reported = loss.detach().cpu() if share == 1.0 else (loss.detach().float() * share).cpu()
+    return Part(loss=reported, logits=logits, layers=dict(layers), routes=dict(routes))
+
+
+def gradients(model: nn.Module) -> dict[str, torch.Tensor]:
+    """`grad.<name>` of every trainable parameter, on the CPU, gathered to full tensors (a collective
+    under DTensor); a parameter without a gradient has a zero one."""
+    out = {}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            grad = param.grad if param.grad is not None else torch.zeros_like(param)
+            out[str(names.Grad(name))] = full(grad).detach().cpu()
+    return out
+
+
+def run_step(model: nn.Module, batch: Batch, *, own_loss: bool = False, backward: bool = True) -> Capture:
+    """The golden's step: one forward and backward of `model` on the whole `batch`; everything captured.
+
+    With `own_loss`, the loss is computed here in the logits' precision instead of by the model
+    (used for the float64 noise run). Without `backward`, only the forward runs (under no_grad, for
+    kernels that have no backward here) and no gradients are captured.
+    """
+    model.train()
+    model.zero_grad(set_to_none=True)
+    part = forward_backward(model, batch, own_loss=own_loss, backward=backward)
+    tensors = {str(names.LOSS): part.loss, str(names.LOGITS): part.logits}
+    tensors.update({str(names.LayerOutput(index)): hidden for index, hidden in sorted(part.layers.items())})
+    if backward:
+        tensors.update(gradients(model))
+    return Capture(tensors=tensors, routes=part.routes, backward=backward)

@@ -1,0 +1,137 @@
+"""Building a zoo model as the HF eager reference, with deterministic weights."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+import transformers
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from ..errors import VeosnapError
+from . import weights
+from .zoo import ToyConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+# transformers 5 defaults to sdpa attention and grouped_mm experts: the reference asks for eager.
+REFERENCE_ATTN = "eager"
+REFERENCE_EXPERTS = "eager"
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """`float32` / `bfloat16` / `float64` as a torch dtype, with a clear error otherwise."""
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise VeosnapError(f"unknown dtype {name!r} (expected one of: {', '.join(DTYPES)})") from None
+
+
+def hf_config(toy: ToyConfig) -> transformers.PretrainedConfig:
+    """The transformers config object for a toy config."""
+    fields = dict(toy.config)
+    model_type = fields.pop("model_type")
+    try:
+        return transformers.AutoConfig.for_model(model_type, **fields)
+    except Exception as exc:  # noqa: BLE001 - transformers' validators raise many types; the user gets one line
+        raise VeosnapError(f"{toy.path}: transformers cannot build this config ({_cause(exc)})") from None
+
+
+def _cause(exc: BaseException, limit: int = 200) -> str:
+    """The first line of the root cause (transformers wraps validation errors), at most `limit` chars."""
+    root = exc.__cause__ or exc
+    text = (str(root).strip().splitlines() or [type(root).__name__])[0]
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def build(
+    toy: ToyConfig,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+) -> nn.Module:
+    """The HF eager reference model for `toy`, weights derived from `seed`, in `dtype` on `device`.
+
+    Parameters HF keeps in float32 (a DeepSeek-V3 router, say) stay float32, as they would when a
+    user loads the model with `dtype=...`.
+    """
+    config = hf_config(toy)
+    with warnings.catch_warnings(), quiet_transformers():
+        warnings.simplefilter("ignore")
+        try:
+            model = transformers.AutoModelForCausalLM.from_config(
+                config,
+                attn_implementation=REFERENCE_ATTN,
+                experts_implementation=REFERENCE_EXPERTS,
+                dtype=dtype,
+            )
+        except Exception as exc:  # noqa: BLE001 - a config transformers accepts but cannot instantiate
+            raise VeosnapError(f"{toy.path}: transformers cannot build this model ({_cause(exc)})") from None
+    weights.initialize(model, seed)
+    return model.to(device)
+
+
+def builder(toy: ToyConfig, dtype: str, seed: int = 0) -> Callable[[torch.device], nn.Module]:
+    """`build` for one config, dtype (by name) and seed, the device left open (each rank picks its own)."""
+    return lambda device: build(toy, dtype_from_name(dtype), device, seed)
+
+
+def upcast_copy(model: nn.Module, toy: ToyConfig, dtype: torch.dtype = torch.float64) -> nn.Module:
+    """The same function as `model` (its exact weight values) built in a higher precision."""
+    config = hf_config(toy)
+    with warnings.catch_warnings(), quiet_transformers():
+        warnings.simplefilter("ignore")
+        high = transformers.AutoModelForCausalLM.from_config(
+            config,
+            attn_implementation=REFERENCE_ATTN,
+            experts_implementation=REFERENCE_EXPERTS,
+            dtype=dtype,
+        )
+    state = {k: v.detach().to("cpu", dtype=dtype) if v.is_floating_point() else v for k, v in model.state_dict().items()}
+    high.load_state_dict(state, strict=True)
+    # Parameters HF creates in float32 whatever the dtype (a DeepSeek-V3 router) go up too.
+    return high.to(device=next(model.parameters()).device, dtype=dtype)
+
+
+_LOWER_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_CASTS = {torch.Tensor.to, torch.Tensor.type}
+_SHORT_CASTS = {torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16}
+_SOFTMAXES = {F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, torch.Tensor.softmax, torch.Tensor.log_softmax}
+
+
+class KeepFloat64(TorchFunctionMode):
+    """Within this mode a float64 tensor is never cast down, nor soft-maxed in a lower precision.
+
+    HF modeling code upcasts to float32 for stability (RMSNorm, eager softmax, routers, rotary);
+    in a float64 run those casts would round to float32 and both cap the run's precision near the
+    float32 reference's own and turn a padding row's float64 mask minimum into -inf. The noise run
+    computes the same function, just more precisely, under this mode.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = dict(kwargs or {})
+        first = args[0] if args else None
+        if isinstance(first, torch.Tensor) and first.dtype == torch.float64:
+            if func in _SHORT_CASTS:
+                return first
+            if func in _CASTS or func in _SOFTMAXES:
+                args = tuple(torch.float64 if a in _LOWER_FLOATS else a for a in args)
+                if kwargs.get("dtype") in _LOWER_FLOATS:
+                    kwargs["dtype"] = torch.float64
+        return func(*args, **kwargs)
+
+
+class quiet_transformers:
+    """Silence transformers' logger while building toy models (warnings about toy sizes)."""
+
+    def __enter__(self) -> None:
+        self._logger = logging.getLogger("transformers")
+        self._level = self._logger.level
+        self._logger.setLevel(logging.ERROR)
+
+    def __exit__(self, *exc: object) -> None:
+        self._logger.setLevel(self._level)

@@ -1,0 +1,226 @@
+"""Hooks on a model: its decoder layers' outputs, its logits, and its MoE routers' decisions.
+
+Uniform hook points only, no per-model code. Transformers 5 gives every MoE block a router returning
+`(logits, weights, indices)` and an experts module taking `(hidden_states, top_k_index,
+top_k_weights)`, so routes are recorded at the router's output, and replayed (forced onto given
+experts) there too. Expert ids are sorted per token before storing or comparing.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from ..golden.names import layer_of
+from ..numerics.routes import margins
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (a collective: sharded values are gathered); other tensors as they are."""
+    full_tensor = getattr(tensor, "full_tensor", None)
+    return full_tensor() if callable(full_tensor) else tensor
+
+
+# --- decoder layers and logits -----------------------------------------------------------------------
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The model's stack of decoder layers (`model.model.layers` in every zoo family)."""
+    inner = getattr(model, "model", model)
+    layers = getattr(inner, "layers", None)
+    if isinstance(layers, nn.ModuleList):
+        return layers
+    for name, module in model.named_modules():
+        if name.endswith("layers") and isinstance(module, nn.ModuleList):
+            return module
+    raise TypeError(f"{type(model).__name__}: no decoder layer list found")
+
+
+@contextmanager
+def record_layer_outputs(model: nn.Module) -> Iterator[dict[int, torch.Tensor]]:
+    """Within the block, each decoder layer's output hidden states are recorded by index."""
+    outputs: dict[int, torch.Tensor] = {}
+    handles = []
+    for index, layer in enumerate(decoder_layers(model)):
+
+        def hook(_module: nn.Module, _inputs: tuple, output: object, index: int = index) -> None:
+            hidden = output[0] if isinstance(output, (tuple, list)) else output
+            # A copy now: a kernel may reuse this buffer in place later (on the CPU .cpu() is no copy).
+            outputs[index] = hidden.detach().to("cpu", copy=True)
+
+        handles.append(layer.register_forward_hook(hook))
+    try:
+        yield outputs
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextmanager
+def record_logits(model: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
+    """The logits as the LM head produced them, copied at once.
+
+    Fused cross-entropy kernels (liger's) write the gradient into the logits' own buffer inside the
+    model's forward, so by the time the forward returns `output.logits` holds something else.
+    """
+    produced: dict[str, torch.Tensor] = {}
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None:
+        yield produced
+        return
+
+    def hook(_module: nn.Module, _inputs: tuple, output: torch.Tensor) -> None:
+        produced["logits"] = full(output.detach()).to("cpu", copy=True)
+
+    handle = head.register_forward_hook(hook)
+    try:
+        yield produced
+    finally:
+        handle.remove()
+
+
+# --- MoE routers ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MoeLayer:
+    """One MoE block of a model: its decoder layer index and its router."""
+
+    layer: int
+    router_name: str
+    router: nn.Module
+    num_experts: int
+    top_k: int
+
+
+def find_moe_layers(model: nn.Module) -> list[MoeLayer]:
+    """Every MoE block in `model`, found by shape (a router with `top_k` beside an `experts` module)."""
+    found = []
+    for name, module in model.named_modules():
+        experts = getattr(module, "experts", None)
+        if not isinstance(experts, nn.Module):
+            continue
+        for child_name, child in module.named_children():
+            if child is experts or not hasattr(child, "top_k") or not hasattr(child, "weight"):
+                continue
+            layer = layer_of(name)
+            found.append(
+                MoeLayer(
+                    layer=len(found) if layer is None else layer,
+                    router_name=f"{name}.{child_name}" if name else child_name,
+                    router=child,
+                    num_experts=int(child.weight.shape[0]),
+                    top_k=int(child.top_k),
+                )
+            )
+    return sorted(found, key=lambda m: m.layer)
+
+
+def selection_scores(router: nn.Module, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scores a router ranks experts by (float32), and their slope against the logits.
+
+    Softmax and plain top-k routers rank by logits (softmax is monotone; slope 1); sigmoid routers
+    with a score-correction bias (DeepSeek-V3) rank by sigmoid(logits) + bias.
+    """
+    logits = logits.detach().float()
+    bias = getattr(router, "e_score_correction_bias", None)
+    if isinstance(bias, torch.Tensor):
+        sig = logits.sigmoid()
+        return sig + bias.detach().float().to(logits.device), sig * (1 - sig)
+    return logits, torch.ones_like(logits)
+
+
+@dataclass
+class RouteRecord:
+    """What one MoE layer's router decided for every token it saw (flattened batch x seq)."""
+
+    layer: int
+    experts: torch.Tensor  # [tokens, k] int64, sorted ascending per token
+    weights: torch.Tensor  # [tokens, k] routing weights in the order of `experts`
+    margin: torch.Tensor  # [tokens] float32, logit units: lowest chosen vs best unchosen expert (see `margins`)
+
+
+def sort_route(indices: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort expert ids ascending per token and carry the weights along."""
+    experts, order = indices.long().sort(dim=-1)
+    return experts, weights.gather(-1, order)
+
+
+@contextmanager
+def record_routes(model: nn.Module) -> Iterator[dict[int, RouteRecord]]:
+    """Within the block, every router call of `model` is recorded by layer index."""
+    records: dict[int, RouteRecord] = {}
+    handles = []
+    for moe in find_moe_layers(model):
+
+        def hook(module: nn.Module, _inputs: tuple, output: tuple, layer: int = moe.layer) -> None:
+            logits, weights, indices = output[0], output[1], output[2]
+            experts, sorted_weights = sort_route(indices.detach(), weights.detach())
+            scores, slope = selection_scores(module, logits.reshape(-1, logits.shape[-1]))
+            records[layer] = RouteRecord(
+                layer=layer,
+                experts=experts.reshape(-1, experts.shape[-1]).cpu(),
+                weights=sorted_weights.reshape(-1, experts.shape[-1]).cpu(),
+                margin=margins(scores, indices.reshape(-1, indices.shape[-1]), slope).cpu(),
+            )
+
+        handles.append(moe.router.register_forward_hook(hook))
+    try:
+        yield records
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def reweigh(router: nn.Module, logits: torch.Tensor, indices: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The routing weights `router` would give experts `indices`, from its own logits.
+
+    Three router families cover the zoo: sigmoid with score-correction bias (DeepSeek-V3: gather,
+    normalize, scale), softmax over the chosen logits (GPT-OSS, whose router has a bias), and softmax
+    over all experts then gather (Qwen-MoE, Mixtral; renormalized when `norm_topk_prob`).
+    """
+    logits = logits.reshape(-1, logits.shape[-1])
+    idx = indices.long()
+    if isinstance(getattr(router, "e_score_correction_bias", None), torch.Tensor):
+        w = logits.float().sigmoid().gather(1, idx)
+        if getattr(router, "norm_topk_prob", True):
+            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        w = w * getattr(router, "routed_scaling_factor", 1.0)
+    elif isinstance(getattr(router, "bias", None), torch.Tensor):
+        w = torch.softmax(logits.gather(1, idx), dim=1, dtype=logits.dtype)
+    else:
+        w = torch.softmax(logits.float(), dim=-1).gather(1, idx)
+        if getattr(router, "norm_topk_prob", True):
+            w = w / w.sum(dim=-1, keepdim=True)
+    return w.to(like.dtype)
+
+
+@contextmanager
+def replay_routes(model: nn.Module, experts_by_layer: dict[int, torch.Tensor]) -> Iterator[None]:
+    """Within the block, each router's choice is replaced by the given expert ids (route replay).
+
+    The weights are still the candidate's own, recomputed for the forced experts, so gradients flow
+    through the candidate's router as they would had it chosen the same experts.
+    """
+    handles = []
+    for moe in find_moe_layers(model):
+        forced = experts_by_layer.get(moe.layer)
+        if forced is None:
+            continue
+
+        def hook(module: nn.Module, _inputs: tuple, output: tuple, forced: torch.Tensor = forced) -> tuple:
+            logits, weights, indices = output[0], output[1], output[2]
+            new_indices = forced.to(indices.device, indices.dtype).reshape(indices.shape)
+            new_weights = reweigh(module, logits, new_indices.reshape(-1, new_indices.shape[-1]), weights)
+            return (logits, new_weights.reshape(weights.shape), new_indices, *output[3:])
+
+        handles.append(moe.router.register_forward_hook(hook))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

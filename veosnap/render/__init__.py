@@ -1,0 +1,10 @@
+"""Reports for people and machines, drawn from the typed results of `runs`.
+
+- `view`: the one view model (which lines and rows a report shows, decided once).
+- `text`: the terminal (checks, diffs, the support matrix, one golden).
+- `markdown`: a diff as a pull-request comment.
+- `json`: one JSON document per command, every tensor listed.
+
+Deciding stays in `view` (and in `runs`); the renderers only lay things out. Numbers are formatted in
+one place, `numerics.fmt`.
+"""

@@ -1,0 +1,110 @@
+"""One JSON document per command: checks (`passed`, `results`), a goldens diff, the support matrix.
+
+Every tensor is listed (worst first); numbers that are not finite are `null`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+from ..numerics.fmt import json_number
+from ..runs.diff import DiffReport, FieldChange, GoldenDiff
+from ..runs.matrix import Matrix
+from ..runs.verdict import CheckReport
+
+
+def check_dict(report: CheckReport) -> dict:
+    worst = report.worst
+    return {
+        "golden": report.golden,
+        "model": report.model,
+        "dtype": report.dtype,
+        "backend": report.backend,
+        "layout": report.layout,
+        "passed": report.passed,
+        "status": report.status,
+        "error": report.error or None,
+        "skipped": report.skipped or None,
+        "worst": {"tensor": worst.name, "ratio": json_number(worst.ratio)} if worst else None,
+        "first_divergence": report.first_divergence,
+        "first_gradient_divergence": report.first_gradient_divergence,
+        "route_replay": report.route_replay,
+        "routes": [
+            {"layer": r.layer, "tokens": r.tokens, "clear_flips": r.clear_flips, "near_tie_flips": r.near_tie_flips,
+             "passed": r.passed, "message": r.message()}
+            for r in report.routes
+        ],
+        "notes": report.notes,
+        "tensors": [
+            {"name": t.name, "error": json_number(t.error), "bound": t.bound, "noise": t.noise,
+             "ratio": json_number(t.ratio), "passed": t.passed, "where": t.where, "problem": t.problem or None}
+            for t in report.ranked()
+        ],
+    }
+
+
+def checks(reports: list[CheckReport]) -> str:
+    """`passed` and `results` (one entry per check)."""
+    return json.dumps({"passed": all(r.passed for r in reports), "results": [check_dict(r) for r in reports]}, indent=2)
+
+
+def _fields(changes: list[FieldChange]) -> list[dict]:
+    return [{"field": c.field, "old": c.old, "new": c.new} for c in changes]
+
+
+def golden_diff_dict(d: GoldenDiff) -> dict:
+    return {
+        "key": str(d.key),
+        "verdict": d.verdict,
+        "material": d.material,
+        "compared": d.compared,
+        "tensors": [{"name": t.name, "ratio": json_number(t.ratio), "error": json_number(t.error), "bound": t.bound,
+                     "problem": t.problem or None} for t in d.ranked()],
+        "tensors_added": d.tensors_added,
+        "tensors_removed": d.tensors_removed,
+        "routes": [{"layer": r.layer, "tokens": r.tokens, "flipped": r.flipped, "near_tie": r.near_tie,
+                    "status": r.status} for r in d.routes],
+        "route_layers": d.route_layers,
+        "tolerance": [{"name": t.name, "old_bound": t.old_bound, "new_bound": t.new_bound,
+                       "old_noise": t.old_noise, "new_noise": t.new_noise} for t in d.tolerance],
+        "tolerance_rule": _fields(d.tolerance_rule),
+        "manifest": _fields(d.manifest),
+        "provenance": _fields(d.provenance),
+        "approvals": [dict(sorted(asdict(a).items())) for a in d.approvals],  # as the manifest stores them
+    }
+
+
+def diff(report: DiffReport) -> str:
+    doc = {
+        "base": report.base,
+        "head": report.head,
+        "material": report.material,
+        "added": [str(k) for k in report.added],
+        "removed": [str(k) for k in report.removed],
+        "unchanged": [str(k) for k in report.unchanged],
+        "changed": [golden_diff_dict(d) for d in report.changed],
+    }
+    return json.dumps(doc, indent=2)
+
+
+def matrix_dict(m: Matrix) -> dict:
+    return {
+        "passed": m.passed,
+        "counts": m.counts(),
+        "seconds": round(m.seconds, 3),
+        "columns": [{"backend": c.backend, "layout": c.layout} for c in m.columns],
+        "rows": [{"model": r.model, "dtype": r.dtype} for r in m.rows],
+        "unavailable": m.unavailable,
+        "cells": [
+            {"model": c.model, "dtype": c.dtype, "backend": c.backend, "layout": c.layout, "status": c.status,
+             "worst_ratio": c.worst_ratio, "worst_tensor": c.worst_tensor or None, "reason": c.reason or None,
+             "forward_only": c.forward_only, "notes": list(c.notes), "seconds": round(c.seconds, 3)}
+            for c in m.cells
+        ],
+    }
+
+
+def matrix(m: Matrix) -> str:
+    """`passed`, `counts`, `columns`, `rows`, `cells` (one per check)."""
+    return json.dumps(matrix_dict(m), indent=2)

@@ -1,0 +1,60 @@
+"""A goldens diff as a pull-request comment: a verdict and one table row per golden first, details folded."""
+
+from __future__ import annotations
+
+from ..runs.diff import DiffReport
+from . import view
+
+
+def _cell(value: str) -> str:
+    return value.replace("|", "\\|").replace("\n", " ")
+
+
+def _html(value: str) -> str:
+    return value.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def diff(report: DiffReport) -> str:
+    """The comment: a verdict and one table row per golden first, each changed golden's details folded below."""
+    out = [f"### veosnap: goldens `{report.base}` → `{report.head}`", ""]
+    if report.empty:
+        out += [f"No golden changed ({len(report.unchanged)} compared).", ""]
+        return "\n".join(out)
+    verdict = ("**Material changes**: goldens added, removed, or moved beyond their noise."
+               if report.material else "No material change: every moved tensor is within its bound.")
+    out += [verdict, "", view.diff_headline(report) + ".", ""]
+    out += ["| golden | change | tensors moved | largest move | routes | reason |", "|---|---|---|---|---|---|"]
+    for key in report.added:
+        out.append(f"| `{key}` | **added** | | | | |")
+    for key in report.removed:
+        out.append(f"| `{key}` | **removed** | | | | |")
+    changes = [view.golden_change(d, shown=None, fields=None) for d in report.changed]
+    for c in changes:
+        verdict = f"**{c.verdict}**" if c.material else c.verdict
+        out.append(f"| `{c.key}` | {verdict} | {c.moved} | {_cell(c.largest)} | {c.route_cell} | {_cell(c.reasons)} |")
+    out.append("")
+    for c in changes:
+        out += [f"<details><summary><code>{c.key}</code>: {_html(c.summary)}</summary>", ""]
+        out += _details(c)
+        out += ["</details>", ""]
+    return "\n".join(out)
+
+
+def _details(c: view.GoldenChange) -> list[str]:
+    out = [f"- approved: {_cell(a)}" for a in c.approvals]
+    out += [f"- manifest `{f.field}`: `{view.short(f.old)}` → `{view.short(f.new)}`" for f in c.manifest]
+    out += [f"- routes: {r}" for r in c.routes]
+    if c.tensors_added:
+        out.append("- tensors added: " + ", ".join(f"`{n}`" for n in c.tensors_added))
+    if c.tensors_removed:
+        out.append("- tensors removed: " + ", ".join(f"`{n}`" for n in c.tensors_removed))
+    if c.tolerance:
+        out.append(f"- tolerance: {_cell(c.tolerance)}")
+    out += [f"- provenance `{f.field}`: `{view.short(f.old)}` → `{view.short(f.new)}`" for f in c.provenance]
+    if c.tensors:
+        out += ["", "| tensor | moved (x old bound) | row error | old bound |", "|---|---:|---:|---:|"]
+        for t in c.tensors:
+            moved = t.moved + (f" ({t.problem})" if t.problem else "")
+            out.append(f"| `{t.name}` | {_cell(moved)} | {t.error} | {t.bound} |")
+    out.append("")
+    return out

@@ -1,0 +1,118 @@
+"""Terminal text: check reports (worst tensors first), goldens diffs, the support matrix, one golden."""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+from rich.table import Table
+
+from ..golden.codec import Golden
+from ..runs.diff import DiffReport, GoldenDiff
+from ..runs.matrix import Matrix
+from ..runs.verdict import CheckReport
+from . import view
+
+_STYLE = {"pass": "green", "fail": "bold red", "skip": "dim", "error": "bold magenta"}
+
+
+def _console(width: int, color: bool) -> tuple[Console, io.StringIO]:
+    buf = io.StringIO()
+    return Console(file=buf, width=width, force_terminal=color, no_color=not color, highlight=False), buf
+
+
+def checks(reports: list[CheckReport], width: int = 180, color: bool = False, shown: int = view.SHOWN_ROWS) -> str:
+    """The terminal report for each check, then a one-line summary."""
+    console, buf = _console(width, color)
+    for report in reports:
+        v = view.check_view(report, shown)
+        console.print(f"[bold]{v.status}[/bold]  {v.header}")
+        for line in v.lines:
+            console.print(f"  {line}")
+        if v.rows:
+            table = Table(box=None, pad_edge=False, show_edge=False, header_style="bold")
+            for col, justify in (("tensor", "left"), ("error", "right"), ("bound", "right"), ("ratio", "right"),
+                                 ("", "left"), ("worst at", "left")):
+                table.add_column(col, justify=justify, overflow="fold")
+            for row in v.rows:
+                table.add_row(row.name, row.error, row.bound, row.ratio, row.status, row.where)
+            console.print(table)
+        for line in (v.hidden, v.next):
+            if line:
+                console.print(f"  {line}")
+        console.print()
+    console.print(view.checks_summary(reports))
+    return buf.getvalue()
+
+
+def diff(report: DiffReport, shown: int = view.SHOWN_TENSORS) -> str:
+    """A goldens diff: a headline, then each added, removed and changed golden."""
+    lines = [f"goldens {report.base} -> {report.head}: {view.diff_headline(report)}"]
+    lines += [f"added    {key}" for key in report.added]
+    lines += [f"removed  {key}" for key in report.removed]
+    for d in report.changed:
+        change = view.golden_change(d, shown)
+        lines.append(f"changed  {change.key}  {change.summary}")
+        lines += _change_lines(change)
+    if report.empty:
+        lines.append("no golden changed")
+    return "\n".join(lines) + "\n"
+
+
+def diff_golden(d: GoldenDiff, shown: int = view.SHOWN_TENSORS) -> list[str]:
+    """The detail lines of one changed golden (indented), as `veosnap refresh` prints them."""
+    return _change_lines(view.golden_change(d, shown))
+
+
+def _change_lines(change: view.GoldenChange) -> list[str]:
+    lines = [f"  approved    {a}" for a in change.approvals]
+    lines += [f"  manifest    {view.change_text(c)}" for c in change.manifest]
+    if change.manifest_hidden:
+        lines.append(f"  manifest    ... {change.manifest_hidden} more fields (--format json lists every one)")
+    lines += [f"  routes      {r}" for r in change.routes]
+    if change.tensors_added:
+        lines.append("  tensors +   " + ", ".join(change.tensors_added))
+    if change.tensors_removed:
+        lines.append("  tensors -   " + ", ".join(change.tensors_removed))
+    if change.tensors:
+        lines.append(f"  {'tensor':55s} {'moved':>10s} {'row error':>10s} {'old bound':>10s}")
+        for t in change.tensors:
+            problem = f"  {t.problem}" if t.problem else ""
+            lines.append(f"  {t.name:55s} {t.moved:>10s} {t.error:>10s} {t.bound:>10s}{problem}")
+        if change.tensors_hidden:
+            lines.append(f"  {change.tensors_hidden}")
+    if change.tolerance:
+        lines.append(f"  tolerance   {change.tolerance}")
+    lines += [f"  provenance  {view.change_text(c)}" for c in change.provenance]
+    return lines
+
+
+def matrix(m: Matrix, width: int = 160, color: bool = False) -> str:
+    """The support matrix as a table, then one line per cell that did not pass, then a summary."""
+    v = view.matrix_view(m)
+    console, buf = _console(width, color)
+    table = Table(header_style="bold", show_lines=False)
+    table.add_column("model", no_wrap=True)
+    for label in v.columns:
+        table.add_column(label, justify="left", no_wrap=True)
+    for label, cells in v.rows:
+        table.add_row(label, *("" if not status else f"[{_STYLE[status]}]{text}[/]" for status, text in cells))
+    console.print(v.title)
+    console.print(table)
+    if v.footnote:
+        console.print(v.footnote)
+    for line in v.outcomes + v.unavailable:
+        console.print(line, soft_wrap=True)
+    console.print(v.summary)
+    return buf.getvalue()
+
+
+def golden(g: Golden, full: bool = False) -> str:
+    """One golden (`veosnap show`): its manifest's key facts, its approvals, its tensors."""
+    v = view.golden_view(g, full)
+    lines = [f"{label:<12}{value}" for label, value in v.facts]
+    lines.append(f"{'tensors':<12}{v.total}")
+    lines += [f"  {name:55s} {dtype:9s} {shape:16s} {tolerance}" for name, dtype, shape, tolerance in v.tensors]
+    if not v.full:
+        lines.append(f"  ... {v.hidden} gradients or updates (--full lists them)")
+    return "\n".join(lines)

@@ -1,0 +1,329 @@
+"""The one view model: what a report says and which rows it shows, decided once for every renderer.
+
+`check_view`, `golden_change`, `matrix_view` and `golden_view` turn typed results into lines and rows
+of text (numbers formatted by `numerics.fmt`); `text`, `markdown` and (to come) `html` only lay them out.
+A failed check shows every failing tensor then its closest passing ones, a passed one its closest calls;
+a diff's terminal text cuts long lists where markdown folds them; a matrix groups repeated skips.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..golden import names
+from ..golden.codec import Golden
+from ..golden.manifest import Approval, json_object
+from ..numerics import fmt
+from ..runs.diff import DiffReport, FieldChange, GoldenDiff
+from ..runs.matrix import Cell, Matrix
+from ..runs.verdict import CheckReport
+
+SHOWN_ROWS = 12  # rows of a failed check's table: every failing tensor, then the closest passing ones
+SHOWN_PASSING = 3  # a passed check shows only its closest calls
+SHOWN_TENSORS = 12  # moved tensors a diff's text lists per golden
+SHOWN_FIELDS = 8  # manifest fields a diff's text lists per golden
+HASH_CHARS = 19  # "sha256:" and 12 hex digits: enough to tell payloads apart by eye
+
+
+# --- one check ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorRow:
+    """One row of a check's table."""
+
+    name: str
+    error: str
+    bound: str
+    ratio: str
+    passed: bool
+    where: str
+
+    @property
+    def status(self) -> str:
+        return "ok" if self.passed else "FAIL"
+
+
+@dataclass
+class CheckView:
+    """One check as a report shows it: a header, lines, a table (none: nothing to tabulate), what next."""
+
+    status: str
+    header: str
+    lines: list[str]
+    rows: list[TensorRow] = field(default_factory=list)
+    hidden: str = ""  # the line for tensors the table leaves out
+    next: str = ""
+
+
+def check_view(report: CheckReport, shown: int = SHOWN_ROWS) -> CheckView:
+    view = CheckView(report.status, f"{report.golden}  backend={report.backend}  layout={report.layout}", [])
+    if report.skipped:
+        view.lines.append(f"skipped: {report.skipped}")
+        return view
+    if report.error:
+        view.lines.append(f"error: {report.error}")
+        return view
+    view.lines += [route.message() for route in report.routes if not route.passed or route.near_tie_flips]
+    if report.route_replay:
+        view.lines.append("routes differ: tensors below compared under route replay "
+                          "(candidate forced onto the golden's experts)")
+    if report.first_divergence:
+        view.lines.append(f"first diverging layer: {report.first_divergence}")
+    if report.first_gradient_divergence:
+        view.lines.append(f"first diverging gradient: {report.first_gradient_divergence}")
+    view.lines += [f"note: {note}" for note in report.notes]
+    if report.tensors and all(t.passed and t.error == 0 for t in report.tensors):
+        hint = "" if report.backend == "eager" else " (a swapped kernel rarely reproduces every bit: is it applied?)"
+        view.lines.append(f"all {len(report.tensors)} tensors bit-identical to the golden{hint}")
+        return view
+    ranked = report.ranked()
+    failing = [t for t in ranked if not t.passed]
+    room = shown if failing else min(shown, SHOWN_PASSING)
+    for t in failing + [t for t in ranked if t.passed][: max(0, room - len(failing))]:
+        where = t.problem or t.where
+        if t.rows_over and not t.problem:
+            where = f"{t.rows_over}/{t.rows} rows over; {where}"
+        elif t.error == 0 and not t.problem:
+            where = "bit-identical to the golden"
+        view.rows.append(TensorRow(t.name, fmt.num(t.error), fmt.num(t.bound), fmt.num(t.ratio) + "x", t.passed, where))
+    hidden = len(ranked) - len(view.rows)
+    if hidden:
+        view.hidden = f"... and {hidden} more tensors, all within bound (--format json lists every one)"
+    if not report.passed:
+        view.next = f"next: {next_step(report)}"
+    return view
+
+
+def next_step(report: CheckReport) -> str:
+    """What to run next for a failed check."""
+    layout = "" if report.layout == "single" else f" --layout {report.layout}"
+    cmd = f"veosnap check --model {report.model} --dtype {report.dtype} --backend {report.backend}{layout} --format json"
+    if report.error:
+        return f"fix the backend error, then {cmd}"
+    if not report.routes_passed:
+        return f"look at the router inputs of the first flipped layer; full detail: {cmd}"
+    return f"{cmd}  (every tensor, worst rows; start from the first diverging layer)"
+
+
+def checks_summary(reports: list[CheckReport]) -> str:
+    failed = sum(not r.passed for r in reports)
+    skipped = sum(bool(r.skipped) for r in reports)
+    return f"{len(reports) - failed - skipped} passed, {failed} failed" + (f", {skipped} skipped" if skipped else "")
+
+
+# --- a goldens diff -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MoveRow:
+    name: str
+    moved: str  # in units of the old bound
+    error: str
+    bound: str
+    problem: str
+
+
+@dataclass
+class GoldenChange:
+    """One changed golden as a diff shows it."""
+
+    key: str
+    verdict: str
+    material: bool
+    summary: str
+    approvals: list[str]
+    manifest: list[FieldChange]
+    manifest_hidden: int
+    routes: list[str]
+    tensors_added: list[str]
+    tensors_removed: list[str]
+    tensors: list[MoveRow]
+    tensors_hidden: str  # the line for moved tensors left out
+    tolerance: str
+    provenance: list[FieldChange]
+    largest: str  # the largest move, for a summary table
+    route_cell: str  # routes, for a summary table
+    reasons: str  # the approvals' reasons, for a summary table
+    moved: str  # "moved / compared", for a summary table
+
+
+def short(value: str | None) -> str:
+    """A manifest value as a diff shows it: hashes cut to `HASH_CHARS`, absence said."""
+    if value is None:
+        return "(absent)"
+    return value[:HASH_CHARS] + "..." if value.startswith("sha256:") and len(value) > HASH_CHARS else value
+
+
+def change_text(c: FieldChange) -> str:
+    return f"{c.field}: {short(c.old)} -> {short(c.new)}"
+
+
+def approval_text(a: Approval) -> str:
+    previous = a.previous_payload_hash
+    return f"{a.reason!r} (replaced {short(previous) if previous else 'nothing'})"
+
+
+def diff_headline(report: DiffReport) -> str:
+    material = sum(d.material for d in report.changed)
+    return (f"{len(report.changed)} changed ({material} material), {len(report.added)} added, "
+            f"{len(report.removed)} removed, {len(report.unchanged)} unchanged")
+
+
+def golden_change(d: GoldenDiff, shown: int | None = SHOWN_TENSORS, fields: int | None = SHOWN_FIELDS) -> GoldenChange:
+    """One changed golden; `shown`/`fields` cut the tensor and manifest lists (None: all of them)."""
+    ranked = d.ranked()
+    kept = ranked if shown is None else ranked[:shown]
+    rest = ranked[len(kept):]
+    worst = d.worst
+    return GoldenChange(
+        key=str(d.key), verdict=d.verdict, material=d.material, summary=_summary(d),
+        approvals=[approval_text(a) for a in d.approvals],
+        manifest=d.manifest if fields is None else d.manifest[:fields],
+        manifest_hidden=0 if fields is None else max(0, len(d.manifest) - fields),
+        routes=[r.message() for r in d.routes], tensors_added=d.tensors_added, tensors_removed=d.tensors_removed,
+        tensors=[MoveRow(t.name, fmt.times(t.ratio), fmt.num(t.error), fmt.num(t.bound), t.problem) for t in kept],
+        tensors_hidden=(f"... {len(rest)} more moved, at most {fmt.times(rest[0].ratio)} bound "
+                        "(--format json lists every one)") if rest else "",
+        tolerance=_tolerance_line(d), provenance=d.provenance,
+        largest=f"`{worst.name}` {fmt.times(worst.ratio)} bound" if worst else "—",
+        route_cell=(f"{len(d.routes)} of {d.route_layers} layers changed" if d.routes
+                    else "same" if d.route_layers else "—"),
+        reasons="; ".join(a.reason for a in d.approvals) or "—",
+        moved=f"{len(d.tensors)} / {d.compared}",
+    )
+
+
+def _summary(d: GoldenDiff) -> str:
+    """One line for one changed golden: verdict, how many tensors moved and the largest move."""
+    parts = [d.verdict]
+    worst = d.worst
+    if d.tensors:
+        over = sum(t.material for t in d.tensors)
+        parts.append(f"{len(d.tensors)} of {d.compared} tensors moved ({over} over 1x bound), "
+                     f"largest {worst.name} {fmt.times(worst.ratio)} bound")
+    else:
+        parts.append("tensors bit-identical")
+    if d.tensors_added or d.tensors_removed:
+        parts.append(f"tensors +{len(d.tensors_added)} -{len(d.tensors_removed)}")
+    if d.routes:
+        parts.append(f"routes changed in {len(d.routes)} of {d.route_layers} MoE layers")
+    if d.identity_changed:
+        parts.append(" and ".join(c.field.removesuffix("_hash") for c in d.identity_changed) + " changed")
+    return "; ".join(parts)
+
+
+def _tolerance_line(d: GoldenDiff) -> str:
+    if not d.tolerance and not d.tolerance_rule:
+        return ""
+    text = f"{len(d.tolerance)} bounds changed"
+    if d.tolerance:
+        biggest = max(d.tolerance, key=lambda t: abs(math.log(t.factor)) if 0 < t.factor < math.inf else math.inf)
+        text += f" (largest: {biggest.name} {fmt.num(biggest.old_bound)} -> {fmt.num(biggest.new_bound)})"
+    if d.tolerance_rule:
+        text += "; rule " + ", ".join(change_text(c) for c in d.tolerance_rule)
+    return text
+
+
+# --- the support matrix -------------------------------------------------------------------------------
+
+
+@dataclass
+class MatrixView:
+    """The matrix as a table of (status, text) cells, then the lines below it."""
+
+    title: str
+    columns: list[str]
+    rows: list[tuple[str, list[tuple[str, str]]]]  # label, (status, text) per column ('' status: no cell)
+    footnote: str
+    outcomes: list[str]  # one per failed or errored cell; skips grouped by column and reason
+    unavailable: list[str]
+    summary: str
+
+
+def cell_text(cell: Cell) -> str:
+    """`pass 0.061x`, `FAIL 3.2x`, `skip`, `ERROR`; `pass*` when only the forward was checked."""
+    if cell.status == "skip":
+        return "skip"
+    if cell.status == "error":
+        return "ERROR"
+    mark = "*" if cell.forward_only else ""
+    word = "pass" if cell.status == "pass" else "FAIL"
+    return f"{word}{mark}" + ("" if cell.worst_ratio is None else f" {fmt.cell(cell.worst_ratio)}")
+
+
+def matrix_view(matrix: Matrix) -> MatrixView:
+    several_layouts = len({c.layout for c in matrix.columns}) > 1
+    several_dtypes = len({r.dtype for r in matrix.rows}) > 1
+    rows = []
+    for row in matrix.rows:
+        cells = [matrix.cell(row, column) for column in matrix.columns]
+        rows.append((f"{row.model} {row.dtype}" if several_dtypes else row.model,
+                     [("", "") if c is None else (c.status, cell_text(c)) for c in cells]))
+    counts = matrix.counts()
+    dtypes = ", ".join(sorted({r.dtype for r in matrix.rows}))
+    return MatrixView(
+        title=f"support matrix ({dtypes}; cell: status and worst error/bound ratio)",
+        columns=[c.label if several_layouts else c.backend for c in matrix.columns], rows=rows,
+        footnote="* forward only: loss, logits, layer outputs and routes checked; gradients not (see notes)"
+        if any(c.forward_only for c in matrix.cells) else "",
+        outcomes=_outcome_lines(matrix),
+        unavailable=[f"not run here: {name} ({reason})" for name, reason in sorted(matrix.unavailable.items())],
+        summary=f"{len(matrix.cells)} cells: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n)
+        + f" in {matrix.seconds:.1f} s",
+    )
+
+
+def _outcome_lines(matrix: Matrix) -> list[str]:
+    lines = []
+    skipped: dict[tuple[str, str], list[str]] = {}
+    for cell in matrix.cells:
+        row = f"{cell.model} {cell.dtype}"
+        if cell.status == "skip":
+            skipped.setdefault((f"{cell.backend}/{cell.layout}", cell.reason), []).append(row)
+        elif cell.status != "pass":
+            lines.append(f"{cell.status.upper():5s} {row} {cell.backend}/{cell.layout}: {cell.reason}")
+    for (column, reason), rows in skipped.items():
+        where = "every row" if len(rows) == len(matrix.rows) > 1 else ", ".join(rows)
+        lines.append(f"skip  {column} on {where}: {reason}")
+    return lines
+
+
+# --- one golden (`veosnap show`) ----------------------------------------------------------------------
+
+
+@dataclass
+class GoldenView:
+    facts: list[tuple[str, str]]  # label, value
+    tensors: list[tuple[str, str, str, str]]  # name, dtype, shape, tolerance
+    total: int
+    full: bool
+    hidden: int  # per-parameter tensors left out
+
+
+def golden_view(g: Golden, full: bool = False) -> GoldenView:
+    """The manifest's key facts, the approval trail, and the tensors (per-parameter ones with `full`)."""
+    m = g.manifest
+    facts = [
+        ("golden", str(m.key)), ("file", str(g.path)), ("schema", str(m.schema_version)),
+        ("config", f"{m.config.get('model_type')} ({m.config_hash[:HASH_CHARS]}...)"),
+        ("inputs", f"{json_object(m.reference.batch)} ({m.inputs_hash[:HASH_CHARS]}...)"),
+        ("reference", f"attn={m.reference.attn_implementation} experts={m.reference.experts_implementation} "
+                      f"seed={m.reference.seed} noise run={m.reference.noise_run}"),
+        ("provenance", ", ".join(f"{k}={v}" for k, v in sorted(json_object(m.provenance).items()))),
+        ("tolerance", f"bound = {m.alpha:g} x noise + {m.floor:g}; tie epsilon {m.tie_epsilon:g}"),
+        ("payload", m.payload_hash),
+    ]
+    if m.min_margin:
+        margins = ", ".join(f"layer {layer}: {fmt.num(v)}" for layer, v in sorted(m.min_margin.items()))
+        facts.append(("routers", f"min margin {margins}"))
+    facts += [("approved", f"{a.reason!r} (replaced {a.previous_payload_hash})") for a in m.approvals]
+    every = sorted(g.tensors)
+    shown = every if full else [n for n in every if not names.parse(n).per_parameter]
+    tensors = []
+    for name in shown:
+        t, tol = g.tensors[name], m.tolerance.get(name)
+        tensors.append((name, str(t.dtype).removeprefix("torch."), str(list(t.shape)),
+                        f"noise {fmt.num(tol.noise)} bound {fmt.num(tol.bound)}" if tol else ""))
+    return GoldenView(facts, tensors, len(every), full, len(every) - len(shown))

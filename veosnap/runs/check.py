@@ -1,0 +1,150 @@
+"""The one check orchestrator: a candidate (a backend under one or more layouts) against its golden.
+
+The CLI, the support matrix and the pytest plugin all call `check_layouts` (or `check`, for one
+layout). For one golden it: reads and validates the golden and the config the candidate is built from;
+asks each layout whether it applies (a decline is a skipped report); runs the in-process layouts here,
+deterministically, and every multi-process one in ONE torchrun; then judges each result against the
+golden (routes first, tensors under route replay when routes differ) and says what a report must say
+(forward-only candidates, the train scenario's routes, a cross-class check).
+
+Bad goldens, configs and SPECs raise `VeosnapError`; a candidate that raises is an ERROR report and a
+backend or layout that declines a skipped one, so the other checks still run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..candidates.backends import Backend
+from ..candidates.layouts import engine, registry, torchrun
+from ..candidates.layouts.engine import LayoutResult
+from ..candidates.layouts.protocol import Layout, LayoutContext
+from ..errors import Unsupported, VeosnapError, describe
+from ..golden import names
+from ..golden.codec import Golden
+from ..golden.key import GoldenKey
+from ..numerics.compare import compare_route_sets, compare_tensors, same_route_tokens
+from ..reference import hardware
+from ..reference.capture import Capture
+from ..reference.determinism import deterministic
+from ..reference.inputs import Batch
+from ..reference.zoo import Project, ToyConfig, load_checked
+from .verdict import CheckReport
+
+DEFAULT_TIMEOUT_S = torchrun.DEFAULT_TIMEOUT_S
+
+
+def check(project: Project, key: GoldenKey, backend: Backend, layout: str = "single", *, nproc: int = 2,
+          timeout_s: float = DEFAULT_TIMEOUT_S, cross_class: bool = False, gold: Golden | None = None) -> CheckReport:
+    """Check `backend` under one `layout` (a SPEC) against the golden for `key`; see `check_layouts`."""
+    return check_layouts(project, key, backend, [layout], nproc=nproc, timeout_s=timeout_s,
+                         cross_class=cross_class, gold=gold)[0]
+
+
+def check_layouts(project: Project, key: GoldenKey, backend: Backend, layouts: Sequence[str] = ("single",), *,
+                  nproc: int = 2, timeout_s: float = DEFAULT_TIMEOUT_S, cross_class: bool = False,
+                  gold: Golden | None = None) -> list[CheckReport]:
+    """Check `backend` under each of `layouts` (SPECs) against the golden for `key`: one report each, in order.
+
+    Multi-process layouts share one torchrun of `nproc` ranks, ended after `timeout_s` seconds. `gold` is
+    the golden for `key` when the caller has already read it (the pytest plugin does). Goldens of another
+    hardware class than this machine's are refused unless `cross_class`, which measures the gap.
+    """
+    chosen = [(spec, registry.resolve(spec)) for spec in layouts]
+    golden, toy = load_checked(project, key, cross_class, gold)
+    batch = Batch.from_golden(golden)
+    reports: dict[int, CheckReport] = {}
+    spawned: list[int] = []
+    for index, (spec, layout) in enumerate(chosen):
+        fields = {"backend": backend.spec, "layout": spec}
+        try:
+            layout.accept(golden, nproc)
+        except Unsupported as exc:
+            reports[index] = _report(golden, fields, skipped=str(exc))
+            continue
+        if layout.distributed:
+            spawned.append(index)
+        else:
+            reports[index] = _in_process(golden, batch, toy, backend, layout, fields)
+    if spawned:
+        _check_nproc(batch, nproc)
+        for index in spawned:
+            registry.check_reachable(chosen[index][0])
+        outcomes = torchrun.run(project, key, backend.spec, [chosen[index][0] for index in spawned], nproc, timeout_s)
+        for index, outcome in zip(spawned, outcomes):
+            fields = {"backend": backend.spec, "layout": chosen[index][0]}
+            reports[index] = (judge(golden, batch, outcome.result, fields) if outcome.result is not None
+                              else _report(golden, fields, skipped=outcome.skipped, error=outcome.error))
+    ordered = [reports[index] for index in range(len(chosen))]
+    for report in ordered:
+        report.notes[:0] = cross_class_notes(key)
+    return ordered
+
+
+def _in_process(golden: Golden, batch: Batch, toy: ToyConfig, backend: Backend, layout: Layout,
+                fields: dict[str, str]) -> CheckReport:
+    """Run a layout here, on this machine's device; its failure or decline becomes its report."""
+    ctx = LayoutContext.checking(golden, toy, hardware.device_for(hardware.detect()))
+    try:
+        # Fixed threads and deterministic algorithms: checking twice gives the same report, even for
+        # kernels whose reductions otherwise vary from run to run (batched_mm on CPU does).
+        with deterministic():
+            result = engine.run(layout, backend, ctx)
+    except VeosnapError:
+        raise
+    except Unsupported as exc:
+        return _report(golden, fields, skipped=str(exc))
+    except Exception as exc:  # noqa: BLE001 - the candidate's own failure is a result, not a crash
+        return _report(golden, fields, error=describe(exc))
+    return judge(golden, batch, result, fields)
+
+
+def judge(golden: Golden, batch: Batch, result: LayoutResult, fields: dict[str, str]) -> CheckReport:
+    """A layout's result against its golden, with the notes its report must carry."""
+    report = compare(golden, batch, result.capture, result.replayed, **fields)
+    report.notes.extend(result.notes)
+    if golden.key.scenario == "train" and not report.routes_passed:
+        # Only the first step's routes are recorded, so later steps cannot be replayed onto the golden's.
+        report.notes.append("routes differ in the first step: updates are compared without route replay")
+    if result.forward_only:
+        unchecked = sum(isinstance(names.parse(name), names.Grad) for name in golden.compared_names())
+        report.notes.append(f"forward only ({result.forward_only}): loss, logits, layer outputs and routes "
+                            f"checked; {unchecked} gradients not checked")
+    return report
+
+
+def compare(golden: Golden, batch: Batch, capture: Capture, replayed: Capture | None = None,
+            **report_fields: str) -> CheckReport:
+    """Routes first; then every tensor. With `replayed` (the candidate re-run on the golden's routes),
+    tensors downstream of routing are judged from the replayed run so a kernel error is never mistaken
+    for a routing flip, or the other way round."""
+    tokens = batch.tokens()
+    routes = compare_route_sets(golden, capture.experts(), tokens)
+    source = replayed if replayed is not None else capture
+    tensors = compare_tensors(golden, source.all_tensors(), tokens, gradients=source.backward,
+                              same_routes=same_route_tokens(golden, source.experts()))
+    return CheckReport(golden=str(golden.key), model=golden.key.model, dtype=golden.key.dtype, tensors=tensors,
+                       routes=routes, route_replay=replayed is not None, **report_fields)
+
+
+def cross_class_notes(key: GoldenKey) -> list[str]:
+    """The report note for a cross-class check (none for a same-class one)."""
+    here = hardware.detect()
+    if key.hardware_class == here:
+        return []
+    return [f"cross-class: a {key.hardware_class} golden checked on {here}; ratios measure how far the classes are apart"]
+
+
+def _report(golden: Golden, fields: dict[str, str], **outcome: str) -> CheckReport:
+    return CheckReport(golden=str(golden.key), model=golden.key.model, dtype=golden.key.dtype, **fields, **outcome)
+
+
+def _check_nproc(batch: Batch, nproc: int) -> None:
+    if nproc < 2:
+        raise VeosnapError(f"--nproc {nproc}: multi-process layouts need at least 2 processes")
+    if nproc > batch.rows:
+        raise VeosnapError(f"--nproc {nproc}: the golden's batch has {batch.rows} rows, one at least per rank")
+    if hardware.device_for(hardware.detect()).type == "cuda" and nproc > torch.cuda.device_count():
+        raise VeosnapError(f"--nproc {nproc}: only {torch.cuda.device_count()} GPU(s) visible")

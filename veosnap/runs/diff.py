@@ -1,0 +1,459 @@
+"""How goldens moved between two trees (git revisions or directories): `veosnap diff`.
+
+A golden whose bytes are the same on both sides is unchanged and never decoded. For a changed one,
+every tensor that moved is measured with the check's own metric (row error, tolerance.py) in units of
+the old golden's bound, so "0.3x" reads as noise and "40x" as a real change. Routes are compared per
+MoE layer, and tolerance, config, inputs, provenance and approvals are listed field by field.
+
+Git revisions are read with `git ls-tree` and one `git cat-file --batch`; the tree is never checked out.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Protocol
+
+import torch
+
+from ..errors import VeosnapError
+from ..golden import codec, names, store
+from ..golden.codec import Golden
+from ..golden.key import GoldenKey
+from ..golden.manifest import Approval, json_object
+from ..numerics.metric import is_token_tensor, row_error
+from ..numerics.routes import compare_routes
+from ..reference.determinism import one_thread
+from ..reference.inputs import Batch
+
+WORKING_TREE = "working tree"
+
+
+# --------------------------------------------------------------------------------------------
+# What changed
+
+
+@dataclass(frozen=True)
+class TensorMove:
+    """One tensor that is not bit-identical: its row error against the old golden, in old bounds."""
+
+    name: str
+    error: float
+    bound: float  # the old golden's bound for this tensor
+    problem: str = ""  # shape or dtype changed, non-finite values: not measurable
+
+    @property
+    def ratio(self) -> float:
+        if self.problem:
+            return math.inf
+        return self.error / self.bound if self.bound > 0 else math.inf
+
+    @property
+    def material(self) -> bool:
+        return self.ratio > 1.0
+
+
+@dataclass(frozen=True)
+class RouteChange:
+    """One MoE layer whose routes differ: tokens sent to other experts (or a layer added/removed)."""
+
+    layer: int
+    tokens: int
+    flipped: int  # tokens whose expert set differs
+    near_tie: int = 0  # of those, tokens the old golden marked as near-ties
+    status: str = "changed"  # changed | added | removed | reshaped
+
+    def message(self) -> str:
+        if self.status != "changed":
+            return f"layer {self.layer}: MoE layer {self.status}"
+        ties = f" ({self.near_tie} near-tie)" if self.near_tie else ""
+        return f"layer {self.layer}: {self.flipped} of {self.tokens} tokens routed to other experts{ties}"
+
+
+@dataclass(frozen=True)
+class ToleranceChange:
+    """A tensor whose stored bound (or noise) differs."""
+
+    name: str
+    old_bound: float
+    new_bound: float
+    old_noise: float
+    new_noise: float
+
+    @property
+    def factor(self) -> float:
+        return self.new_bound / self.old_bound if self.old_bound > 0 else math.inf
+
+
+@dataclass(frozen=True)
+class FieldChange:
+    """A manifest field (flattened, e.g. `config.hidden_size`) that differs; None: absent on that side."""
+
+    field: str
+    old: str | None
+    new: str | None
+
+
+@dataclass
+class GoldenDiff:
+    """How one golden present on both sides changed."""
+
+    key: GoldenKey
+    tensors: list[TensorMove] = field(default_factory=list)  # only tensors that moved
+    compared: int = 0  # tensors with a tolerance on both sides
+    tensors_added: list[str] = field(default_factory=list)
+    tensors_removed: list[str] = field(default_factory=list)
+    routes: list[RouteChange] = field(default_factory=list)  # only layers that changed
+    route_layers: int = 0
+    tolerance: list[ToleranceChange] = field(default_factory=list)
+    tolerance_rule: list[FieldChange] = field(default_factory=list)  # alpha, floor, tie epsilon
+    manifest: list[FieldChange] = field(default_factory=list)  # config, inputs, reference, schema, margins
+    provenance: list[FieldChange] = field(default_factory=list)
+    approvals: list[Approval] = field(default_factory=list)  # approvals the new side added
+
+    def ranked(self) -> list[TensorMove]:
+        """Moved tensors, largest move first."""
+        return sorted(self.tensors, key=lambda t: (-t.ratio, t.name))
+
+    @property
+    def worst(self) -> TensorMove | None:
+        ranked = self.ranked()
+        return ranked[0] if ranked else None
+
+    @property
+    def identity_changed(self) -> list[FieldChange]:
+        """Config or inputs hash changes: the golden now describes another function or batch."""
+        return [c for c in self.manifest if c.field in ("config_hash", "inputs_hash")]
+
+    @property
+    def material(self) -> bool:
+        """Moved beyond noise: a tensor over 1x its bound, routes or tensor set changed, config/inputs changed."""
+        return (any(t.material for t in self.tensors) or bool(self.routes) or bool(self.tensors_added)
+                or bool(self.tensors_removed) or bool(self.identity_changed))
+
+    @property
+    def verdict(self) -> str:
+        if self.material:
+            return "material"
+        if self.tensors:
+            return "noise"  # moved, all within bound
+        return "metadata"  # tensors bit-identical; only the manifest differs
+
+
+@dataclass
+class DiffReport:
+    """Goldens added, removed and changed between `base` and `head`."""
+
+    base: str
+    head: str
+    added: list[GoldenKey] = field(default_factory=list)
+    removed: list[GoldenKey] = field(default_factory=list)
+    changed: list[GoldenDiff] = field(default_factory=list)
+    unchanged: list[GoldenKey] = field(default_factory=list)
+
+    @property
+    def material(self) -> bool:
+        return bool(self.added or self.removed) or any(d.material for d in self.changed)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.added or self.removed or self.changed)
+
+
+# --------------------------------------------------------------------------------------------
+# Comparing two goldens
+
+
+def diff_goldens(old: Golden, new: Golden) -> GoldenDiff:
+    """Every way `new` differs from `old` (same key), measured against `old`'s bounds."""
+    om, nm = old.manifest, new.manifest
+    out = GoldenDiff(key=nm.key)
+    mask = Batch.from_golden(old).token_mask
+    old_names, new_names = set(om.tolerance), set(nm.tolerance)
+    out.tensors_added = sorted(new_names - old_names)
+    out.tensors_removed = sorted(old_names - new_names)
+    common = sorted(old_names & new_names)
+    out.compared = len(common)
+    for name in common:
+        move = _tensor_move(name, old.tensors[name], new.tensors[name], om.tolerance[name].bound, mask)
+        if move is not None:
+            out.tensors.append(move)
+        ot, nt = om.tolerance[name], nm.tolerance[name]
+        if ot != nt:
+            out.tolerance.append(ToleranceChange(name, ot.bound, nt.bound, ot.noise, nt.noise))
+    out.routes, out.route_layers = _route_changes(old, new, mask)
+    out.tolerance_rule = [c for c in (_field("alpha", om.alpha, nm.alpha), _field("floor", om.floor, nm.floor),
+                                      _field("tie_epsilon", om.tie_epsilon, nm.tie_epsilon)) if c]
+    out.manifest = [c for c in (_field("schema_version", om.schema_version, nm.schema_version),
+                                _field("config_hash", om.config_hash, nm.config_hash),
+                                _field("inputs_hash", om.inputs_hash, nm.inputs_hash)) if c]
+    out.manifest += _dict_changes("config", om.config, nm.config)
+    out.manifest += _dict_changes("reference", json_object(om.reference), json_object(nm.reference))
+    out.manifest += _dict_changes("min_margin", _layers(om.min_margin), _layers(nm.min_margin))
+    out.provenance = _dict_changes("", json_object(om.provenance), json_object(nm.provenance))
+    trail = om.approvals
+    out.approvals = (nm.approvals[len(trail):] if nm.approvals[: len(trail)] == trail
+                     else [a for a in nm.approvals if a not in trail])
+    return out
+
+
+def _tensor_move(name: str, old: torch.Tensor, new: torch.Tensor, bound: float,
+                 mask: torch.Tensor) -> TensorMove | None:
+    if tuple(old.shape) != tuple(new.shape):
+        return TensorMove(name, math.inf, bound, problem=f"shape {list(old.shape)} -> {list(new.shape)}")
+    if old.dtype != new.dtype:
+        return TensorMove(name, math.inf, bound, problem=f"dtype {_dt(old)} -> {_dt(new)}")
+    if torch.equal(old, new):
+        return None
+    bad = int((~torch.isfinite(new.double())).sum())
+    if bad:
+        return TensorMove(name, math.inf, bound, problem=f"{bad} non-finite value(s)")
+    err = row_error(name, new, old, mask if is_token_tensor(name) else None)
+    return TensorMove(name, err.error, bound)
+
+
+def _route_changes(old: Golden, new: Golden, mask: torch.Tensor) -> tuple[list[RouteChange], int]:
+    old_experts, new_experts = old.experts(), new.experts()
+    tokens = int(mask.sum())
+    changes = []
+    for layer in sorted(old_experts.keys() | new_experts.keys()):
+        if layer not in new_experts or layer not in old_experts:
+            status = "removed" if layer not in new_experts else "added"
+            changes.append(RouteChange(layer, tokens, tokens, status=status))
+            continue
+        a, b = old_experts[layer], new_experts[layer]
+        if a.shape != b.shape or a.shape[0] != mask.numel():
+            changes.append(RouteChange(layer, tokens, tokens, status="reshaped"))
+            continue
+        margin = old.tensors[str(names.Route(layer, "margin"))]
+        diff = compare_routes(layer, a, margin, b, mask, old.manifest.tie_epsilon)
+        flipped = diff.clear_flips + diff.near_tie_flips
+        if flipped:
+            changes.append(RouteChange(layer, diff.tokens, flipped, diff.near_tie_flips))
+    return changes, len(old_experts.keys() | new_experts.keys())
+
+
+def _layers(margins: dict[int, float]) -> dict[str, float]:
+    return {str(layer): value for layer, value in margins.items()}
+
+
+def _dt(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _show(value: object) -> str:
+    return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+
+
+def _field(name: str, old: object, new: object) -> FieldChange | None:
+    return None if old == new else FieldChange(name, _show(old), _show(new))
+
+
+def _flatten(prefix: str, value: object, out: dict[str, object]) -> dict[str, object]:
+    if isinstance(value, dict) and value:
+        for k, v in value.items():
+            _flatten(f"{prefix}.{k}" if prefix else str(k), v, out)
+    else:
+        out[prefix] = value
+    return out
+
+
+def _dict_changes(prefix: str, old: dict, new: dict) -> list[FieldChange]:
+    a, b = _flatten(prefix, old, {}), _flatten(prefix, new, {})
+    return [FieldChange(k, _show(a[k]) if k in a else None, _show(b[k]) if k in b else None)
+            for k in sorted(a.keys() | b.keys()) if a.get(k, ...) != b.get(k, ...)]
+
+
+# --------------------------------------------------------------------------------------------
+# Where goldens come from: a directory or a git revision
+
+
+class Tree(Protocol):
+    """A set of goldens by key, readable as bytes."""
+
+    label: str
+
+    def entries(self) -> dict[GoldenKey, str]:
+        """Each golden's key and a cheap identity (git blob id; '' when there is none)."""
+
+    def read(self, key: GoldenKey) -> bytes: ...
+
+    def source(self, key: GoldenKey) -> str:
+        """How error messages name this golden."""
+
+
+class DirTree:
+    """Goldens under a directory (`<class>/<model>/<scenario>-<dtype>.safetensors.zst`)."""
+
+    def __init__(self, root: Path, label: str | None = None) -> None:
+        self.root = Path(root)
+        self.label = label or str(root)
+
+    def entries(self) -> dict[GoldenKey, str]:
+        return {key: "" for key, _ in store.list_goldens(self.root)}
+
+    def read(self, key: GoldenKey) -> bytes:
+        path = store.path_for(self.root, key)
+        try:
+            return path.read_bytes()
+        except OSError as exc:
+            raise VeosnapError(f"{path}: cannot read ({exc.strerror})") from None
+
+    def source(self, key: GoldenKey) -> str:
+        return str(store.path_for(self.root, key))
+
+
+class GitTree:
+    """Goldens under `prefix` at a git revision, read from the object store (nothing is checked out)."""
+
+    def __init__(self, repo: Path, rev: str, prefix: PurePosixPath) -> None:
+        self.repo, self.rev, self.prefix = repo, rev, prefix
+        self.label = rev
+        self._oids: dict[GoldenKey, str] | None = None
+        self._blobs: _CatFile | None = None
+
+    @classmethod
+    def at(cls, goldens_dir: Path, rev: str) -> GitTree:
+        """The goldens directory `goldens_dir` (of a git working tree) as it was at `rev`."""
+        anchor = Path(goldens_dir).resolve()
+        while not anchor.is_dir():  # the goldens directory may be gone from the working tree
+            anchor = anchor.parent
+        top = _git(anchor, "rev-parse", "--show-toplevel", what=f"{goldens_dir}: not inside a git repository "
+                   "(give two directories instead of revisions)").strip()
+        repo = Path(top)
+        try:
+            prefix = PurePosixPath(Path(goldens_dir).resolve().relative_to(repo.resolve()).as_posix())
+        except ValueError:
+            raise VeosnapError(f"{goldens_dir}: resolves outside its git repository {repo}") from None
+        if rev.startswith("-"):
+            raise VeosnapError(f"{rev!r}: not a directory nor a git revision")
+        _git(repo, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}",
+             what=f"{rev}: neither a directory nor a git revision of {repo}")
+        return cls(repo, rev, prefix)
+
+    def entries(self) -> dict[GoldenKey, str]:
+        if self._oids is None:
+            listing = _git(self.repo, "ls-tree", "-r", "-z", "--full-tree", self.rev, "--", str(self.prefix),
+                           what=f"{self.rev}: cannot list {self.prefix}")
+            oids = {}
+            for item in filter(None, listing.split("\0")):
+                meta, path = item.split("\t", 1)
+                mode, kind, oid = meta.split()
+                rel = PurePosixPath(path).relative_to(self.prefix) if str(self.prefix) != "." else PurePosixPath(path)
+                if kind != "blob":
+                    continue
+                try:
+                    oids[GoldenKey.from_relpath(Path(rel))] = oid
+                except VeosnapError:
+                    continue  # not a golden (README, stray file)
+            self._oids = oids
+        return self._oids
+
+    def read(self, key: GoldenKey) -> bytes:
+        if self._blobs is None:
+            self._blobs = _CatFile(self.repo)
+        return self._blobs.read(self.entries()[key], self.source(key))
+
+    def source(self, key: GoldenKey) -> str:
+        return f"{self.rev}:{self.prefix / key.relpath.as_posix()}"
+
+    def close(self) -> None:
+        if self._blobs is not None:
+            self._blobs.close()
+            self._blobs = None
+
+
+class _CatFile:
+    """One long-lived `git cat-file --batch`: blobs by id without a process per file."""
+
+    def __init__(self, repo: Path) -> None:
+        self.proc = subprocess.Popen(["git", "-C", str(repo), "cat-file", "--batch"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+
+    def read(self, oid: str, source: str) -> bytes:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(f"{oid}\n".encode())
+        self.proc.stdin.flush()
+        header = self.proc.stdout.readline().split()
+        if len(header) != 3 or header[1] != b"blob":
+            raise VeosnapError(f"{source}: git cannot read blob {oid}")
+        size = int(header[2])
+        if size > codec.MAX_COMPRESSED:
+            raise VeosnapError(f"{source}: blob is {size} bytes, over the {codec.MAX_COMPRESSED} byte cap")
+        data = self.proc.stdout.read(size)
+        self.proc.stdout.read(1)  # the newline after each object
+        return data
+
+    def close(self) -> None:
+        if self.proc.stdin:
+            self.proc.stdin.close()
+        self.proc.wait()
+
+
+def _git(cwd: Path, *args: str, what: str) -> str:
+    try:
+        done = subprocess.run(["git", "-C", str(cwd), *args], capture_output=True, text=True, check=False)
+    except FileNotFoundError:
+        raise VeosnapError("git: not found on PATH (needed to read goldens at a revision)") from None
+    if done.returncode != 0:
+        detail = done.stderr.strip().splitlines()
+        raise VeosnapError(what + (f" ({detail[-1]})" if detail else ""))
+    return done.stdout
+
+
+def open_tree(spec: str | None, goldens_dir: Path) -> Tree:
+    """`spec` as a tree of goldens: None is the working tree's goldens directory; an existing directory
+    is a goldens root (or a checkout holding `goldens/`); anything else is a git revision."""
+    if spec is None:
+        return DirTree(goldens_dir, label=WORKING_TREE)
+    path = Path(spec)
+    if path.is_dir():
+        nested = path / "goldens"
+        if not store.list_goldens(path) and nested.is_dir():
+            return DirTree(nested, label=spec)
+        return DirTree(path, label=spec)
+    return GitTree.at(goldens_dir, spec)
+
+
+# --------------------------------------------------------------------------------------------
+# Comparing two trees
+
+
+def diff_trees(base: Tree, head: Tree) -> DiffReport:
+    """Goldens added, removed, changed (decoded and measured) and unchanged (same bytes) from base to head."""
+    with one_thread():
+        return _diff_trees(base, head)
+
+
+def _diff_trees(base: Tree, head: Tree) -> DiffReport:
+    try:
+        old, new = base.entries(), head.entries()
+        report = DiffReport(base=base.label, head=head.label)
+        report.added = sorted(new.keys() - old.keys())
+        report.removed = sorted(old.keys() - new.keys())
+        for key in sorted(old.keys() & new.keys()):
+            if old[key] and old[key] == new[key]:  # same git blob: same bytes, nothing to read
+                report.unchanged.append(key)
+                continue
+            old_bytes, new_bytes = base.read(key), head.read(key)
+            if old_bytes == new_bytes:
+                report.unchanged.append(key)
+                continue
+            report.changed.append(diff_goldens(codec.decode(old_bytes, base.source(key)),
+                                               codec.decode(new_bytes, head.source(key))))
+        return report
+    finally:
+        for tree in (base, head):
+            close = getattr(tree, "close", None)
+            if close:
+                close()
+
+
+def diff(base: str | None, head: str | None, goldens_dir: Path) -> DiffReport:
+    """`veosnap diff BASE [HEAD]`: each side a git revision, a directory, or (None) the working tree."""
+    if base is None:
+        raise VeosnapError("diff: BASE is required (a git revision such as HEAD~1, or a directory)")
+    return diff_trees(open_tree(base, goldens_dir), open_tree(head, goldens_dir))

@@ -1,0 +1,88 @@
+"""The verdict of checking one candidate against one golden: `CheckReport`.
+
+Routes first, then every tensor; where a check went wrong (the first diverging layer, the first
+diverging gradient in the order the backward pass computes them) is derived from the tensors' names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..golden import names
+from ..numerics import fmt
+from ..numerics.compare import TensorResult
+from ..numerics.routes import RouteDiff
+
+
+@dataclass
+class CheckReport:
+    """The result of checking one candidate (a backend under a layout) against one golden."""
+
+    golden: str  # the golden's key, e.g. cpu/qwen3_moe/step-float32
+    model: str
+    dtype: str
+    backend: str
+    layout: str = "single"
+    tensors: list[TensorResult] = field(default_factory=list)
+    routes: list[RouteDiff] = field(default_factory=list)
+    route_replay: bool = False
+    error: str = ""  # the candidate could not run: why
+    skipped: str = ""  # the backend or layout does not apply to this model: why
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def routes_passed(self) -> bool:
+        return all(r.passed for r in self.routes)
+
+    @property
+    def passed(self) -> bool:
+        """True when nothing failed; a skipped check passes (its reason is reported)."""
+        return not self.error and self.routes_passed and all(t.passed for t in self.tensors)
+
+    @property
+    def status(self) -> str:
+        return "skip" if self.skipped else "PASS" if self.passed else "ERROR" if self.error else "FAIL"
+
+    def ranked(self) -> list[TensorResult]:
+        """Tensors worst first."""
+        return sorted(self.tensors, key=lambda t: (-t.ratio, t.name))
+
+    @property
+    def worst(self) -> TensorResult | None:
+        ranked = self.ranked()
+        return ranked[0] if ranked else None
+
+    def _failing(self, kind: type[names.TensorName]) -> list[tuple[names.TensorName, TensorResult]]:
+        return [(parsed, t) for t in self.tensors if not t.passed and isinstance(parsed := names.parse(t.name), kind)]
+
+    @property
+    def first_divergence(self) -> str | None:
+        """The earliest decoder layer whose output exceeds its bound."""
+        failing = self._failing(names.LayerOutput)
+        if not failing:
+            return None
+        parsed, first = min(failing, key=lambda pair: pair[0].layer)
+        return f"layer {parsed.layer} ({first.name}, {fmt.times(first.ratio)} bound)"
+
+    @property
+    def first_gradient_divergence(self) -> str | None:
+        """The first parameter group (layer, module), in the order backward computes them (the LM head
+        first, the embeddings last), whose gradient exceeds its bound: where the backward pass first
+        went wrong. After a forward divergence the whole backward differs, and the line says so."""
+        failing = self._failing(names.Grad)
+        if not failing:
+            return None
+        parsed, first = min(failing, key=lambda pair: _backward_order(pair[0], pair[1].name))
+        where = parsed.within_layer if parsed.layer is None else f"layer {parsed.layer} {parsed.within_layer}"
+        after = "; downstream of the forward divergence" if self.first_divergence or self._forward_failed() else ""
+        return f"{where} ({first.name}, {fmt.times(first.ratio)} bound{after})"
+
+    def _forward_failed(self) -> bool:
+        return any(not t.passed and names.parse(t.name) in (names.LOSS, names.LOGITS) for t in self.tensors)
+
+
+def _backward_order(grad: names.Grad, name: str) -> tuple[int, int, str]:
+    """Backward computes the LM head first, then the last layer down to the first, the embeddings last."""
+    if grad.layer is not None:
+        return (2, -grad.layer, name)
+    return (4 if "embed" in name else 0 if "lm_head" in name else 1, 0, name)

@@ -1,0 +1,271 @@
+"""The `veosnap` command: a thin skin over the library (record, check, diff, refresh, verify, show, ls).
+
+Exit status: 0 all passed, 1 a check failed (diff --fail-on-change: a material change; verify: a bad
+golden), 2 usage error, missing golden or bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Callable, Sequence
+
+from ..candidates import backends
+from ..candidates.layouts import registry as layouts
+from ..errors import VeosnapError
+from ..golden import store
+from ..golden.key import DTYPE_NAMES, SCENARIOS, GoldenKey
+from ..numerics import fmt
+from ..reference.zoo import Project, resolve_dir
+from ..render import json as render_json
+from ..render import markdown as render_markdown
+from ..render import text as render_text
+from ..runs.check import DEFAULT_TIMEOUT_S
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def _project(args: argparse.Namespace) -> Project:
+    return Project.resolve(goldens=args.goldens, configs=args.configs, testdata=args.testdata,
+                           hardware_class=args.hardware_class)
+
+
+def _selection(args: argparse.Namespace, project: Project) -> list[tuple[str, str]]:
+    models = args.model or project.models()
+    if not models:
+        raise VeosnapError(f"{project.configs}: no toy configs found (expected <name>/config.json)")
+    dtypes = args.dtype or list(DTYPE_NAMES)
+    return [(m, d) for m in models for d in dtypes]
+
+
+def cmd_record(args: argparse.Namespace) -> int:
+    from ..runs.record import record
+
+    project = _project(args)
+    for model, dtype in _selection(args, project):
+        outcome = record(project, model, dtype, scenario=args.scenario, seed=args.seed,
+                         allow_near_ties=args.allow_near_ties)
+        margin = "" if outcome.min_margin is None else f"  min router margin {fmt.num(outcome.min_margin)}"
+        state = "wrote" if outcome.written else "unchanged"
+        print(f"{state:9s} {outcome.path}{margin}")
+    return EXIT_OK
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    if args.matrix:
+        return cmd_matrix(args)
+    if args.backends or args.layouts:
+        raise VeosnapError("--backends and --layouts go with --matrix (for one backend: --backend SPEC)")
+    from ..runs.check import check_layouts
+
+    project = _project(args)
+    backend = backends.resolve(args.backend or "eager")
+    reports = [
+        report_
+        for model, dtype in _selection(args, project)
+        for report_ in check_layouts(project, GoldenKey(project.hardware_class, model, args.scenario, dtype), backend,
+                                     args.layout or ["single"], nproc=args.nproc, timeout_s=args.timeout,
+                                     cross_class=args.cross_class)
+    ]
+    out = render_json.checks(reports) if args.format == "json" else render_text.checks(reports, color=sys.stdout.isatty())
+    sys.stdout.write(out if out.endswith("\n") else out + "\n")
+    return EXIT_OK if all(r.passed for r in reports) else EXIT_FAILED
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    from ..runs.diff import diff
+
+    goldens = Path(args.goldens) if args.goldens else resolve_dir("goldens")
+    result = diff(args.base, args.head, goldens)
+    render = {"text": render_text.diff, "markdown": render_markdown.diff, "json": render_json.diff}[args.format]
+    out = render(result)
+    sys.stdout.write(out if out.endswith("\n") else out + "\n")
+    return EXIT_FAILED if args.fail_on_change and result.material else EXIT_OK
+
+
+def cmd_refresh(args: argparse.Namespace) -> int:
+    from ..runs.refresh import refresh
+
+    project = _project(args)
+    for model, dtype in _selection(args, project):
+        outcome = refresh(project, model, dtype, args.reason, force=args.force, allow_near_ties=args.allow_near_ties)
+        print(f"{outcome.action:9s} {outcome.path}  ({outcome.why})")
+        if outcome.diff is not None:
+            print("\n".join(render_text.diff_golden(outcome.diff)))
+    return EXIT_OK
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from ..runs.verify import verify
+
+    paths = args.paths or [Path(args.goldens) if args.goldens else resolve_dir("goldens")]
+    results = verify(paths)
+    bad = [r for r in results if not r.ok]
+    for r in bad:
+        print(r.line())
+    print(f"verified {len(results)} golden(s): {len(bad)} bad" if results else "no goldens found in " +
+          ", ".join(map(str, paths)))
+    return EXIT_FAILED if bad else EXIT_OK
+
+
+def cmd_matrix(args: argparse.Namespace) -> int:
+    from ..runs import matrix
+
+    if args.backend:
+        raise VeosnapError("--matrix takes --backends a,b,c (not --backend)")
+    project = _project(args)
+    selection = _selection(args, project)
+    models = list(dict.fromkeys(m for m, _ in selection))
+    dtypes = list(dict.fromkeys(d for _, d in selection))
+    default_specs, unavailable = matrix.default_backends()
+    specs = _list_option(args.backends, "--backends") or default_specs
+    layouts = _list_option(args.layouts, "--layouts") or [matrix.SINGLE]
+    if args.backends:
+        unavailable = {}
+    progress = _progress if sys.stderr.isatty() else None
+    result = matrix.run_matrix(project, models, dtypes, specs, layouts,
+                               check_cells=matrix.default_check(args.nproc), on_cell=progress,
+                               unavailable=unavailable, scenario=args.scenario)
+    out = render_json.matrix(result) if args.format == "json" else render_text.matrix(result, color=sys.stdout.isatty())
+    sys.stdout.write(out if out.endswith("\n") else out + "\n")
+    return EXIT_OK if result.passed else EXIT_FAILED
+
+
+def _list_option(value: str | None, flag: str) -> list[str]:
+    if value is None:
+        return []
+    items = [v.strip() for v in value.split(",")]
+    if not all(items):
+        raise VeosnapError(f"{flag} {value!r}: empty name in the comma-separated list")
+    return list(dict.fromkeys(items))
+
+
+def _progress(cell, done: int, total: int) -> None:  # noqa: ANN001 - a matrix.Cell
+    print(f"[{done}/{total}] {cell.model} {cell.dtype} {cell.backend}/{cell.layout}: {cell.status} "
+          f"({cell.seconds:.1f} s)", file=sys.stderr)
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    print(render_text.golden(store.read(args.golden), full=args.full))
+    return EXIT_OK
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    project = _project(args)
+    entries = store.list_goldens(project.goldens)
+    if args.format == "json":
+        print(json.dumps([{"key": str(k), "path": str(p), "bytes": p.stat().st_size} for k, p in entries], indent=2))
+        return EXIT_OK
+    if not entries:
+        print(f"no goldens under {project.goldens}")
+    for key, path in entries:
+        print(f"{str(key):45s} {path.stat().st_size / 1024:8.1f} KiB  {path}")
+    return EXIT_OK
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--goldens", metavar="DIR", help="goldens directory (default: ./goldens, else the bundled zoo)")
+    p.add_argument("--configs", metavar="DIR", help="toy configs directory (default: ./toy_configs, else bundled)")
+    p.add_argument("--testdata", metavar="DIR", help="test data directory (default: ./testdata, else bundled)")
+    p.add_argument("--hardware-class", metavar="CLASS",
+                   help="cpu or cuda-sm<NN> (default: $VEOSNAP_HARDWARE_CLASS, else this machine's)")
+
+
+def _selectors(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", action="append", metavar="NAME", help="a zoo model (repeatable; default: all)")
+    p.add_argument("--dtype", action="append", choices=DTYPE_NAMES, help="repeatable; default: both")
+
+
+def _scenario(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--scenario", choices=SCENARIOS, default="step",
+                   help="step: one forward and backward; train: a few AdamW steps with clipping (default step)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="veosnap", description="Golden-reference snapshot regression for HF models.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands: dict[str, Callable[[argparse.Namespace], int]] = {}
+
+    p = sub.add_parser("record", help="record goldens from the HF eager reference on this machine")
+    _common(p), _selectors(p)
+    _scenario(p)
+    p.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    p.add_argument("--allow-near-ties", action="store_true", help="record even if a router has near-ties")
+    commands["record"] = cmd_record
+
+    p = sub.add_parser("check", help="check a backend against the goldens")
+    _common(p), _selectors(p)
+    _scenario(p)
+    p.add_argument("--backend", metavar="SPEC",
+                   help=f"built-in ({', '.join(backends.builtin_names())}), path/file.py:fn, module:fn; "
+                        "join with + (default: eager)")
+    p.add_argument("--layout", action="append", metavar="LAYOUT",
+                   help=f"repeatable; default single; one of: {', '.join(layouts.names())}, "
+                        "or path/file.py:layout, module:layout")
+    p.add_argument("--matrix", action="store_true",
+                   help="check every model with every backend and layout; print one table")
+    p.add_argument("--backends", metavar="A,B", help="with --matrix: backend specs (default: built-ins that run here)")
+    p.add_argument("--layouts", metavar="X,Y", help="with --matrix: layouts (default: single)")
+    p.add_argument("--nproc", type=int, default=2, metavar="N", help="processes for multi-process layouts (default 2)")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
+                   help="seconds before a multi-process check is ended as an error (default %(default)g)")
+    p.add_argument("--format", choices=("text", "json"), default="text")
+    p.add_argument("--cross-class", action="store_true",
+                   help="allow goldens of another hardware class than this machine's (measures the gap)")
+    commands["check"] = cmd_check
+
+    p = sub.add_parser("diff", help="how goldens moved between two git revisions or directories")
+    p.add_argument("base", metavar="BASE", help="git revision (e.g. HEAD~1, origin/main) or goldens directory")
+    p.add_argument("head", metavar="HEAD", nargs="?", help="git revision or directory (default: the working tree)")
+    p.add_argument("--goldens", metavar="DIR", help="goldens directory in the working tree (default: ./goldens)")
+    p.add_argument("--format", choices=("text", "markdown", "json"), default="text")
+    p.add_argument("--fail-on-change", action="store_true",
+                   help="exit 1 on a material change (tensor over 1x bound, routes, config/inputs, goldens added/removed)")
+    commands["diff"] = cmd_diff
+
+    p = sub.add_parser("refresh", help="re-record goldens that moved beyond noise, with an approval reason")
+    _common(p), _selectors(p)
+    p.add_argument("--reason", required=True, metavar="TEXT", help="why the goldens change (kept in the approval trail)")
+    p.add_argument("--force", action="store_true", help="rewrite even goldens that did not move beyond noise")
+    p.add_argument("--allow-near-ties", action="store_true", help="record even if a router has near-ties")
+    commands["refresh"] = cmd_refresh
+
+    p = sub.add_parser("verify", help="check golden files for corruption and inconsistency")
+    p.add_argument("paths", metavar="PATH", nargs="*", type=Path, help="golden files or directories (default: the goldens dir)")
+    p.add_argument("--goldens", metavar="DIR", help="goldens directory (default: ./goldens, else the bundled zoo)")
+    commands["verify"] = cmd_verify
+
+    p = sub.add_parser("show", help="print a golden's manifest and tensors")
+    p.add_argument("golden", metavar="GOLDEN", help="path to a .safetensors.zst golden")
+    p.add_argument("--full", action="store_true", help="every tensor with its tolerance")
+    commands["show"] = cmd_show
+
+    p = sub.add_parser("ls", help="list goldens")
+    _common(p)
+    p.add_argument("--format", choices=("text", "json"), default="text")
+    commands["ls"] = cmd_ls
+
+    parser.set_defaults(_commands=commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args._commands[args.command](args)
+    except VeosnapError as exc:
+        print(f"veosnap: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except OSError as exc:  # a directory or file the command could not use: still one line, no traceback
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"veosnap: error: {where}{exc.strerror or exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
