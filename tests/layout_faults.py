@@ -87,6 +87,13 @@ class Die(Planted):
         return self.base.load(ctx)
 
 
+class Raise(Planted):
+    def load(self, ctx: LayoutContext) -> nn.Module:
+        if ctx.last:
+            raise RuntimeError("the last rank's sampler broke")
+        return self.base.load(ctx)
+
+
 class Hang(Planted):
     def load(self, ctx: LayoutContext) -> nn.Module:
         if ctx.last:
@@ -118,6 +125,7 @@ ddp_sum_grads = SumGrads("ddp", "gradients summed instead of averaged across dat
 fsdp2_swap_shard = SwapShard("fsdp2", "the last rank trains on the first rank's rows instead of its own")
 packed_no_restart = NoRestart("packed", "a packed batch whose position ids run on instead of restarting per sequence")
 hsdp_die = Die("hsdp", "the last rank exits with status 17 before its step")
+ddp_last_rank_raises = Raise("ddp", "the last rank raises before its step (torchrun then stops the others)")
 ddp_hang = Hang("ddp", "the last rank sleeps before its step (hangs the others in their first collective)")
 # train scenario only: bugs that leave every gradient right and the next parameters wrong
 microbatch_clip_micro = ClipMicro("microbatch", "gradients clipped after every micro-batch, not once after accumulation")
