@@ -22,10 +22,8 @@ SPEC is:
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import inspect
-import sys
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -34,7 +32,7 @@ import torch
 from torch import nn
 
 from ..errors import Unsupported, VeosnapError
-from . import specs
+from . import pristine, specs
 
 BackendFn = Callable[[nn.Module], object]
 ENTRY_POINT_GROUP = "veosnap.backends"
@@ -235,36 +233,11 @@ def liger(model: nn.Module) -> Iterator[nn.Module]:
     model_type = model.config.model_type
     if model_type not in monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN:
         raise Unsupported(f"liger-kernel has no patches for model type {model_type!r}")
-    with _restoring_modules(type(model).__module__, "transformers.loss.loss_utils", "torch.nn.functional"):
+    # The same restoring every check does afterwards (`pristine.kept`), done here so liger's own patches
+    # are undone as part of the backend, not reported as left behind.
+    with pristine.kept(type(model).__module__, "transformers.loss.loss_utils", "torch.nn.functional", watched=False):
         monkey_patch._apply_liger_kernel_to_instance(model=model, **LIGER_OPTIONS)
         yield model
-
-
-@contextmanager
-def _restoring_modules(*module_names: str) -> Iterator[None]:
-    """Within the block, module attributes and the classes they define may be patched; then restored."""
-    saved = []
-    for name in module_names:
-        module = sys.modules.get(name) or importlib.import_module(name)
-        saved.append((module, dict(vars(module))))
-        for value in list(vars(module).values()):
-            if isinstance(value, type) and value.__module__ == name:
-                saved.append((value, {k: v for k, v in vars(value).items() if k != "__dict__"}))
-    try:
-        yield
-    finally:
-        for owner, attrs in reversed(saved):
-            for key in [k for k in vars(owner) if k not in attrs]:
-                delattr(owner, key)
-            for key, value in attrs.items():
-                if vars(owner).get(key, _MISSING) is not value:
-                    try:
-                        setattr(owner, key, value)
-                    except (AttributeError, TypeError):  # read-only slots of builtin types
-                        pass
-
-
-_MISSING = object()
 
 
 # --- resolving specs -------------------------------------------------------------------------------
