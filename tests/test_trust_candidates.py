@@ -32,6 +32,9 @@ from veosnap.reference.zoo import Project
 from veosnap.runs.check import check_layouts
 from veosnap.surfaces.cli import main
 
+# Every test here checks candidates against the committed cpu goldens.
+pytestmark = needs_cpu
+
 LLAMA = GoldenKey("cpu", "llama", "step", "float32")
 DIRS = ["--goldens", str(REPO / "goldens"), "--configs", str(REPO / "toy_configs"), "--testdata",
         str(REPO / "testdata"), "--hardware-class", "cpu", "--dtype", "float32"]
@@ -232,7 +235,6 @@ def test_item6_a_candidate_that_leaves_patches_behind_is_restored_and_the_next_e
                     "AttentionInterface['veosnap_test_leak']")
 
 
-@needs_cpu
 def test_item6_recording_after_a_candidate_ran_happens_in_a_fresh_process(tmp_path, monkeypatch, leaky):
     from transformers.models.llama import modeling_llama
 
@@ -268,7 +270,6 @@ def _downstream(root: Path) -> Path:
     return project
 
 
-@needs_cpu
 def test_item6_pytest_snapshot_update_records_from_a_pristine_process(tmp_path):
     project = _downstream(tmp_path)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "VEOSNAP_")) and k != "PYTHONPATH"}

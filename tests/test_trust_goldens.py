@@ -129,6 +129,7 @@ def _drop(*names: str, layers: tuple[int, ...] = ()):  # noqa: ANN202
     return edit
 
 
+@needs_cpu
 def test_item2_a_golden_emptied_with_recomputed_hashes_is_refused_before_any_number(capsys, goldens):
     path = goldens / LLAMA.relpath
     path.write_bytes(forged(LLAMA, _keep_only("loss", "logits")))
@@ -149,6 +150,7 @@ def test_item2_a_golden_emptied_with_recomputed_hashes_is_refused_before_any_num
     (_drop("layers.1.output"), "no output of decoder layer 1"),
     (_drop(layers=(1,)), "no routes for MoE layer 1 (expert ids, weights, margins)"),
 ])
+@needs_cpu
 def test_item2_one_missing_gradient_layer_or_router_is_refused(capsys, goldens, edit, part):
     path = goldens / MOE.relpath
     path.write_bytes(forged(MOE, edit))
@@ -157,6 +159,7 @@ def test_item2_one_missing_gradient_layer_or_router_is_refused(capsys, goldens, 
     assert part in verify_file(path).problem
 
 
+@needs_cpu
 def test_item2_a_golden_that_says_why_a_tensor_is_absent_is_accepted(capsys, goldens):
     from veosnap.golden.manifest import Absence
 

@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from golden_repo import REPO
+from golden_repo import REPO, needs_cpu
 
 from veosnap.golden import codec, store
 from veosnap.golden.key import GoldenKey
@@ -52,6 +52,7 @@ def record(capsys, tmp_path: Path, *extra: str) -> tuple[int, str, str]:  # noqa
     ([], pa.int32(), "sequence 2 is empty"),
     ([5] * 600, pa.int32(), "sequence 2 has 600 tokens, over max_position_embeddings 512 of"),
 ])
+@needs_cpu
 def test_item10_bad_test_data_is_refused_in_one_line_naming_the_file(capsys, tmp_path, tokens, pa_type, cause):
     testdata = data_with(tmp_path, tokens, pa_type)
     code, out, err = record(capsys, tmp_path, "--testdata", str(testdata))
@@ -60,6 +61,7 @@ def test_item10_bad_test_data_is_refused_in_one_line_naming_the_file(capsys, tmp
     assert not (tmp_path / "goldens").exists()
 
 
+@needs_cpu
 def test_item10_a_sequence_over_veosnaps_cap_is_refused_whatever_the_config_allows(capsys, tmp_path):
     configs = tmp_path / "configs"
     shutil.copytree(REPO / "toy_configs" / "llama", configs / "llama")
@@ -81,6 +83,7 @@ def test_item10_a_sequence_over_veosnaps_cap_is_refused_whatever_the_config_allo
     ("vocab_size", 10**9, "about 1.28e+11 parameters, over veosnap's limit of"),
     ("intermediate_size", 10**8, "GiB to record (parameters, gradients, their float64 twins and activations)"),
 ])
+@needs_cpu
 def test_item10_absurd_configs_are_refused_before_anything_is_allocated(capsys, tmp_path, field, value, cause):
     from veosnap.reference import limits
 
@@ -101,6 +104,7 @@ def test_item10_absurd_configs_are_refused_before_anything_is_allocated(capsys, 
     assert peak < 256 << 20
 
 
+@needs_cpu
 def test_item10_a_golden_whose_inputs_leave_the_vocabulary_is_refused_before_the_candidate_runs(capsys, tmp_path):
     g = store.read(REPO / "goldens" / LLAMA.relpath)
     ids = g.tensors["inputs.input_ids"].clone()

@@ -121,6 +121,7 @@ def test_item7_record_never_writes_into_the_installed_package(tmp_path, capsys):
         veosnap.record("llama", project=Project.resolve(goldens=inside))
 
 
+@needs_cpu
 @pytest.mark.parametrize("linked", ["model", "class"])
 def test_item7_a_directory_that_is_a_symlink_out_of_the_goldens_root_is_not_written_through(tmp_path, capsys, linked):
     goldens, outside = tmp_path / "goldens", tmp_path / "outside"

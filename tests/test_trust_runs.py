@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from golden_repo import REPO
+from golden_repo import REPO, needs_cpu
 
 from veosnap.candidates.layouts import torchrun
 from veosnap.surfaces.cli import main
@@ -65,6 +65,7 @@ def start_hanging_ddp_check(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
     return proc, private
 
 
+@needs_cpu
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_item11_stopping_a_multi_process_check_ends_torchrun_its_ranks_and_its_temp_directory(tmp_path, sig):
     proc, private = start_hanging_ddp_check(tmp_path)
@@ -75,6 +76,7 @@ def test_item11_stopping_a_multi_process_check_ends_torchrun_its_ranks_and_its_t
     assert list(private.glob("veosnap-layouts-*")) == list(private.glob("torchelastic_*")) == []
 
 
+@needs_cpu
 def test_item11_a_killed_parent_takes_torchrun_along_and_the_next_run_removes_what_it_left(tmp_path):
     proc, private = start_hanging_ddp_check(tmp_path)
     proc.kill()
@@ -88,6 +90,7 @@ def test_item11_a_killed_parent_takes_torchrun_along_and_the_next_run_removes_wh
     assert list(private.glob("veosnap-layouts-*")) == []
 
 
+@needs_cpu
 def test_item11_a_live_runs_temp_directory_is_never_taken_for_stale(tmp_path):
     proc, private = start_hanging_ddp_check(tmp_path)
     try:
@@ -129,6 +132,7 @@ def test_item11_the_rank_that_failed_first_is_blamed_not_the_one_torchrun_stoppe
     assert torchrun.explain_failure(STOPPED_AFTER, {}, 1, 9.4) == "rank 1 exited with status 1 after 9 s"
 
 
+@needs_cpu
 def test_item11_a_real_rank_failure_names_that_rank(tmp_path):
     from veosnap.candidates import backends
     from veosnap.golden.key import GoldenKey
