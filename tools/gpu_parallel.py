@@ -75,7 +75,7 @@ def run_repro(out: Path, nproc: int) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            __file__, "--repro", "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
     path = out / "strided.json"
     if not path.is_file():
         return {"error": (proc.stderr.strip().splitlines() or ["no output"])[-1][:300]}
@@ -131,7 +131,8 @@ def main() -> None:
         for r in got:
             reports.append(render_json.check_dict(r))
             if r.error or r.skipped:
-                notes.setdefault(f"{'error' if r.error else 'skip'} {r.layout}: {r.error or r.skipped}", []).append(model)
+                what = f"{'error' if r.error else 'skip'} {r.layout}: {r.error or r.skipped}"
+                notes.setdefault(what, []).append(model)
 
     header = ["model", *LAYOUTS, "s"]
     lines = [f"{args.dtype}, {nproc} processes, {project.hardware_class}, torch {torch.__version__}",

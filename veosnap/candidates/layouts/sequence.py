@@ -47,8 +47,8 @@ import inspect
 import itertools
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch import nn
@@ -90,9 +90,10 @@ def slice_positions(batch: Batch, positions: torch.Tensor, world: int, rank: int
     """Rank `rank`'s contiguous slice of every row of `batch` (whose slots stand for golden `positions`).
 
     The width is padded to a multiple of `world` with pad tokens, masked out in a padded batch; their
-    position ids restart at 0, so a packed batch sees them as one more sequence of their own. The slice's batch holds the local
-    token grids, the local pre-shifted labels (`shift_labels`), the whole batch's prediction count
-    (`num_items_in_batch`), and the whole rows' padding mask (when the batch has one) and position ids.
+    position ids restart at 0, so a packed batch sees them as one more sequence of their own. The slice's
+    batch holds the local token grids, the local pre-shifted labels (`shift_labels`), the whole batch's
+    prediction count (`num_items_in_batch`), and the whole rows' padding mask (when the batch has one)
+    and position ids.
     """
     if batch.extra:
         raise Unsupported(f"slicing a batch with {', '.join(sorted(batch.extra))} along positions is not supported")

@@ -23,8 +23,8 @@ heads it does not divide are repeated to a multiple of it. `cp` (context paralle
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 from torch import nn
@@ -38,6 +38,7 @@ from .packed import pack
 from .protocol import DataGroup, Layout, LayoutContext, Setup, Shard
 
 PARAMS = ("replicated", "fsdp2", "ep")
+EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
 class SequenceParallel(Layout):
@@ -67,7 +68,7 @@ class SequenceParallel(Layout):
                 raise Unsupported(NO_TRAIN)
             if not golden.is_moe:
                 raise Unsupported(f"{golden.key.model} is a dense model: {self.name} shards experts, it has none")
-            experts = next((config[k] for k in ("num_experts", "num_local_experts", "n_routed_experts") if k in config), 0)
+            experts = next((config[k] for k in EXPERT_COUNTS if k in config), 0)
             if experts % nproc:
                 raise Unsupported(f"{nproc} expert-parallel ranks do not divide {golden.key.model}'s {experts} experts")
 
@@ -132,7 +133,7 @@ def average_gradients(model: nn.Module, ctx: LayoutContext) -> None:
     reached = torch.tensor([float(p.grad is not None) for p in params], device=params[0].device)
     dist.all_reduce(reached, op=dist.ReduceOp.MAX)
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for param, flag in zip(params, reached.tolist()):
+    for param, flag in zip(params, reached.tolist(), strict=True):
         if flag:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
@@ -143,7 +144,7 @@ def average_gradients(model: nn.Module, ctx: LayoutContext) -> None:
         flat = _flatten_dense_tensors(grads)
         dist.all_reduce(flat)
         flat.div_(ctx.world)
-        for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
             grad.copy_(reduced)
 
 
