@@ -107,6 +107,13 @@ CONFIGS: dict[tuple[torch.dtype, int | None], Config] = {
     (torch.float16, None): Config(vec_bytes=16, s=4),
     (torch.float32, None): Config(vec_bytes=16, s=4),
     (torch.float64, None): Config(vec_bytes=32, s=2),
+    # From tools/bench_sketch.py's sweep on an H200 (torch 2.11, triton 3.6, 2026-11-30): the best total
+    # time per (dtype, width) over the benchmark's shapes (docs/sketch.md has the table).
+    (torch.bfloat16, 32): Config(vec_bytes=8, s=8, block_r=32, warps=4, stages=1, maxnreg=0, levels=5),
+    (torch.bfloat16, 64): Config(vec_bytes=8, s=8, block_r=16, warps=4, stages=1, maxnreg=0, levels=5),
+    (torch.float32, 32): Config(vec_bytes=16, s=4, block_r=0, warps=4, stages=1, maxnreg=0, levels=6),
+    (torch.float32, 64): Config(vec_bytes=8, s=4, block_r=8, warps=4, stages=1, maxnreg=0, levels=5),
+    (torch.float64, 64): Config(vec_bytes=16, s=4, block_r=8, warps=4, stages=1, maxnreg=0, levels=5),
 }
 
 
