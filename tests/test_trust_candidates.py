@@ -137,12 +137,11 @@ def test_item5_a_backend_or_hook_that_ends_the_process_is_an_error_naming_it(can
     done = veosnap_check("--backend", f"{candidates}:exits", *(a for m in models for a in ("--model", m)))
     assert done.returncode == 1, (done.stdout, done.stderr)
     found = errors(done.stdout)
-    at = lambda what: f"(at {candidates}:{line(what)})"  # noqa: E731
-    assert found["llama single"] == f"the candidate called os._exit(0) {at('os._exit')}: a candidate may not end the process"
-    assert found["qwen2 single"] == f"the candidate called sys.exit(0) {at('sys.exit')}: a candidate may not end the process"
-    assert found["qwen3 single"] == f"the candidate raised KeyboardInterrupt {at('KeyboardInterrupt')}: " \
-                                    "a candidate may not end the process"
-    assert found["mixtral single"] == f"the candidate called os.abort() {at('os.abort')}: a candidate may not end the process"
+    at = lambda what: f"(at {candidates}:{line(what)}): a candidate may not end the process"  # noqa: E731
+    assert found["llama single"] == f"the candidate called os._exit(0) {at('os._exit')}"
+    assert found["qwen2 single"] == f"the candidate called sys.exit(0) {at('sys.exit')}"
+    assert found["qwen3 single"] == f"the candidate raised KeyboardInterrupt {at('KeyboardInterrupt')}"
+    assert found["mixtral single"] == f"the candidate called os.abort() {at('os.abort')}"
     assert found["deepseek_v3 single"].startswith("a thread of the candidate called os._exit(3) (at ")
     assert "PASS  cpu/qwen3_moe/step-float32" in done.stdout  # the checks after them still ran
     assert done.stdout.rstrip().endswith("1 passed, 5 failed")
@@ -161,8 +160,18 @@ def test_item5_exits_are_errors_in_every_layout(candidates):
 
     done = veosnap_check("--model", "llama", "--layout", f"{candidates}:exiting_layout")
     assert done.returncode == 1
+    where = f"{candidates}:{line('layout sys.exit')}"
     assert errors(done.stdout)[f"llama {candidates}:exiting_layout"] == \
-        f"the candidate called sys.exit(7) (at {candidates}:{line('layout sys.exit')}): a candidate may not end the process"
+        f"the candidate called sys.exit(7) (at {where}): a candidate may not end the process"
+
+
+def test_item5_a_backend_file_that_exits_while_imported_is_refused_in_one_line(tmp_path):
+    file = tmp_path / "exits_on_import.py"
+    file.write_text("import os\nos._exit(0)\n")
+    done = veosnap_check("--model", "llama", "--backend", f"{file}:patch")
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == (f"veosnap: error: {file}: error while importing backend file (the candidate called "
+                           f"os._exit(0) (at {file}:2): a candidate may not end the process)\n")
 
 
 # --- item 5: timeouts -----------------------------------------------------------------------------
@@ -172,7 +181,8 @@ def test_item5_a_hanging_candidate_is_ended_at_its_timeout_in_process_layouts(ca
                          "microbatch", "--timeout", "2", timeout=240)
     assert done.returncode == 1, (done.stdout, done.stderr)
     for layout in ("single", "microbatch"):
-        assert errors(done.stdout)[f"llama {layout}"].startswith("timed out after 2 s (ended by veosnap, at "), done.stdout
+        error = errors(done.stdout)[f"llama {layout}"]
+        assert error.startswith("timed out after 2 s (ended by veosnap, at "), done.stdout
 
 
 def test_item5_a_candidate_stuck_outside_python_still_ends_with_its_error_line_and_status_1(candidates):
@@ -224,8 +234,10 @@ def leaky(tmp_path: Path) -> Path:
     return path
 
 
-def test_item6_a_candidate_that_leaves_patches_behind_is_restored_and_the_next_eager_cell_is_the_reference(capsys, leaky):
-    code = main(["check", *DIRS, "--model", "llama", "--matrix", "--backends", f"{leaky}:leak,eager", "--format", "json"])
+def test_item6_a_candidate_that_leaves_patches_behind_is_restored_and_the_next_eager_cell_is_the_reference(
+        capsys, leaky):
+    code = main(["check", *DIRS, "--model", "llama", "--matrix", "--backends", f"{leaky}:leak,eager",
+                 "--format", "json"])
     cells = {c["backend"]: c for c in json.loads(capsys.readouterr().out)["cells"]}
     assert code == 1 and cells[f"{leaky}:leak"]["status"] == "fail"
     assert cells["eager"]["status"] == "pass" and cells["eager"]["worst_ratio"] == 0
@@ -276,8 +288,8 @@ def test_item6_pytest_snapshot_update_records_from_a_pristine_process(tmp_path):
     env["PYTHONPATH"] = str(REPO)
     plugin = [] if any(ep.value == "veosnap.surfaces.pytest_plugin" for ep in entry_points(group="pytest11")) \
         else ["-p", "veosnap.surfaces.pytest_plugin"]
-    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *plugin, "-q", "--snapshot-update"],
-                          cwd=project, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *plugin, "-q",
+                           "--snapshot-update"], cwd=project, env=env, capture_output=True, text=True, timeout=600)
     golden = project / "goldens" / LLAMA.relpath
     assert golden.is_file(), done.stdout + done.stderr
     assert golden.read_bytes() == (REPO / "goldens" / LLAMA.relpath).read_bytes(), done.stdout

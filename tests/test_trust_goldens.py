@@ -174,7 +174,8 @@ def test_item2_a_golden_that_says_why_a_tensor_is_absent_is_accepted(capsys, gol
     code, out, _ = check(capsys, goldens)
     assert code == 0 and out.startswith("PASS")
     # An exemption for something the model does not have is not an excuse: it is refused.
-    path.write_bytes(forged(LLAMA, lambda g: setattr(g.manifest, "absent", [Absence("frozen", ("model.nope.weight",), "x")])))
+    nope = [Absence("frozen", ("model.nope.weight",), "x")]
+    path.write_bytes(forged(LLAMA, lambda g: setattr(g.manifest, "absent", nope)))
     assert "excuses model.nope.weight, which the model does not have" in verify_file(path).problem
 
 

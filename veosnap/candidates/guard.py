@@ -174,9 +174,10 @@ def _watchdog(run: _Run, timeout_s: float, extra_s: float, line: str) -> None:
         return
     message = (f"{line}\n  error: timed out after {timeout_s:g} s and stuck outside Python for {extra_s:g} s more; "
                "veosnap ends the process\n")
-    for fd in (1, 2) if line else (2,):
+    error = f"veosnap: error: {message.splitlines()[1].strip()}\n"
+    for fd, text in ((1, message), (2, error)) if line else ((2, error),):
         try:
-            os.write(fd, message.encode() if fd == 1 else f"veosnap: error: {message.splitlines()[1].strip()}\n".encode())
+            os.write(fd, text.encode())
         except OSError:
             pass
     real_exit(1)
@@ -249,7 +250,8 @@ def running(line: str = "", timeout_s: float | None = None) -> Iterator[None]:
                 from None
         except SystemExit as exc:
             shown = f"SystemExit({exc.code!r})" if exc.code is not None else "SystemExit"
-            raise CandidateError(f"the candidate raised {shown} {_where_raised(exc.__traceback__)}: {MAY_NOT}") from None
+            where = _where_raised(exc.__traceback__)
+            raise CandidateError(f"the candidate raised {shown} {where}: {MAY_NOT}") from None
         except KeyboardInterrupt as exc:
             if run.user_interrupt:
                 raise

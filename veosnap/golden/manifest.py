@@ -172,10 +172,12 @@ class Manifest:
         if config_hash(manifest.config) != manifest.config_hash:
             raise GoldenError(source, "manifest config hash does not match its config (corrupt or edited)")
         if not manifest.manifest_hash:
-            raise GoldenError(source, "no manifest hash: its bounds and trail cannot be trusted (written before veosnap "
-                                      f"hashed its manifests, or the hash was removed); {rerecord(manifest.key)}")
+            raise GoldenError(source, "no manifest hash: its bounds and trail cannot be trusted (written before "
+                                      "veosnap hashed its manifests, or the hash was removed); "
+                                      f"{rerecord(manifest.key)}")
         if manifest.manifest_hash != manifest.own_hash():
-            raise GoldenError(source, "manifest hash mismatch: the manifest was edited after recording (corrupt or edited)")
+            raise GoldenError(source, "manifest hash mismatch: the manifest was edited after recording "
+                                      "(corrupt or edited)")
         return manifest
 
 

@@ -41,7 +41,8 @@ def check_config(toy: ToyConfig) -> int:
         if not isinstance(layers, Integral) or isinstance(layers, bool) or layers < 1:
             raise VeosnapError(f"{toy.path}: num_hidden_layers {layers!r} is not a positive integer")
         if layers > MAX_LAYERS:
-            raise VeosnapError(f"{toy.path}: num_hidden_layers {layers} is over veosnap's limit of {MAX_LAYERS} ({WHERE})")
+            raise VeosnapError(f"{toy.path}: num_hidden_layers {layers} is over veosnap's limit of {MAX_LAYERS} "
+                               f"({WHERE})")
     count = sum(p.numel() for p in models.skeleton(toy).parameters())
     if count > MAX_PARAMETERS:
         raise VeosnapError(f"{toy.path}: about {count:.3g} parameters, over veosnap's limit of {MAX_PARAMETERS:.3g} "

@@ -20,7 +20,8 @@ def diff(report: DiffReport) -> str:
     if report.empty:
         out += [f"No golden changed ({len(report.unchanged)} compared).", ""]
         return "\n".join(out)
-    verdict = ("**Material changes**: goldens added, removed, or moved beyond their noise."
+    verdict = ("**Material changes**: goldens added, removed or moved beyond their noise, or bounds loosened, the "
+               "tolerance rule or the approval trail rewritten."
                if report.material else "No material change: every moved tensor is within its bound.")
     out += [verdict, "", view.diff_headline(report) + ".", ""]
     out += ["| golden | change | tensors moved | largest move | routes | reason |", "|---|---|---|---|---|---|"]

@@ -72,9 +72,13 @@ def check_layouts(project: Project, key: GoldenKey, backend: Backend, layouts: S
     for index, (spec, layout) in enumerate(chosen):
         fields = {"backend": backend.spec, "layout": spec}
         try:
-            layout.accept(golden, nproc)
+            with guard.running():  # the layout's own code: it may not end the process
+                layout.accept(golden, nproc)
         except Unsupported as exc:
             reports[index] = _report(golden, fields, skipped=str(exc))
+            continue
+        except guard.CandidateError as exc:
+            reports[index] = _report(golden, fields, error=str(exc))
             continue
         if layout.distributed:
             spawned.append(index)

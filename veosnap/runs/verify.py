@@ -19,7 +19,7 @@ from ..errors import GoldenError, VeosnapError
 from ..golden import store
 from ..golden.codec import Golden
 from ..golden.key import SUFFIX, GoldenKey
-from ..reference import coverage, limits
+from ..reference import coverage
 
 
 @dataclass(frozen=True)
@@ -58,9 +58,7 @@ def verify_file(path: Path, root: Path | None = None) -> VerifyResult:
         return VerifyResult(path, None, f"not a golden path (<class>/<model>/<scenario>-<dtype>{SUFFIX})")
     try:
         g = store.read(path, root)
-        toy = coverage.manifest_config(g)
-        limits.check_config(toy)
-        coverage.require(g, toy)
+        coverage.require(g, coverage.manifest_config(g))  # the config's limits first, then the meta model
     except GoldenError as exc:
         return VerifyResult(path, expected, exc.cause)
     except VeosnapError as exc:

@@ -385,7 +385,8 @@ class VeosnapSession:
         out = self.outcome
         if self.root != self.config.rootpath:
             lines.append(f"pytest took {self.config.rootpath} as its rootdir from a veosnap option's value (given "
-                         f"space-separated); veosnap's project is {self.root} (write --veosnap-<dir>=DIR to avoid this).")
+                         f"space-separated); veosnap's project is {self.root} "
+                         "(write --veosnap-<dir>=DIR to avoid this).")
         if out.recorded:
             lines.append(f"{len(out.recorded)} golden(s) recorded from the HF eager reference in a fresh process: "
                          f"{len(out.written)} written, {len(out.recorded) - len(out.written)} unchanged.")
@@ -410,7 +411,8 @@ class VeosnapSession:
                 verb = "Deleted" if unused.deleted else "Unused"
                 lines += [f"{verb} {key} ({_shown(path)})" for key, path in unused.goldens]
                 if not self.update:
-                    lines.append("Re-run pytest with --snapshot-update --veosnap-delete-unused to delete unused goldens.")
+                    lines.append("Re-run pytest with --snapshot-update --veosnap-delete-unused to delete unused "
+                                 "goldens.")
         return lines
 
 
