@@ -1,7 +1,7 @@
 """Kernel libraries on a GPU: each library backend against every golden of this machine, and the
 float32 reproductions, in one unattended command.
 
-    python3 tools/gpu_kernels.py --out $OUT                  # everything, within --budget seconds (450)
+    python3 tools/gpu_kernels.py --out $OUT                  # everything, within --budget seconds (420)
     python3 tools/gpu_kernels.py --out DIR --backends fa4,quack --models llama,qwen3_moe --jobs 2
 
 What it runs (all of it under the budget; cells it cannot reach in time are listed as not run):
@@ -113,7 +113,7 @@ def plan(project, labels: list[str], models: list[str] | None) -> tuple[dict[str
             continue
         try:
             config = load_config(project.configs, key.model).config
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a golden without its config is reported, not fatal
             skipped.append(dict(model=key.model, dtype=key.dtype, scenario=key.scenario, backend="*",
                                 layout="*", status="not run", reason=str(exc)[:200]))
             continue
@@ -133,15 +133,20 @@ def plan(project, labels: list[str], models: list[str] | None) -> tuple[dict[str
 # --- one worker: one backend's cells, in this process --------------------------------------------------
 
 
-def worker(label: str, cells_file: Path, results_file: Path, deadline: float) -> None:
+def project_from(dirs: dict):
+    from veosnap.reference.zoo import Project
+
+    return Project.resolve(**{k: v for k, v in dirs.items() if v})
+
+
+def worker(label: str, cells_file: Path, results_file: Path, deadline: float, dirs: dict) -> None:
     from veosnap.candidates import backends
     from veosnap.errors import describe
     from veosnap.golden.key import GoldenKey
-    from veosnap.reference.zoo import Project
     from veosnap.render import json as render_json
     from veosnap.runs.check import check_layouts
 
-    project = Project.resolve()
+    project = project_from(dirs)
     backend = backends.resolve(label.split("@")[0])
     cells = json.loads(cells_file.read_text())
     with results_file.open("a") as out:
@@ -157,7 +162,7 @@ def worker(label: str, cells_file: Path, results_file: Path, deadline: float) ->
             try:
                 for report in check_layouts(project, key, backend, cell["layouts"]):
                     rows.append(row(report, render_json.check_dict(report)))
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - a bad golden or config is this cell's error
                 rows = [dict(layout=layout, status="ERROR", reason=describe(exc)) for layout in cell["layouts"]]
             seconds = round(time.perf_counter() - t0, 2)
             for r in rows:
@@ -192,8 +197,8 @@ class Runner:
     """Starts workers and reproductions as subprocesses (each writing to its own log file), at most `jobs`
     workers at once, polling them, until every cell ran or the deadline passed."""
 
-    def __init__(self, out: Path, jobs: int, deadline: float) -> None:
-        self.out, self.jobs, self.deadline = out, jobs, deadline
+    def __init__(self, out: Path, jobs: int, deadline: float, dirs: dict) -> None:
+        self.out, self.jobs, self.deadline, self.dirs = out, jobs, deadline, dirs
         self.scratch = Path(tempfile.mkdtemp(prefix="gpu_kernels_"))
         self.logs: list[tuple[str, Path]] = []
 
@@ -226,7 +231,7 @@ class Runner:
                 cells_file, results_file = self.scratch / f"{name}.cells.json", self.scratch / f"{name}.jsonl"
                 cells_file.write_text(json.dumps(cells))
                 proc, log = self.spawn(name, [sys.executable, __file__, "_worker", label, str(cells_file),
-                                              str(results_file), str(self.deadline)],
+                                              str(results_file), str(self.deadline), json.dumps(self.dirs)],
                                        IEEE if label.endswith("@ieee") else {})
                 running.append(dict(proc=proc, label=label, cells=cells, attempt=attempt, results=results_file,
                                     log=log))
@@ -352,35 +357,36 @@ def explain(r: dict) -> str:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "_worker":
-        _, _, label, cells_file, results_file, deadline = sys.argv
-        worker(label, Path(cells_file), Path(results_file), float(deadline))
+        _, _, label, cells_file, results_file, deadline, dirs = sys.argv
+        worker(label, Path(cells_file), Path(results_file), float(deadline), json.loads(dirs))
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-kernels-out")))
-    parser.add_argument("--budget", type=float, default=450.0, help="seconds for the whole run (default 450)")
+    parser.add_argument("--budget", type=float, default=420.0, help="seconds for the whole run (default 420)")
     parser.add_argument("--jobs", type=int, default=4, help="worker processes at once (default 4)")
     parser.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated backend labels")
     parser.add_argument("--models", default="", help="comma-separated models (default: every golden here)")
     parser.add_argument("--no-repro", action="store_true", help="skip the float32 reproductions")
+    parser.add_argument("--goldens", default="", help="goldens directory (default: ./goldens)")
+    parser.add_argument("--configs", default="", help="model configs directory (default: ./toy_configs)")
     args = parser.parse_args()
     start = time.time()
     args.out.mkdir(parents=True, exist_ok=True)
 
     import torch
 
-    from veosnap.reference.zoo import Project
-
     env = {"date": time.strftime("%Y-%m-%d %H:%M"), "python": platform.python_version(), **versions(),
            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
            "capability": ".".join(map(str, torch.cuda.get_device_capability())) if torch.cuda.is_available() else None}
     print(json.dumps(env), flush=True)
-    project = Project.resolve()
+    dirs = {"goldens": args.goldens, "configs": args.configs}
+    project = project_from(dirs)
     labels = [b.strip() for b in args.backends.split(",") if b.strip()]
     groups, not_applicable = plan(project, labels, [m for m in args.models.split(",") if m] or None)
     print(f"{sum(len(c) for c in groups.values())} cells to run on {project.hardware_class} goldens in "
           f"{project.goldens}; {len(not_applicable)} not applicable", flush=True)
     repros = [] if args.no_repro else [(w, e) for w in ("liger", "fla") for e in ({}, IEEE)]
-    runner = Runner(args.out, args.jobs, deadline=start + args.budget - 25)
+    runner = Runner(args.out, args.jobs, start + args.budget - 25, dirs)
     results, repro = runner.run(groups, repros)
     rows = results + not_applicable
     text, md = table(rows)

@@ -39,7 +39,7 @@ def hf_config(toy: ToyConfig) -> transformers.PretrainedConfig:
     model_type = fields.pop("model_type")
     try:
         return transformers.AutoConfig.for_model(model_type, **fields)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - transformers' validators raise many types; the user gets one line
         raise VeosnapError(f"{toy.path}: transformers cannot build this config ({_cause(exc)})") from None
 
 
@@ -71,7 +71,7 @@ def build(
                 experts_implementation=REFERENCE_EXPERTS,
                 dtype=dtype,
             )
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a config transformers accepts but cannot instantiate
             raise VeosnapError(f"{toy.path}: transformers cannot build this model ({_cause(exc)})") from None
     weights.initialize(model, seed)
     pin_torch_fallbacks(model)
@@ -125,16 +125,23 @@ def pin_torch_fallbacks(model: nn.Module) -> list[str]:
 
 
 def _kernel_choice(value: object) -> Callable | None:
-    """The torch function behind a transformers fallback wrapper that chose a kernel package, else None."""
-    wrapped = getattr(value, "__wrapped__", None)
-    if not callable(value) or not callable(wrapped) or getattr(value, "_veosnap_torch_only", False):
+    """The torch function behind a transformers fallback wrapper that chose a kernel package, else None.
+
+    The wrapper may itself be wrapped (the `kernels` package's hub decorator): the `__wrapped__` chain
+    is followed to the function whose closure made the choice."""
+    if not callable(value) or getattr(value, "_veosnap_torch_only", False):
         return None
-    try:
-        chosen = inspect.getclosurevars(value).nonlocals
-    except (TypeError, ValueError):
-        return None
-    if chosen.get("is_new_implementation") and chosen.get("torch_function") is wrapped:
-        return wrapped
+    for _ in range(8):  # a decorator chain is short; a cycle must not hang the build
+        wrapped = getattr(value, "__wrapped__", None)
+        if not callable(wrapped):
+            return None
+        try:
+            chosen = inspect.getclosurevars(value).nonlocals
+        except (TypeError, ValueError):
+            chosen = {}
+        if chosen.get("is_new_implementation") and chosen.get("torch_function") is wrapped:
+            return wrapped
+        value = wrapped
     return None
 
 
@@ -171,7 +178,7 @@ class KeepFloat64(TorchFunctionMode):
     computes the same function, just more precisely, under this mode.
     """
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         kwargs = dict(kwargs or {})
         first = args[0] if args else None
         if isinstance(first, torch.Tensor) and first.dtype == torch.float64:
