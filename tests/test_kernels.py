@@ -128,6 +128,31 @@ def test_quack_experts_forward_and_backward_pass(repo_project: Project) -> None:
         assert report.notes[-1].startswith("quack ran for 2 experts modules (model.layers.{0-1}.mlp.experts)")
 
 
+def test_quack_experts_match_eager_with_idle_experts_and_expert_parallel_sentinels() -> None:
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(hidden_size=32, moe_intermediate_size=16, num_experts=6, num_experts_per_tok=2)
+    config._experts_implementation = "eager"
+    eager = Qwen3MoeExperts(config).double()
+    torch.nn.init.normal_(eager.gate_up_proj, std=0.3)
+    torch.nn.init.normal_(eager.down_proj, std=0.3)
+    x = torch.randn(10, 32, dtype=torch.float64)
+    index = torch.tensor([[0, 2]] * 5 + [[2, 5]] * 4 + [[0, 6]])  # experts 1, 3, 4 idle; 6 = another rank's
+    weights = torch.rand(10, 2, dtype=torch.float64) * (index < 6)
+    runs = []
+    for forward in (type(eager).forward, quack.experts_forward(rk.QUACK, support.Ran("quack", eager, "experts"))):
+        xi = x.clone().requires_grad_(True)
+        eager.zero_grad()
+        out = forward(eager, xi, index, weights)
+        out.square().sum().backward()
+        runs.append((out, xi.grad, eager.gate_up_proj.grad.clone(), eager.down_proj.grad.clone()))
+    for reference, candidate in zip(*runs):
+        torch.testing.assert_close(candidate, reference, rtol=1e-12, atol=1e-12)
+    assert runs[1][2][[1, 3, 4]].abs().max() == 0  # idle experts: zero weight gradient
+
+
 @pytest.fixture(scope="module")
 def qwen3_5(tmp_path_factory: pytest.TempPathFactory) -> Project:
     """A scratch project with a cpu float32 golden of the Qwen3.5 toy (gated DeltaNet layer 0)."""
