@@ -9,8 +9,10 @@ What it runs (all of it under the budget; cells it cannot reach in time are list
 1. The reproductions (`tools/repro_tf32.py liger|fla`), each twice in a fresh process: with Triton's
    default float32 dot precision and with TRITON_F32_DEFAULT=ieee (and a fresh TRITON_CACHE_DIR).
 2. The cells: for every golden of this machine's hardware class (toy and real-shape; not the train
-   scenario), each backend of --backends in the `single` and `packed` layouts (`eager` in `single`
-   only, as the control). Backends whose kernels take 16-bit operands only (fa4, flash_attention_4,
+   scenario), each backend of --backends in the `single` and `packed` layouts (`eager`, the control,
+   in `single` only, but for linear-attention models, which it fails packed by design). Where no
+   golden has linear-attention layers yet, Qwen3.5 goldens from toy_configs_next/ are recorded into a
+   scratch project first, so `fla` has a model (rows marked "(scratch)"). Backends whose kernels take 16-bit operands only (fa4, flash_attention_4,
    quack) are run on float32 goldens of toy width only, to show their own decline; `fla` only where the
    config has linear-attention layers, `quack` only where it has experts. `liger@ieee` and `fla@ieee`
    are the same backends under TRITON_F32_DEFAULT=ieee, on the float32 goldens they fail by default.
@@ -34,6 +36,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -99,35 +102,71 @@ def applies(label: str, config: dict, dtype: str) -> str | None:
     return None
 
 
-def plan(project, labels: list[str], models: list[str] | None) -> tuple[dict[str, list[dict]], list[dict]]:
-    """Cells per backend label (ordered: toy width first, bfloat16 first) and the cells not run."""
+def plan(projects: list[tuple[object, dict]], labels: list[str], models: list[str] | None
+         ) -> tuple[dict[str, list[dict]], list[dict]]:
+    """Cells per backend label (ordered: toy width first, bfloat16 first) and the cells not run.
+
+    `projects` are (Project, the dirs that resolve it in a worker): the machine's goldens, and a
+    scratch project this run recorded (see `scratch_linear_attention`)."""
     from veosnap.golden import store
     from veosnap.reference.zoo import load_config
 
     cells: dict[str, list[dict]] = {label: [] for label in labels}
     skipped = []
-    for key, path in store.list_goldens(project.goldens):
-        if key.hardware_class != project.hardware_class or key.scenario.startswith("train"):
-            continue
-        if models and key.model not in models:
-            continue
-        try:
-            config = load_config(project.configs, key.model).config
-        except Exception as exc:  # noqa: BLE001 - a golden without its config is reported, not fatal
-            skipped.append(dict(model=key.model, dtype=key.dtype, scenario=key.scenario, backend="*",
-                                layout="*", status="not run", reason=str(exc)[:200]))
-            continue
-        for label in labels:
-            layouts = ["single"] if label == "eager" else ["single", "packed"]
-            why = applies(label, config, key.dtype)
-            base = dict(model=key.model, dtype=key.dtype, scenario=key.scenario, backend=label, width=width(config))
-            if why:
-                skipped += [dict(base, layout=layout, status="n/a", reason=why) for layout in layouts]
-            else:
-                cells[label].append(dict(base, layouts=layouts, bytes=path.stat().st_size))
+    for project, dirs in projects:
+        for key, path in store.list_goldens(project.goldens):
+            if key.hardware_class != project.hardware_class or key.scenario.startswith("train"):
+                continue
+            if models and key.model not in models:
+                continue
+            try:
+                config = load_config(project.configs, key.model).config
+            except Exception as exc:  # noqa: BLE001 - a golden without its config is reported, not fatal
+                skipped.append(dict(model=key.model, dtype=key.dtype, scenario=key.scenario, backend="*",
+                                    layout="*", status="not run", reason=str(exc)[:200]))
+                continue
+            for label in labels:
+                # eager is the control, in single; and in packed where it fails by design (linear attention)
+                control = label == "eager" and not has_linear_attention(config)
+                layouts = ["single"] if control else ["single", "packed"]
+                why = applies(label, config, key.dtype)
+                base = dict(model=key.model, dtype=key.dtype, scenario=key.scenario, backend=label,
+                            width=width(config), dirs=dirs)
+                if why:
+                    skipped += [dict(base, layout=layout, status="n/a", reason=why) for layout in layouts]
+                else:
+                    cells[label].append(dict(base, layouts=layouts, bytes=path.stat().st_size))
     for label in labels:
         cells[label].sort(key=lambda c: (c["width"] > TOY_WIDTH, c["dtype"] != "bfloat16", c["bytes"], c["model"]))
     return cells, skipped
+
+
+def scratch_linear_attention(project, scratch: Path) -> tuple[object, dict] | None:
+    """When no golden here has linear-attention layers (the Qwen3.5 family not in the zoo yet), record
+    this machine's goldens of the Qwen3.5 toy from toy_configs_next/ into a scratch project, so `fla`
+    has something to run on. Its table rows say `(scratch)`."""
+    from veosnap.golden import store
+    from veosnap.reference.zoo import Project, load_config
+    from veosnap.runs.record import record
+
+    for key, _ in store.list_goldens(project.goldens):
+        try:
+            if key.hardware_class == project.hardware_class and has_linear_attention(
+                    load_config(project.configs, key.model).config):
+                return None
+        except Exception:  # noqa: BLE001, S112 - a golden without its config is reported by plan()
+            continue
+    source = ROOT / "toy_configs_next" / "qwen3_5"
+    if not source.is_dir():
+        return None
+    shutil.copytree(source, scratch / "toy_configs" / "qwen3_5")
+    dirs = {"goldens": str(scratch / "goldens"), "configs": str(scratch / "toy_configs"),
+            "testdata": str(project.testdata)}
+    local = Project.resolve(**dirs)
+    for dtype in ("bfloat16", "float32"):
+        outcome = record(local, "qwen3_5", dtype)
+        print(f"recorded a scratch golden {outcome.key} (no linear-attention golden in {project.goldens})", flush=True)
+    return local, dirs
 
 
 # --- one worker: one backend's cells, in this process --------------------------------------------------
@@ -139,16 +178,16 @@ def project_from(dirs: dict):
     return Project.resolve(**{k: v for k, v in dirs.items() if v})
 
 
-def worker(label: str, cells_file: Path, results_file: Path, deadline: float, dirs: dict) -> None:
+def worker(label: str, cells_file: Path, results_file: Path, deadline: float) -> None:
     from veosnap.candidates import backends
     from veosnap.errors import describe
     from veosnap.golden.key import GoldenKey
     from veosnap.render import json as render_json
     from veosnap.runs.check import check_layouts
 
-    project = project_from(dirs)
     backend = backends.resolve(label.split("@")[0])
     cells = json.loads(cells_file.read_text())
+    projects: dict[str, object] = {}
     with results_file.open("a") as out:
         for cell in cells:
             if time.time() > deadline:
@@ -157,6 +196,7 @@ def worker(label: str, cells_file: Path, results_file: Path, deadline: float, di
             out.flush()
             print(f"[{label}] {cell['model']} {cell['dtype']} {cell['scenario']} ...", flush=True)
             t0 = time.perf_counter()
+            project = projects.setdefault(json.dumps(cell["dirs"]), project_from(cell["dirs"]))
             key = GoldenKey(project.hardware_class, cell["model"], cell["scenario"], cell["dtype"])
             rows = []
             try:
@@ -197,8 +237,8 @@ class Runner:
     """Starts workers and reproductions as subprocesses (each writing to its own log file), at most `jobs`
     workers at once, polling them, until every cell ran or the deadline passed."""
 
-    def __init__(self, out: Path, jobs: int, deadline: float, dirs: dict) -> None:
-        self.out, self.jobs, self.deadline, self.dirs = out, jobs, deadline, dirs
+    def __init__(self, out: Path, jobs: int, deadline: float) -> None:
+        self.out, self.jobs, self.deadline = out, jobs, deadline
         self.scratch = Path(tempfile.mkdtemp(prefix="gpu_kernels_"))
         self.logs: list[tuple[str, Path]] = []
 
@@ -231,7 +271,7 @@ class Runner:
                 cells_file, results_file = self.scratch / f"{name}.cells.json", self.scratch / f"{name}.jsonl"
                 cells_file.write_text(json.dumps(cells))
                 proc, log = self.spawn(name, [sys.executable, __file__, "_worker", label, str(cells_file),
-                                              str(results_file), str(self.deadline), json.dumps(self.dirs)],
+                                              str(results_file), str(self.deadline)],
                                        IEEE if label.endswith("@ieee") else {})
                 running.append(dict(proc=proc, label=label, cells=cells, attempt=attempt, results=results_file,
                                     log=log))
@@ -320,23 +360,33 @@ def read_results(path: Path, cells: list[dict]) -> tuple[list[dict], dict | None
 
 
 def table(rows: list[dict]) -> tuple[str, str]:
-    """The text and markdown tables: one line per (model, scenario, dtype, backend)."""
+    """The text and markdown tables: one line per (model, scenario, dtype, backend) that ran or was
+    meant to; backends that do not apply to a model are counted below the table, by reason."""
     by_cell: dict[tuple, dict] = {}
     for r in rows:
-        cell = by_cell.setdefault((r["model"], r.get("scenario", "step"), r["dtype"], r["backend"]), {})
+        model = r["model"] + (" (scratch)" if "gpu_kernels_scratch_" in str((r.get("dirs") or {}).get("goldens")) else "")
+        cell = by_cell.setdefault((model, r.get("scenario", "step"), r["dtype"], r["backend"]), {})
         cell[r["layout"]] = r
     lines, md = [], ["| model | dtype | backend | single | packed | first divergence, or why |", "|---|---|---|---|---|---|"]
     header = f"{'model':24s} {'dtype':9s} {'backend':18s} {'single':14s} {'packed':14s} first divergence, or why"
     lines.append(header)
     order = {label: i for i, label in enumerate(BACKENDS)}
+    not_applicable: dict[str, int] = {}
     for (model, scenario, dtype, backend), layouts in sorted(by_cell.items(),
                                                             key=lambda kv: (kv[0][0], kv[0][1], kv[0][2],
                                                                             order.get(kv[0][3], 99), kv[0][3])):
+        if all(r["status"] == "n/a" for r in layouts.values()):
+            reason = next(iter(layouts.values()))["reason"]
+            not_applicable[f"{backend}: {reason}"] = not_applicable.get(f"{backend}: {reason}", 0) + 1
+            continue
         shown = {name: show(layouts.get(name) or layouts.get("*")) for name in ("single", "packed")}
         why = next((explain(r) for r in layouts.values() if explain(r)), "")
         name = model if scenario == "step" else f"{model} ({scenario})"
         lines.append(f"{name:24s} {dtype:9s} {backend:18s} {shown['single']:14s} {shown['packed']:14s} {why[:150]}")
         md.append(f"| {name} | {dtype} | {backend} | {shown['single']} | {shown['packed']} | {why[:200]} |")
+    for reason, count in sorted(not_applicable.items()):
+        lines.append(f"not applicable, {count} model/dtype rows: {reason}")
+        md.append(f"\nnot applicable, {count} model/dtype rows: {reason}")
     return "\n".join(lines), "\n".join(md)
 
 
@@ -357,8 +407,8 @@ def explain(r: dict) -> str:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "_worker":
-        _, _, label, cells_file, results_file, deadline, dirs = sys.argv
-        worker(label, Path(cells_file), Path(results_file), float(deadline), json.loads(dirs))
+        _, _, label, cells_file, results_file, deadline = sys.argv
+        worker(label, Path(cells_file), Path(results_file), float(deadline))
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-kernels-out")))
@@ -381,12 +431,17 @@ def main() -> None:
     print(json.dumps(env), flush=True)
     dirs = {"goldens": args.goldens, "configs": args.configs}
     project = project_from(dirs)
+    projects = [(project, dirs)]
     labels = [b.strip() for b in args.backends.split(",") if b.strip()]
-    groups, not_applicable = plan(project, labels, [m for m in args.models.split(",") if m] or None)
+    if any("fla" in label for label in labels) and not args.models:
+        scratch = scratch_linear_attention(project, Path(tempfile.mkdtemp(prefix="gpu_kernels_scratch_")))
+        if scratch is not None:
+            projects.append(scratch)
+    groups, not_applicable = plan(projects, labels, [m for m in args.models.split(",") if m] or None)
     print(f"{sum(len(c) for c in groups.values())} cells to run on {project.hardware_class} goldens in "
           f"{project.goldens}; {len(not_applicable)} not applicable", flush=True)
     repros = [] if args.no_repro else [(w, e) for w in ("liger", "fla") for e in ({}, IEEE)]
-    runner = Runner(args.out, args.jobs, start + args.budget - 25, dirs)
+    runner = Runner(args.out, args.jobs, start + args.budget - 25)
     results, repro = runner.run(groups, repros)
     rows = results + not_applicable
     text, md = table(rows)
