@@ -434,7 +434,11 @@ def main() -> None:
     projects = [(project, dirs)]
     labels = [b.strip() for b in args.backends.split(",") if b.strip()]
     if any("fla" in label for label in labels) and not args.models:
-        scratch = scratch_linear_attention(project, Path(tempfile.mkdtemp(prefix="gpu_kernels_scratch_")))
+        try:
+            scratch = scratch_linear_attention(project, Path(tempfile.mkdtemp(prefix="gpu_kernels_scratch_")))
+        except Exception as exc:  # noqa: BLE001 - without it, fla has no model here: say so, run the rest
+            print(f"could not record scratch Qwen3.5 goldens: {type(exc).__name__}: {exc}"[:300], flush=True)
+            scratch = None
         if scratch is not None:
             projects.append(scratch)
     groups, not_applicable = plan(projects, labels, [m for m in args.models.split(",") if m] or None)
