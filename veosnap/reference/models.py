@@ -87,10 +87,14 @@ def skeleton(toy: ToyConfig) -> nn.Module:
     with warnings.catch_warnings(), quiet_transformers(), torch.device("meta"):
         warnings.simplefilter("ignore")
         try:
-            return transformers.AutoModelForCausalLM.from_config(
+            model = transformers.AutoModelForCausalLM.from_config(
                 config, attn_implementation=REFERENCE_ATTN, experts_implementation=REFERENCE_EXPERTS)
         except Exception as exc:  # noqa: BLE001 - a config transformers accepts but cannot instantiate
             raise VeosnapError(f"{toy.path}: transformers cannot build this model ({_cause(exc)})") from None
+    # Pinned here too (process-wide, idempotent), before any candidate runs: a check snapshots the modeling
+    # module afterwards (`candidates.pristine`), and the reference's own pinning is no candidate's patch.
+    pin_torch_fallbacks(model)
+    return model
 
 
 def modeling_module(toy: ToyConfig) -> str:

@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         backend = backends.resolve(args.backend)
         ctx = LayoutContext.checking(golden, toy, device, rank=rank, world=world, workdir=out)
         family = models.modeling_module(toy)
+        models.skeleton(toy)  # pins the reference's torch fallbacks before the modules are snapshot
         for index, spec in enumerate(args.layout):
             with pristine.kept(family) as left:
                 try:
