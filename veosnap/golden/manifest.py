@@ -39,9 +39,9 @@ class Tolerance:
 class BatchSpec:
     """How the reference's batch was made from the test data."""
 
-    layout: str  # "padded"
+    layout: str  # "padded" (one sequence per row) or "packed-rows" (rows of packed sequences)
     padding_side: str  # "left"
-    sequences: tuple[int, ...]  # ids of the test data's sequences, one per row
+    sequences: tuple[int, ...]  # ids of the test data's sequences, in row order
     source: str  # the test data file
 
 

@@ -31,7 +31,7 @@ from ..reference import coverage, hardware, inputs, limits, models, train
 from ..reference.capture import run_step
 from ..reference.determinism import deterministic
 from ..reference.probes import RouteRecord
-from ..reference.zoo import Project, load_config, writable
+from ..reference.zoo import Project, ToyConfig, load_config, writable
 
 
 @dataclass(frozen=True)
@@ -60,10 +60,7 @@ def build_golden(project: Project, key: GoldenKey, seed: int = 0, allow_near_tie
     dtype = models.dtype_from_name(key.dtype)
     device = hardware.device_for(key.hardware_class)
     parameters = limits.check_config(toy)
-    sequence_ids = inputs.DEFAULT_SEQUENCES
-    sequences = inputs.load_sequences(project.testdata, sequence_ids)
-    limits.check_sequences(Path(project.testdata) / inputs.SEQUENCES_FILE, sequence_ids, sequences, toy)
-    batch = inputs.padded(sequences)
+    batch = golden_batch(project, toy)
     limits.check_memory(toy, parameters, batch.rows * batch.width, dtype, device, recording=True)
     hyper = train.DEFAULT_HYPER if key.scenario == train.SCENARIO else None
     with deterministic() as settings:
@@ -114,8 +111,8 @@ def build_golden(project: Project, key: GoldenKey, seed: int = 0, allow_near_tie
             attn_implementation=models.REFERENCE_ATTN,
             experts_implementation=models.REFERENCE_EXPERTS,
             seed=seed,
-            batch=BatchSpec(layout="padded", padding_side="left", sequences=tuple(sequence_ids),
-                            source=inputs.SEQUENCES_FILE),
+            batch=BatchSpec(layout="packed-rows" if toy.batch.packed_rows else "padded", padding_side="left",
+                            sequences=toy.batch.sequences, source=toy.batch.source),
             noise_run="float64",
             train=hyper,
         ),
@@ -135,6 +132,21 @@ def build_golden(project: Project, key: GoldenKey, seed: int = 0, allow_near_tie
         absent=absent,
     )
     return Golden(manifest=manifest, tensors=tensors)
+
+
+def golden_batch(project: Project, toy: ToyConfig) -> inputs.Batch:
+    """The batch a golden of `toy` is recorded on, made from the test data by the config's recipe."""
+    recipe = toy.batch
+    vocab = getattr(models.hf_config(toy).get_text_config(), "vocab_size", None)
+    sequences = inputs.load_sequences(project.testdata, recipe.sequences, recipe.source, vocab, recipe.distinct)
+    limits.check_sequences(Path(project.testdata) / recipe.source, recipe.sequences, sequences, toy)
+    if not recipe.packed_rows:
+        return inputs.padded(sequences)
+    rows, at = [], 0
+    for row in recipe.rows:
+        rows.append(sequences[at:at + len(row)])
+        at += len(row)
+    return inputs.packed_rows(rows)
 
 
 def _check_routes(key: GoldenKey, reference: dict[int, RouteRecord], truth: dict[int, RouteRecord],

@@ -56,13 +56,15 @@ class GoldenMismatch(AssertionError):
 
 
 def matrix(models: list[str] | None = None, dtypes: list[str] | None = None, backends: list[str] | None = None,
-           layouts: list[str] | None = None) -> pytest.MarkDecorator:
+           layouts: list[str] | None = None, tier: str = "toy") -> pytest.MarkDecorator:
     """Parametrize a test's `model`, `dtype`, `backend` (and `layout`) arguments over every combination.
 
-    `models=None`: every toy model in the configs directory; `dtypes=None`: float32 and bfloat16;
-    `backends=None`: the reference (`eager`). Only the arguments the test names are parametrized.
+    `models=None`: every model of `tier` in the configs directory (`toy`, the default; `real`: the
+    real-shape configs; `all`); `dtypes=None`: float32 and bfloat16; `backends=None`: the reference
+    (`eager`). Only the arguments the test names are parametrized.
     """
-    return getattr(pytest.mark, _MATRIX_MARK)(models=models, dtypes=dtypes, backends=backends, layouts=layouts)
+    return getattr(pytest.mark, _MATRIX_MARK)(models=models, dtypes=dtypes, backends=backends, layouts=layouts,
+                                              tier=tier)
 
 
 # --- options -----------------------------------------------------------------------------------
@@ -475,7 +477,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     given = {"model": marker.kwargs.get("models"), "dtype": marker.kwargs.get("dtypes"),
              "backend": marker.kwargs.get("backends"), "layout": marker.kwargs.get("layouts")}
     defaults: dict[str, Callable[[], list[str]]] = {
-        "model": lambda: _models(state), "dtype": lambda: ["float32", "bfloat16"], "backend": lambda: [REFERENCE_BACKEND],
+        "model": lambda: _models(state, marker.kwargs.get("tier", "toy")), "dtype": lambda: ["float32", "bfloat16"], "backend": lambda: [REFERENCE_BACKEND],
     }
     axes = []
     for name, values in given.items():
@@ -494,10 +496,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
                              ids=lambda value: str(value))
 
 
-def _models(state: VeosnapSession) -> list[str]:
+def _models(state: VeosnapSession, tier: str = "toy") -> list[str]:
     from ..reference.zoo import list_models, resolve_dir
 
-    return list_models(state.directory("configs") or resolve_dir("toy_configs"))
+    return list_models(state.directory("configs") or resolve_dir("toy_configs"), tier)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

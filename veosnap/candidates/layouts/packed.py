@@ -36,7 +36,7 @@ def pack(batch: Batch) -> Shard:
     """The batch's sequences packed into one row, each packed token at its golden position."""
     if batch.extra:
         raise Unsupported(f"packing a batch with {', '.join(sorted(batch.extra))} is not supported yet")
-    sequences = [ids[mask.bool()].tolist() for ids, mask in zip(batch.input_ids, batch.attention_mask)]
+    sequences = inputs.sequences_of(batch)  # a row may already hold several packed sequences
     real = batch.token_mask.nonzero().flatten()  # the golden position of each packed token, in order
     return Shard(inputs.packed(sequences), real)
 
