@@ -146,6 +146,12 @@ def golden_batch(project: Project, toy: ToyConfig) -> inputs.Batch:
     for row in recipe.rows:
         rows.append(sequences[at:at + len(row)])
         at += len(row)
+    lengths = {sum(len(s) for s in row) for row in rows}
+    if len(lengths) > 1:
+        # transformers finds packed sequences from restarting position ids only when no attention mask is
+        # given; padding would make it pass one, and the packed sequences would attend to each other.
+        raise VeosnapError(f"{toy.path.parent / 'veosnap.json'}: rows of packed sequences must all hold the same "
+                           f"number of tokens (no padding), not {sorted(lengths)}")
     return inputs.packed_rows(rows)
 
 
