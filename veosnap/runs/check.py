@@ -124,7 +124,7 @@ def compare(golden: Golden, batch: Batch, capture: Capture, replayed: Capture | 
     routes = compare_route_sets(golden, capture.experts(), tokens)
     source = replayed if replayed is not None else capture
     tensors = compare_tensors(golden, source.all_tensors(), tokens, gradients=source.backward,
-                              same_routes=same_route_tokens(golden, source.experts()))
+                              same_routes=same_route_tokens(golden, source.experts()), sketches=source.sketches)
     return CheckReport(golden=str(golden.key), model=golden.key.model, dtype=golden.key.dtype, tensors=tensors,
                        routes=routes, route_replay=replayed is not None, **report_fields)
 
