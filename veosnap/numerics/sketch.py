@@ -424,7 +424,7 @@ class SketchError:
     rows_over: int  # groups, and off-support rows, whose error exceeds the bound
     groups: int  # groups compared (with a counted row), plus off-support rows
     rows: int  # rows compared
-    estimate: bool  # True: the worst figure is an estimate from a sketch
+    estimate: bool  # True: the worst figure is an estimate from a sketch (False: exact, e.g. rows no wider than it)
     width: int
     group_size: int
     nonfinite_rows: int = 0
@@ -463,8 +463,10 @@ def compare_sketch(golden: GoldenSketch, candidate: torch.Tensor | CandidateSket
     error = float(errors[worst]) if errors.numel() else 0.0
     over = int((errors > bound).sum())
     first, last = _group_rows(golden, worst)
+    # One row per group no wider than the sketch: a signed permutation of the row, so the error is exact.
+    estimate = not (spec.group == 1 and spec.columns <= spec.width)
     result = SketchError(error, worst, first, last, int(counts[worst]) if errors.numel() else 0, over, compared,
-                         counted, True, **common)
+                         counted, estimate, **common)
     if candidate.off_support is None:
         return result
     off = candidate.off_support.double() / scale
@@ -487,6 +489,18 @@ def _group_rows(golden: GoldenSketch, group: int) -> tuple[int, int]:
     if golden.support is not None:
         return int(golden.support[start]), int(golden.support[stop - 1])
     return start, stop - 1
+
+
+def compare_golden_sketches(old: GoldenSketch, new: GoldenSketch, *, row_mask: torch.Tensor | None = None,
+                            name: str = "tensor") -> SketchError | None:
+    """How far `new` moved from `old`, both golden sketches of one tensor with the same spec and support:
+    the estimated row error in `old`'s units (what a check of `new` against `old` would say). None when
+    their specs or supports differ (re-sketched: not comparable)."""
+    if new.spec != old.spec or (old.support is not None and not torch.equal(old.support, new.support)):
+        return None
+    counts = group_counts(old.spec, row_mask)
+    candidate = CandidateSketch(values=new.values, counts=counts, off_support=None)
+    return compare_sketch(old, candidate, name=name)
 
 
 def sketch_noise(golden: GoldenSketch, high_precision: torch.Tensor, *, row_mask: torch.Tensor | None = None,

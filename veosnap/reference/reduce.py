@@ -74,15 +74,19 @@ class Reducer:
             return SketchProblem(f"shape {tuple(tensor.shape)} but golden {spec.shape}")
         return Rows(rowsketch_at(x2d, spec.width, spec.seed, positions), tensor.dtype)
 
-    def keep_rows(self, name: str, tensor: torch.Tensor, row_offset: int = 0) -> torch.Tensor | Rows | SketchProblem:
-        """What to keep of a (local shard of a) per-parameter tensor whose first row is `row_offset`."""
+    def keep_rows(self, name: str, tensor: torch.Tensor, row_offset: int | None = None
+                  ) -> torch.Tensor | Rows | SketchProblem:
+        """What to keep of a per-parameter tensor (a gradient), or, with `row_offset`, of a shard of it
+        along its first dimension whose first row is row `row_offset` of the whole."""
         spec = self.spec(name)
         if spec is None:
             return host_copy(tensor)
         x2d = as_rows(tensor.detach())
-        if x2d.shape[-1] != spec.columns or (row_offset == 0 and tuple(tensor.shape) != spec.shape):
-            return SketchProblem(f"shape {tuple(tensor.shape)} but golden {spec.shape}")
-        positions = torch.arange(row_offset, row_offset + x2d.shape[0])
+        shard = row_offset is not None
+        fits = tuple(tensor.shape[1:]) == spec.shape[1:] if shard else tuple(tensor.shape) == spec.shape
+        if not fits:
+            return SketchProblem(f"shape {tuple(tensor.shape)}{' (a shard)' if shard else ''} but golden {spec.shape}")
+        positions = torch.arange(row_offset or 0, (row_offset or 0) + x2d.shape[0])
         return Rows(rowsketch_at(x2d, spec.width, spec.seed, positions), tensor.dtype)
 
     def finish(self, name: str, rows: Rows | SketchProblem) -> object:
