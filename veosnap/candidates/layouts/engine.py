@@ -173,6 +173,9 @@ def assemble(ctx: LayoutContext, pieces: list[tuple[Part, torch.Tensor]],
     produced.update({names.LayerOutput(layer): [p.layers[layer] for p in parts] for layer in sorted(parts[0].layers)})
     for name, values in produced.items():
         if reducer.spec(str(name)) is not None:
+            produced = sum(v.sketch.values.shape[0] for v in values if isinstance(v, Rows))
+            if all(isinstance(v, Rows) for v in values):  # a problem (wrong shape) is reported as the tensor's
+                _covered(ctx, name, produced, torch.cat([positions for _, positions in pieces]))
             rows = assemble_rows([(v, positions) for v, (_, positions) in zip(values, pieces)], batch.rows * batch.width)
             sketches[str(name)] = reducer.finish(str(name), rows)
         else:
@@ -196,10 +199,20 @@ def _scatter(ctx: LayoutContext, name: names.TensorName, values: list[torch.Tens
     rows = torch.cat([v.reshape(-1, *v.shape[v.ndim - _row_dims(name):]) if _row_dims(name) else v.reshape(-1)
                       for v in values])
     positions = torch.cat([positions for _, positions in pieces])
-    if rows.shape[0] != positions.numel():
-        raise LayoutError(f"{name}: the passes produced {rows.shape[0]} token rows for {positions.numel()} positions")
-    count = ctx.batch.rows * ctx.batch.width
-    covered = torch.zeros(count, dtype=torch.bool)
+    covered = _covered(ctx, name, rows.shape[0], positions)
+    out = torch.zeros(ctx.batch.rows * ctx.batch.width, *rows.shape[1:], dtype=rows.dtype)
+    gold = ctx.golden.tensors.get(str(name))
+    if gold is not None and gold.numel() == out.numel():  # padding nobody computed: the golden's own values
+        out[~covered] = gold.reshape(out.shape)[~covered].to(out.dtype)
+    out[positions] = rows
+    return out
+
+
+def _covered(ctx: LayoutContext, name: names.TensorName, produced: int, positions: torch.Tensor) -> torch.Tensor:
+    """[rows * width] bool: the golden positions the passes produced, each once, every real token among them."""
+    if produced != positions.numel():
+        raise LayoutError(f"{name}: the passes produced {produced} token rows for {positions.numel()} positions")
+    covered = torch.zeros(ctx.batch.rows * ctx.batch.width, dtype=torch.bool)
     if positions.numel() != positions.unique().numel():
         raise LayoutError(f"{name}: passes overlap (a golden position is produced twice)")
     covered[positions] = True
@@ -208,12 +221,7 @@ def _scatter(ctx: LayoutContext, name: names.TensorName, values: list[torch.Tens
         first = int(missing.nonzero()[0])
         row, pos = divmod(first, ctx.batch.width)
         raise LayoutError(f"{name}: no pass produced the token at row {row} pos {pos}")
-    out = torch.zeros(count, *rows.shape[1:], dtype=rows.dtype)
-    gold = ctx.golden.tensors.get(str(name))
-    if gold is not None and gold.numel() == out.numel():  # padding nobody computed: the golden's own values
-        out[~covered] = gold.reshape(out.shape)[~covered].to(out.dtype)
-    out[positions] = rows
-    return out
+    return covered
 
 
 def _row_dims(name: names.TensorName) -> int:
