@@ -36,6 +36,7 @@ from ..numerics.sketch import (
     as_rows,
     candidate_from_rows,
     golden_from_rows,
+    rowsketch,
     rowsketch_at,
     scatter_rows,
 )
@@ -86,8 +87,7 @@ class Reducer:
         fits = tuple(tensor.shape[1:]) == spec.shape[1:] if shard else tuple(tensor.shape) == spec.shape
         if not fits:
             return SketchProblem(f"shape {tuple(tensor.shape)}{' (a shard)' if shard else ''} but golden {spec.shape}")
-        positions = torch.arange(row_offset or 0, (row_offset or 0) + x2d.shape[0])
-        return Rows(rowsketch_at(x2d, spec.width, spec.seed, positions), tensor.dtype)
+        return Rows(rowsketch(x2d, spec.width, spec.seed, row_offset=row_offset or 0), tensor.dtype)
 
     def finish(self, name: str, rows: Rows | SketchProblem) -> object:
         """The kept form of a sketched tensor from all its rows (in order)."""

@@ -28,7 +28,7 @@ from ..golden.key import GoldenKey
 from ..numerics.compare import compare_route_sets, compare_tensors, same_route_tokens
 from ..reference import hardware
 from ..reference.capture import Capture
-from ..reference.determinism import deterministic
+from ..reference.determinism import deterministic, one_thread
 from ..reference.inputs import Batch
 from ..reference.zoo import Project, ToyConfig, load_checked
 from .verdict import CheckReport
@@ -53,7 +53,8 @@ def check_layouts(project: Project, key: GoldenKey, backend: Backend, layouts: S
     hardware class than this machine's are refused unless `cross_class`, which measures the gap.
     """
     chosen = [(spec, registry.resolve(spec)) for spec in layouts]
-    golden, toy = load_checked(project, key, cross_class, gold)
+    with one_thread():  # a golden's tensors are small: a thread pool would cost more than the work
+        golden, toy = load_checked(project, key, cross_class, gold)
     batch = Batch.from_golden(golden)
     reports: dict[int, CheckReport] = {}
     spawned: list[int] = []
@@ -75,8 +76,11 @@ def check_layouts(project: Project, key: GoldenKey, backend: Backend, layouts: S
         outcomes = torchrun.run(project, key, backend.spec, [chosen[index][0] for index in spawned], nproc, timeout_s)
         for index, outcome in zip(spawned, outcomes):
             fields = {"backend": backend.spec, "layout": chosen[index][0]}
-            reports[index] = (judge(golden, batch, outcome.result, fields) if outcome.result is not None
-                              else _report(golden, fields, skipped=outcome.skipped, error=outcome.error))
+            if outcome.result is None:
+                reports[index] = _report(golden, fields, skipped=outcome.skipped, error=outcome.error)
+                continue
+            with one_thread():
+                reports[index] = judge(golden, batch, outcome.result, fields)
     ordered = [reports[index] for index in range(len(chosen))]
     for report in ordered:
         report.notes[:0] = cross_class_notes(key)
@@ -98,7 +102,8 @@ def _in_process(golden: Golden, batch: Batch, toy: ToyConfig, backend: Backend, 
         return _report(golden, fields, skipped=str(exc))
     except Exception as exc:  # noqa: BLE001 - the candidate's own failure is a result, not a crash
         return _report(golden, fields, error=describe(exc))
-    return judge(golden, batch, result, fields)
+    with one_thread():  # comparing is many small ops: a thread pool would cost more than the work
+        return judge(golden, batch, result, fields)
 
 
 def judge(golden: Golden, batch: Batch, result: LayoutResult, fields: dict[str, str]) -> CheckReport:
