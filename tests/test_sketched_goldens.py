@@ -29,7 +29,7 @@ from veosnap.render import json as render_json
 from veosnap.render import markdown as render_markdown
 from veosnap.render import text as render_text
 from veosnap.runs.check import check, check_layouts
-from veosnap.runs.diff import diff_goldens, diff_trees, DirTree
+from veosnap.runs.diff import DirTree, diff_goldens, diff_trees
 from veosnap.runs.record import record
 from veosnap.surfaces.cli import main
 

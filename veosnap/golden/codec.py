@@ -13,7 +13,8 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from pathlib import Path
 
 import torch
@@ -43,7 +44,7 @@ class Golden:
     manifest: Manifest
     tensors: dict[str, torch.Tensor]  # whole tensors (inputs, routes, and every tensor not sketched)
     path: Path | None = None
-    sketches: dict[str, GoldenSketch] = field(default_factory=dict)  # sketched tensors (schema 2)
+    sketches: dict[str, GoldenSketch] = dataclass_field(default_factory=dict)  # sketched tensors (schema 2)
 
     @property
     def key(self) -> GoldenKey:
@@ -151,8 +152,8 @@ def _split_sketches(manifest: Manifest, stored: dict[str, torch.Tensor], source:
             whole[name] = t
             continue
         if split[0] not in entries:
-            raise GoldenError(source, f"tensor {name!r} is not part of a golden (a sketch part of a tensor the manifest "
-                                      "does not list as sketched)")
+            raise GoldenError(source, f"tensor {name!r} is not part of a golden (a sketch part of a tensor the "
+                                      "manifest does not list as sketched)")
         parts[name] = t
     sketches = {}
     for name, entry in sorted(entries.items()):

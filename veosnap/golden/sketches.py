@@ -196,7 +196,8 @@ class SketchPlan:
                 raise VeosnapError(f"{where}: {field} {data[field]!r} is not a byte count")
         if not isinstance(data["tensors"], dict):
             raise VeosnapError(f"{where}: tensors is not an object")
-        tensors = {name: SketchEntry.from_dict(entry, f"{where}.tensors.{name}") for name, entry in data["tensors"].items()}
+        tensors = {name: SketchEntry.from_dict(entry, f"{where}.tensors.{name}")
+                   for name, entry in data["tensors"].items()}
         return cls(data["mode"], data["budget"], data["hard_limit"], data["planned_bytes"], tensors)
 
 
@@ -235,7 +236,8 @@ class GoldenSketch:
         return sum(t.numel() * t.element_size() for t in self.tensors("_").values())
 
     @classmethod
-    def from_parts(cls, name: str, meta: object, tensors: dict[str, torch.Tensor], source: object = "golden") -> GoldenSketch:
+    def from_parts(cls, name: str, meta: object, tensors: dict[str, torch.Tensor],
+                   source: object = "golden") -> GoldenSketch:
         """Rebuild from a JSON manifest entry and a golden's tensors, refusing anything inconsistent."""
         where = f"{source}: sketched tensor {name!r}"
         return cls.from_entry(name, SketchEntry.from_dict(meta, where), tensors, source)
@@ -252,9 +254,11 @@ class GoldenSketch:
             raise VeosnapError(f"{where}: its #sketch or #norms tensor is missing")
         floats = (torch.float32, torch.float64)
         if values.dtype not in floats or tuple(values.shape) != (spec.groups, spec.width):
-            raise VeosnapError(f"{where}: #sketch is {describe(values)}, expected float32 [{spec.groups}, {spec.width}]")
+            raise VeosnapError(f"{where}: #sketch is {describe(values)}, "
+                               f"expected float32 [{spec.groups}, {spec.width}]")
         if norms.dtype != values.dtype or tuple(norms.shape) != (spec.groups,):
-            raise VeosnapError(f"{where}: #norms is {describe(norms)}, expected {describe_dtype(values.dtype)} [{spec.groups}]")
+            raise VeosnapError(f"{where}: #norms is {describe(norms)}, "
+                               f"expected {describe_dtype(values.dtype)} [{spec.groups}]")
         if not torch.isfinite(values).all() or not torch.isfinite(norms).all() or (norms < 0).any():
             raise VeosnapError(f"{where}: non-finite sketch values or negative norms (corrupt)")
         if (support is None) != (spec.support is None):

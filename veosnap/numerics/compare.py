@@ -168,8 +168,9 @@ def _compare_sketched(golden: Golden, name: str, cand: CandidateSketch | SketchP
         return TensorResult(name, float("inf"), tol.bound, tol.noise, where=where, **kind,
                             problem=f"{cand.nonfinite_rows} row(s) with non-finite values (NaN/Inf), first at {where}")
     err = compare_sketch(gold, cand, bound=tol.bound, name=name)
-    return TensorResult(name, err.error, tol.bound, tol.noise, where=_where_sketched(name, err, len(spec.shape), tokens),
-                        rows_over=err.rows_over, rows=err.groups, estimate=err.estimate, **kind)
+    where = _where_sketched(name, err, len(spec.shape), tokens)
+    return TensorResult(name, err.error, tol.bound, tol.noise, where=where, rows_over=err.rows_over, rows=err.groups,
+                        estimate=err.estimate, **kind)
 
 
 def _where_sketched(name: str, err: SketchError, ndim: int, tokens: Tokens) -> str:

@@ -122,7 +122,8 @@ class CandidateReducer(Reducer):
     """A check's (and the float64 noise run's): the tensors its golden holds as sketches are reduced
     with the golden's specs. `check_dtype=False` for the float64 run, whose dtype differs on purpose."""
 
-    def __init__(self, sketches: Mapping[str, GoldenSketch], token_mask: torch.Tensor, check_dtype: bool = True) -> None:
+    def __init__(self, sketches: Mapping[str, GoldenSketch], token_mask: torch.Tensor,
+                 check_dtype: bool = True) -> None:
         self.sketches = dict(sketches)
         self.token_mask = token_mask.reshape(-1).cpu().bool()
         self.check_dtype = check_dtype
@@ -139,7 +140,8 @@ class CandidateReducer(Reducer):
         if self.check_dtype and dtype != gold.dtype:
             return SketchProblem(f"dtype {dtype} but golden {gold.dtype}")
         if rows.sketch.values.shape[0] != gold.spec.rows:
-            return SketchProblem(f"{rows.sketch.values.shape[0]} rows but golden {gold.spec.rows} (shape {gold.spec.shape})")
+            found = rows.sketch.values.shape[0]
+            return SketchProblem(f"{found} rows but golden {gold.spec.rows} (shape {gold.spec.shape})")
         return candidate_from_rows(rows.sketch, gold, dtype=rows.dtype, row_mask=self.row_mask(name), name=name)
 
 

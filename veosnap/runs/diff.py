@@ -29,8 +29,8 @@ from ..golden.key import GoldenKey
 from ..golden.manifest import Approval, json_object
 from ..golden.sketches import GoldenSketch
 from ..numerics.metric import is_token_tensor, row_error
-from ..numerics.sketch import compare_golden_sketches
 from ..numerics.routes import compare_routes
+from ..numerics.sketch import compare_golden_sketches
 from ..reference.determinism import one_thread
 from ..reference.inputs import Batch
 
@@ -228,7 +228,8 @@ def _form_move(name: str, old: Golden, new: Golden, bound: float, mask: torch.Te
     return TensorMove(name, math.inf, bound, problem=f"re-sketched: {_form(old, name)} -> {_form(new, name)}")
 
 
-def _sketch_move(name: str, old: GoldenSketch, new: GoldenSketch, bound: float, mask: torch.Tensor) -> TensorMove | None:
+def _sketch_move(name: str, old: GoldenSketch, new: GoldenSketch, bound: float,
+                 mask: torch.Tensor) -> TensorMove | None:
     if old.spec == new.spec and torch.equal(old.values, new.values) and torch.equal(old.norms, new.norms) \
             and old.tau == new.tau and (old.support is None or torch.equal(old.support, new.support)):
         return None

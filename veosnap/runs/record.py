@@ -178,7 +178,10 @@ def _plan(key: GoldenKey, model: torch.nn.Module, batch: inputs.Batch, mode: str
                                f"{limits.mib(chosen.budget)} target, and train goldens are not sketched; record "
                                "fewer layers, or pass --sketch never (up to the hard limit)")
         return chosen
-    return plan(shapes, mode=mode, fixed_bytes=fixed, seed=seed)
+    try:
+        return plan(shapes, mode=mode, fixed_bytes=fixed, seed=seed)
+    except VeosnapError as exc:
+        raise VeosnapError(f"{key}: {exc}") from None
 
 
 def encode_checked(golden: Golden, path: Path | str) -> bytes:

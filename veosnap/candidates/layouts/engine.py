@@ -176,7 +176,8 @@ def assemble(ctx: LayoutContext, pieces: list[tuple[Part, torch.Tensor]],
             produced = sum(v.sketch.values.shape[0] for v in values if isinstance(v, Rows))
             if all(isinstance(v, Rows) for v in values):  # a problem (wrong shape) is reported as the tensor's
                 _covered(ctx, name, produced, torch.cat([positions for _, positions in pieces]))
-            rows = assemble_rows([(v, positions) for v, (_, positions) in zip(values, pieces)], batch.rows * batch.width)
+            rows = assemble_rows([(v, positions) for v, (_, positions) in zip(values, pieces)],
+                                 batch.rows * batch.width)
             sketches[str(name)] = reducer.finish(str(name), rows)
         else:
             tensors[str(name)] = _grid(batch, _scatter(ctx, name, values, pieces))

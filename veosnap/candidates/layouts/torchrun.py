@@ -188,7 +188,8 @@ def _read_sketches(meta: dict, tensors: dict[str, torch.Tensor], prefix: str) ->
             continue
         part = lambda p: tensors.get(f"{SKETCH}{key}.{p}")  # noqa: E731
         out[name] = CandidateSketch(values=part("values"), counts=part("counts"), off_support=part("off_support"),
-                                    nonfinite_rows=info["nonfinite_rows"], first_nonfinite_row=info["first_nonfinite_row"])
+                                    nonfinite_rows=info["nonfinite_rows"],
+                                    first_nonfinite_row=info["first_nonfinite_row"])
     return out
 
 
