@@ -154,9 +154,11 @@ class Phases:
 _DEPTH = threading.local()  # one depth for every wrapper: a phase inside another is counted once
 
 
-def timed(phase: str, fn: Callable) -> Callable:
-    """`fn`, adding its (synchronized) time to the active `Phases` under `phase`; outermost call only."""
-    depth = _DEPTH
+def timed(phase: str, fn: Callable, nested: bool = False) -> Callable:
+    """`fn`, adding its (synchronized) time to the active `Phases` under `phase`: only when no other
+    phase is running (a phase within another is counted once), unless `nested` (its own depth: the
+    golden's read, decode and decompress nest, and are split by difference)."""
+    depth = threading.local() if nested else _DEPTH
 
     def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         phases = Phases.active
@@ -177,10 +179,10 @@ def timed(phase: str, fn: Callable) -> Callable:
 
 def instrument() -> None:
     """Wrap the functions whose time a check spends, once."""
-    store_module.read = timed("read", store_module.read)
-    codec_module.decode = timed("decode", codec_module.decode)
+    store_module.read = timed("read", store_module.read, nested=True)
+    codec_module.decode = timed("decode", codec_module.decode, nested=True)
     store_module.decode = codec_module.decode  # store imported it by name
-    codec_module._decompress = timed("decompress", codec_module._decompress)
+    codec_module._decompress = timed("decompress", codec_module._decompress, nested=True)
     models_module.build = timed("build", models_module.build)
     check_module.compare = timed("compare", check_module.compare)
     for method in ("keep_tokens", "keep_rows"):
