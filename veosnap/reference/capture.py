@@ -176,7 +176,9 @@ def _row_sharded(tensor: torch.Tensor) -> bool:
         return False
     from torch.distributed.tensor import Shard
 
-    return isinstance(placements[0], Shard) and placements[0].dim == 0
+    # Exactly Shard: a _StridedShard (tensor parallel's fused gate/up experts) is a Shard whose rows
+    # are not one contiguous run per rank.
+    return type(placements[0]) is Shard and placements[0].dim == 0
 
 
 def _sharded_rows(reducer: Reducer, name: str, grad: torch.Tensor, rows: int) -> Rows | SketchProblem:

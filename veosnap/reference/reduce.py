@@ -45,13 +45,15 @@ from .probes import host_copy
 
 @dataclass(frozen=True)
 class Rows:
-    """Per-row sketches of a tensor (or of the rows a piece of a layout produced), and its dtype."""
+    """Per-row sketches of a tensor, or of the rows a piece of a layout produced: their dtype, and the
+    row of the whole tensor (the golden position) each stands for (None: rows 0, 1, ... in order)."""
 
     sketch: RowSketch
     dtype: torch.dtype
+    positions: torch.Tensor | None = None
 
     def cpu(self) -> Rows:
-        return Rows(RowSketch(self.sketch.values.cpu(), self.sketch.sumsq.cpu()), self.dtype)
+        return Rows(RowSketch(self.sketch.values.cpu(), self.sketch.sumsq.cpu()), self.dtype, self.positions)
 
 
 class Reducer:
@@ -66,14 +68,23 @@ class Reducer:
     def keep_tokens(self, name: str, tensor: torch.Tensor, positions: torch.Tensor | None = None
                     ) -> torch.Tensor | Rows | SketchProblem:
         """What to keep of a token tensor ([rows, positions, ...]) a hook sees; `positions`: the flat
-        position in the golden's batch of each of its token rows (None: the golden's batch itself)."""
+        position in the golden's batch of each of its token rows, -1 for a slot a layout added that
+        stands for none (None: the golden's batch itself). Rows standing for none are not sketched."""
         spec = self.spec(name)
         if spec is None:
             return host_copy(tensor)
         x2d = as_rows(tensor.detach())
         if x2d.shape[-1] != spec.columns:
             return SketchProblem(f"shape {tuple(tensor.shape)} but golden {spec.shape}")
-        return Rows(rowsketch_at(x2d, spec.width, spec.seed, positions), tensor.dtype)
+        if positions is not None:
+            positions = positions.reshape(-1).cpu()
+            if positions.numel() != x2d.shape[0]:
+                return SketchProblem(f"{x2d.shape[0]} token rows for {positions.numel()} positions (shape "
+                                     f"{tuple(tensor.shape)})")
+            kept = positions >= 0
+            if not bool(kept.all()):
+                x2d, positions = x2d[kept.to(x2d.device)], positions[kept]
+        return Rows(rowsketch_at(x2d, spec.width, spec.seed, positions), tensor.dtype, positions)
 
     def keep_rows(self, name: str, tensor: torch.Tensor, row_offset: int | None = None
                   ) -> torch.Tensor | Rows | SketchProblem:
@@ -145,11 +156,11 @@ class CandidateReducer(Reducer):
         return candidate_from_rows(rows.sketch, gold, dtype=rows.dtype, row_mask=self.row_mask(name), name=name)
 
 
-def assemble_rows(pieces: list[tuple[Rows | SketchProblem, torch.Tensor]], rows: int) -> Rows | SketchProblem:
-    """A tensor's rows from the pieces a layout's passes produced, each with the global row index of
-    each of its rows; rows no piece produced (padding) are zero. The first problem wins."""
-    for piece, _ in pieces:
+def assemble_rows(pieces: list[Rows | SketchProblem], rows: int) -> Rows | SketchProblem:
+    """A tensor's `rows` rows from the pieces a layout's passes produced (each knows the global row of
+    each of its rows); rows no piece produced (padding) are zero. The first problem wins."""
+    for piece in pieces:
         if isinstance(piece, SketchProblem):
             return piece
-    scattered = scatter_rows([(piece.sketch, positions) for piece, positions in pieces], rows)
-    return Rows(scattered, pieces[0][0].dtype)
+    scattered = scatter_rows([(piece.sketch, piece.positions) for piece in pieces], rows)
+    return Rows(scattered, pieces[0].dtype)

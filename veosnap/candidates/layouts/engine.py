@@ -62,6 +62,7 @@ def run(layout: Layout, backend: Backend, ctx: LayoutContext) -> LayoutResult | 
         result = runner.train() if ctx.hyper is not None else runner.step()
     if result is not None:
         result.forward_only = candidate.forward_only
+        result.notes.extend(candidate.notes)
     return result
 
 
@@ -82,10 +83,13 @@ class _Runner:
         parts = []
         for index, shard in enumerate(self.shards):
             with self.layout.accumulate(self.ctx, self.setup, index, len(self.shards)):
+                share = shard.batch.predictions / self.total if shard.weight is None else shard.weight
                 parts.append(forward_backward(
-                    self.setup.model, shard.batch, inner=self.setup.inner, share=shard.batch.predictions / self.total,
+                    self.setup.model, shard.batch, inner=self.setup.inner, share=share,
                     grad_scale=float(self.setup.data.size), backward=self.backward,
-                    forced={layer: experts[shard.positions] for layer, experts in forced.items()} if forced else None,
+                    # a padding slot (no golden position) may go anywhere: it is never compared
+                    forced={layer: experts[shard.positions.clamp(min=0)] for layer, experts in forced.items()}
+                    if forced else None,
                     reducer=self.reducer, positions=shard.positions))
         return parts
 
@@ -126,10 +130,11 @@ class _Runner:
         for part, shard in zip(parts, self.shards):
             for layer, experts in golden.items():
                 rec = part.routes.get(layer)
-                expected = experts[shard.positions]
+                expected = experts[shard.positions.clamp(min=0)]
                 if rec is None or rec.experts.shape != expected.shape:
                     return True
-                if flips(expected, rec.experts, mask[shard.positions]).any():
+                real = (shard.positions >= 0) & mask[shard.positions.clamp(min=0)]
+                if flips(expected, rec.experts, real).any():
                     return True
         return False
 
@@ -173,11 +178,9 @@ def assemble(ctx: LayoutContext, pieces: list[tuple[Part, torch.Tensor]],
     produced.update({names.LayerOutput(layer): [p.layers[layer] for p in parts] for layer in sorted(parts[0].layers)})
     for name, values in produced.items():
         if reducer.spec(str(name)) is not None:
-            produced = sum(v.sketch.values.shape[0] for v in values if isinstance(v, Rows))
             if all(isinstance(v, Rows) for v in values):  # a problem (wrong shape) is reported as the tensor's
-                _covered(ctx, name, produced, torch.cat([positions for _, positions in pieces]))
-            rows = assemble_rows([(v, positions) for v, (_, positions) in zip(values, pieces)],
-                                 batch.rows * batch.width)
+                _covered(ctx, name, torch.cat([v.positions for v in values]))
+            rows = assemble_rows(values, batch.rows * batch.width)
             sketches[str(name)] = reducer.finish(str(name), rows)
         else:
             tensors[str(name)] = _grid(batch, _scatter(ctx, name, values, pieces))
@@ -200,7 +203,11 @@ def _scatter(ctx: LayoutContext, name: names.TensorName, values: list[torch.Tens
     rows = torch.cat([v.reshape(-1, *v.shape[v.ndim - _row_dims(name):]) if _row_dims(name) else v.reshape(-1)
                       for v in values])
     positions = torch.cat([positions for _, positions in pieces])
-    covered = _covered(ctx, name, rows.shape[0], positions)
+    if rows.shape[0] != positions.numel():
+        raise LayoutError(f"{name}: the passes produced {rows.shape[0]} token rows for {positions.numel()} positions")
+    kept = positions >= 0  # slots a layout added (padding) stand for no golden position
+    rows, positions = rows[kept], positions[kept]
+    covered = _covered(ctx, name, positions)
     out = torch.zeros(ctx.batch.rows * ctx.batch.width, *rows.shape[1:], dtype=rows.dtype)
     gold = ctx.golden.tensors.get(str(name))
     if gold is not None and gold.numel() == out.numel():  # padding nobody computed: the golden's own values
@@ -209,10 +216,8 @@ def _scatter(ctx: LayoutContext, name: names.TensorName, values: list[torch.Tens
     return out
 
 
-def _covered(ctx: LayoutContext, name: names.TensorName, produced: int, positions: torch.Tensor) -> torch.Tensor:
+def _covered(ctx: LayoutContext, name: names.TensorName, positions: torch.Tensor) -> torch.Tensor:
     """[rows * width] bool: the golden positions the passes produced, each once, every real token among them."""
-    if produced != positions.numel():
-        raise LayoutError(f"{name}: the passes produced {produced} token rows for {positions.numel()} positions")
     covered = torch.zeros(ctx.batch.rows * ctx.batch.width, dtype=torch.bool)
     if positions.numel() != positions.unique().numel():
         raise LayoutError(f"{name}: passes overlap (a golden position is produced twice)")
