@@ -153,18 +153,49 @@ def test_every_bug_the_exact_check_catches_is_caught_sketched_and_no_legitimate_
             assert {t.name for t in sketched.tensors if not t.passed} & failing, name
 
 
-def test_layouts_pass_against_a_sketched_golden_without_gathering_full_tensors(twins):
-    """Packed and micro-batched passes, DDP and FSDP2 on gloo: token rows are sketched at their golden
-    positions in each pass, FSDP2's Shard(0) gradients shard by shard."""
-    reports = check_layouts(twins["always"], key("qwen3_moe"), backends.resolve("eager"),
-                            ["packed", "microbatch", "ddp", "fsdp2"], nproc=2, timeout_s=300)
-    for report in reports:
-        assert report.passed and not report.skipped, (report.layout, report.error, report.worst)
+LEGIT_LAYOUTS = ("packed", "microbatch", "ddp", "fsdp2", "sp")
+LAYOUT_FAULTS = ("packed_no_restart", "ddp_sum_grads", "sp_grads_unreduced", "sp_boundary_off_by_one")
+
+
+def test_layouts_pass_and_planted_layout_bugs_fail_against_a_sketched_golden(twins):
+    """Packed and micro-batched passes, DDP, FSDP2 and sequence parallel on gloo: token rows are sketched
+    at their golden positions in each pass, FSDP2's Shard(0) gradients shard by shard; the planted
+    layout bugs of tests/layout_faults.py still fail where they fail against a whole golden."""
+    specs = [*LEGIT_LAYOUTS, *(f"{HERE / 'layout_faults.py'}:{name}" for name in LAYOUT_FAULTS)]
+    reports = dict(zip([*LEGIT_LAYOUTS, *LAYOUT_FAULTS],
+                       check_layouts(twins["always"], key("qwen3_moe"), backends.resolve("eager"), specs, nproc=2,
+                                     timeout_s=300)))
+    for name in LEGIT_LAYOUTS:
+        report = reports[name]
+        assert report.passed and not report.skipped, (name, report.error, report.worst)
         assert report.routes and all(r.clear_flips == 0 for r in report.routes)
-    ddp, fsdp2 = reports[2], reports[3]
     # FSDP2 sketched its gradient shards where they lived: the same numbers as DDP's full gradients.
-    assert {t.name: t.error for t in fsdp2.tensors if t.name.startswith("grad.")} == \
-        {t.name: t.error for t in ddp.tensors if t.name.startswith("grad.")}
+    grads = lambda r: {t.name: t.error for t in r.tensors if t.name.startswith("grad.")}  # noqa: E731
+    assert grads(reports["fsdp2"]) == grads(reports["ddp"])
+    for name in LAYOUT_FAULTS:
+        assert reports[name].status == "FAIL", (name, reports[name].error, reports[name].worst)
+    failing = lambda r: {t.name for t in r.tensors if not t.passed}  # noqa: E731
+    assert failing(reports["ddp_sum_grads"]) and all(n.startswith("grad.") for n in failing(reports["ddp_sum_grads"]))
+    assert all(n.startswith("grad.") for n in failing(reports["sp_grads_unreduced"]))
+    assert reports["sp_boundary_off_by_one"].first_divergence.startswith("layer 0 ")
+    logits = next(t for t in reports["sp_boundary_off_by_one"].tensors if t.name == "logits")
+    assert not logits.passed and logits.where.startswith("row 0 pos ")  # the worst group: in row 0, as exactly
+
+
+def test_a_layouts_padding_slots_are_not_sketched():
+    """A sequence-parallel slice padded to an even length: its pad slots (position -1) stand for no
+    golden row and are left out; the others are the golden rows' own sketches."""
+    from veosnap.golden.sketches import GoldenSketch, SketchSpec
+    from veosnap.reference.reduce import CandidateReducer
+
+    spec = SketchSpec(seed=3, width=16, group=1, shape=(2, 4, 40))
+    gold = GoldenSketch(spec, torch.zeros(8, 16), torch.zeros(8), None, 1.0, 8, "float32")
+    reducer = CandidateReducer({"logits": gold}, torch.ones(8, dtype=torch.bool))
+    x = torch.randn(1, 6, 40)
+    kept = reducer.keep_tokens("logits", x, torch.tensor([4, 5, 6, -1, 7, -1]))
+    assert kept.positions.tolist() == [4, 5, 6, 7]
+    whole = rowsketch(x[0, [0, 1, 2, 4]], 16, 3, row_offset=4)
+    assert torch.equal(kept.sketch.values, whole.values)
 
 
 def test_a_shard_of_rows_sketches_to_the_same_bits_as_the_whole():
