@@ -8,6 +8,7 @@ with `--sketch auto` and checks a candidate against it, and prints one table:
     record              wall time of `veosnap record` (two model builds, the reference, its float64 twin)
     build               one model build with deterministic weights (not veosnap's own work, but a check waits for it)
     cand f+b            the candidate's forward and backward alone (no hooks), median of 3, warm
+    eager f+b           the eager reference's (the slowest candidate; the issue's own figures were eager's)
     check               a whole `veosnap check` (after the record and the candidate alone: its Triton kernels are
                         compiled and cuBLAS is warm, as for a user's check after the first)
     own                 veosnap's own time in that check, the sum of its phases:
@@ -17,7 +18,7 @@ with `--sketch auto` and checks a candidate against it, and prints one table:
         compare / report             every tensor against the golden; the text and JSON reports
     rest                check - build - cand f+b - own: what no phase covers (hooks on routes, assembling the
                         capture), and the noise of timing the candidate apart (it can come out negative)
-    own/f+b             the issue's target: <= 0.25 on the H200 at ~1B parameters (aim 0.1)
+    own/f+b             the issue's target: <= 0.25 on the H200 at ~1B parameters (aim 0.1); own/eager likewise
     peak                GPU: torch.cuda.max_memory_allocated during the check / during the candidate alone;
                         CPU: resident set size, sampled, same two phases
     sketch GB/s         the row-sketch kernel on a logits-shaped tensor, against a copy's GB/s (read + write)
@@ -270,6 +271,7 @@ class Row:
     build_s: float = 0.0
     candidate: str = ""
     fwd_bwd_s: float = 0.0
+    eager_s: float = 0.0  # the eager reference's forward and backward (no hooks)
     check_s: float = 0.0
     own_s: float = 0.0
     rest_s: float = 0.0
@@ -306,7 +308,8 @@ def run_size(size: Size, dtype: str, workdir: Path) -> Row:
         try:
             backend = backends.resolve(spec)
             with deterministic():
-                row.fwd_bwd_s, row.peak_candidate, row.params = candidate_alone(toy, dtype, golden, backend)
+                row.fwd_bwd_s, row.peak_candidate, row.params, row.eager_s = candidate_alone(toy, dtype, golden,
+                                                                                             backend)
             row.candidate = spec
             break
         except (Unsupported, RuntimeError, NotImplementedError) as exc:
@@ -347,32 +350,42 @@ def run_size(size: Size, dtype: str, workdir: Path) -> Row:
     return row
 
 
-def candidate_alone(toy, dtype: str, golden, backend) -> tuple[float, int, int]:  # noqa: ANN001
+def candidate_alone(toy, dtype: str, golden, backend) -> tuple[float, int, int, float]:  # noqa: ANN001
     """The candidate's forward and backward with no veosnap hook: median seconds of 3 (after one warm-up),
-    its peak memory, and its parameter count."""
+    its peak memory, its parameter count; and the eager reference's own forward and backward (median of 2),
+    the slower candidate a ratio can also be read against."""
     device = hardware.device_for(hardware.detect())
     model = models_module.build(toy, models_module.dtype_from_name(dtype), device, golden.manifest.reference.seed)
     params = sum(p.numel() for p in model.parameters())
     batch = Batch.from_golden(golden).to(device)
-    times, peak = [], Peak()
+    model.train()
+    eager = _fwd_bwd_times(model, batch, 3)
+    peak = Peak()
     with backend.prepare(model) as candidate:
-        run = candidate.model
-        run.train()
-        for i in range(4):
-            run.zero_grad(set_to_none=True)
-            with peak.measure() if i == 1 else _nothing():
-                sync()
-                start = time.perf_counter()
-                out = run(**batch.model_kwargs(), use_cache=False)
-                out.loss.backward()
-                sync()
-            if i:
-                times.append(time.perf_counter() - start)
-            del out
-    del model, run
+        times = _fwd_bwd_times(candidate.model, batch, 4, peak)
+    del model
     if CUDA:
         torch.cuda.empty_cache()
-    return statistics.median(times), peak.bytes, params
+    return statistics.median(times), peak.bytes, params, statistics.median(eager)
+
+
+def _fwd_bwd_times(model, batch: Batch, runs: int, peak: Peak | None = None) -> list[float]:  # noqa: ANN001
+    """Seconds of each forward and backward after the first (a warm-up); `peak` measures the second."""
+    times = []
+    model.train()
+    for i in range(runs):
+        model.zero_grad(set_to_none=True)
+        with peak.measure() if peak is not None and i == 1 else _nothing():
+            sync()
+            start = time.perf_counter()
+            out = model(**batch.model_kwargs(), use_cache=False)
+            out.loss.backward()
+            sync()
+        if i:
+            times.append(time.perf_counter() - start)
+        del out
+    model.zero_grad(set_to_none=True)
+    return times
 
 
 @contextmanager
@@ -421,21 +434,22 @@ def fmt_s(s: float) -> str:
 
 
 COLUMNS = ("size", "dtype", "params", "tokens", "golden", "sketched", "record", "build", "candidate", "cand f+b",
-           "check", "own", "load/dec/parse", "reduce (grads)", "compare", "report", "rest", "own/f+b",
-           "peak check/cand", "sketch/copy GB/s", "note")
+           "eager f+b", "check", "own", "load/dec/parse", "reduce (grads)", "compare", "report", "rest", "own/f+b",
+           "own/eager", "peak check/cand", "sketch/copy GB/s", "note")
 
 
 def cells(r: Row) -> list[str]:
     p = r.phases
     if not r.candidate:
         return [r.size, r.dtype, f"{r.params / 1e6:.1f}M", str(r.tokens), fmt_bytes(r.golden_bytes), r.sketched,
-                fmt_s(r.record_s), *[""] * 14, r.note]
+                fmt_s(r.record_s), *[""] * 16, r.note]
     return [r.size, r.dtype, f"{r.params / 1e6:.1f}M" if r.params < 1e9 else f"{r.params / 1e9:.2f}B", str(r.tokens),
             fmt_bytes(r.golden_bytes), r.sketched, fmt_s(r.record_s), fmt_s(r.build_s), r.candidate,
-            fmt_s(r.fwd_bwd_s), fmt_s(r.check_s), fmt_s(r.own_s),
+            fmt_s(r.fwd_bwd_s), fmt_s(r.eager_s), fmt_s(r.check_s), fmt_s(r.own_s),
             f"{p['load'] * 1e3:.0f}/{p['decompress'] * 1e3:.0f}/{p['parse'] * 1e3:.0f} ms",
             f"{fmt_s(p['reduce'] + p['grads'])} ({fmt_s(p['grads'])})", fmt_s(p["compare"]), fmt_s(p["report"]),
             ("-" if r.rest_s < 0 else "") + fmt_s(abs(r.rest_s)), f"{r.ratio:.2f}",
+            f"{r.own_s / r.eager_s:.2f}" if r.eager_s else "",
             f"{fmt_bytes(r.peak_check)} / {fmt_bytes(r.peak_candidate)}",
             f"{r.sketch_gbps:.1f} / {r.copy_gbps:.1f}", ("" if r.passed else "FAILED ") + r.note]
 
