@@ -1,15 +1,22 @@
 """Record goldens from the HF eager reference, with tolerances calibrated against a float64 run.
 
 Before the reference runs, the sketch planner chooses each tensor's form from shapes alone (`--sketch
-auto`: whole while the golden fits `limits.TARGET_BYTES`, else the largest tensors sketched; `always`;
-`never`). The reference then keeps each tensor in that form, sketching on its device; the float64 run
-reduces the same tensors with the same specs, so a sketched tensor's noise, and so its bound, is in the
-currency a check computes. Before anything is written, the golden's bytes go through the reader itself
-(`codec.decode`): record never writes a golden that check would refuse.
+auto`: whole while the golden fits `golden.limits.TARGET_BYTES`, else the largest tensors sketched;
+`always`; `never`). The reference then keeps each tensor in that form, sketching on its device; the
+float64 run reduces the same tensors with the same specs, so a sketched tensor's noise, and so its
+bound, is in the currency a check computes. Before anything is written, the golden's bytes go through
+the reader itself (`codec.decode`): record never writes a golden that check would refuse.
+
+The reference is recorded from a pristine process: here when no candidate has run in this process, else
+in a fresh one (`isolated`). A golden is written under the project's goldens directory only (`./goldens`
+or `--goldens`, never the installed package, never through a directory linked out of it), and a golden
+with an approval trail keeps it: recording it again is "unchanged" when the reference reproduces it, and
+refused when it would change it without an approval (that is what `veosnap refresh --reason` is for).
 """
 
 from __future__ import annotations
 
+import os
 import platform
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,22 +25,24 @@ import torch
 import transformers
 
 from .. import __version__
+from ..candidates import pristine
 from ..errors import GoldenError, VeosnapError
-from ..golden import codec, limits, names, store
+from ..golden import codec, names, store
 from ..golden.codec import Golden
 from ..golden.key import DTYPE_NAMES, SCENARIOS, GoldenKey
 from ..golden.manifest import BatchSpec, Manifest, Provenance, Reference
+from ..golden.limits import mib
 from ..golden.sketches import MODES, SketchPlan
 from ..numerics import fmt
 from ..numerics.routes import flips
 from ..numerics.sketch import CandidateSketch, Plan, compare_sketch, plan
 from ..numerics.tolerance import ALPHA, FLOOR, TIE_EPSILON, Sample, noise, pooled_noises, tolerance_for
-from ..reference import hardware, inputs, models, train
+from ..reference import coverage, hardware, inputs, limits, models, train
 from ..reference.capture import run_step, step_shapes
 from ..reference.determinism import deterministic
 from ..reference.probes import RouteRecord
 from ..reference.reduce import WHOLE, CandidateReducer, RecordReducer, Reducer
-from ..reference.zoo import Project, load_config
+from ..reference.zoo import Project, load_config, writable
 
 
 @dataclass(frozen=True)
@@ -44,6 +53,7 @@ class RecordOutcome:
     path: Path
     written: bool  # False when the file already held exactly these bytes
     min_margin: float | None  # smallest router margin over all MoE layers (None: dense model)
+    note: str = ""  # what else the user should know (a trail kept, an unreadable golden replaced)
 
 
 def build_golden(project: Project, key: GoldenKey, seed: int = 0, allow_near_ties: bool = False,
@@ -67,12 +77,17 @@ def build_golden(project: Project, key: GoldenKey, seed: int = 0, allow_near_tie
     toy = load_config(project.configs, key.model)
     dtype = models.dtype_from_name(key.dtype)
     device = hardware.device_for(key.hardware_class)
+    parameters = limits.check_config(toy)
     sequence_ids = inputs.DEFAULT_SEQUENCES
-    batch = inputs.padded(inputs.load_sequences(project.testdata, sequence_ids))
+    sequences = inputs.load_sequences(project.testdata, sequence_ids)
+    limits.check_sequences(Path(project.testdata) / inputs.SEQUENCES_FILE, sequence_ids, sequences, toy)
+    batch = inputs.padded(sequences)
+    limits.check_memory(toy, parameters, batch.rows * batch.width, dtype, device, recording=True)
     hyper = train.DEFAULT_HYPER if key.scenario == train.SCENARIO else None
     with deterministic() as settings:
         torch.manual_seed(seed)
         model = models.build(toy, dtype, device, seed)
+        absent = coverage.absences(model)
         chosen = _plan(key, model, batch, sketch, seed)
         reducer: Reducer = RecordReducer(chosen, batch.token_mask) if chosen.sketched else WHOLE
         high = models.upcast_copy(model, toy, torch.float64)  # before training moves the weights
@@ -147,6 +162,7 @@ def build_golden(project: Project, key: GoldenKey, seed: int = 0, allow_near_tie
         floor=FLOOR[key.dtype],
         tie_epsilon=TIE_EPSILON[key.dtype],
         min_margin=dict(min_margin),
+        absent=absent,
         sketch=SketchPlan(mode=chosen.mode, budget=chosen.budget, hard_limit=chosen.hard_limit,
                           planned_bytes=chosen.total_bytes,
                           tensors={name: gold.entry for name, gold in sorted(reference.sketches.items())})
@@ -156,7 +172,7 @@ def build_golden(project: Project, key: GoldenKey, seed: int = 0, allow_near_tie
     stored = sum(t.numel() * t.element_size() for t in golden.stored_tensors().values())
     if stored > chosen.hard_limit:
         raise VeosnapError(f"{key}: golden would hold {stored} bytes, over the {chosen.hard_limit} byte limit "
-                           f"({limits.mib(chosen.hard_limit)}); " + ("use --sketch auto" if sketch == "never"
+                           f"({mib(chosen.hard_limit)}); " + ("use --sketch auto" if sketch == "never"
                                                                      else "record fewer tokens or layers"))
     return golden
 
@@ -175,7 +191,7 @@ def _plan(key: GoldenKey, model: torch.nn.Module, batch: inputs.Batch, mode: str
         chosen = plan(shapes, mode="never", fixed_bytes=fixed, seed=seed)
         if mode == "auto" and chosen.total_bytes > chosen.budget:
             raise VeosnapError(f"{key}: a train golden would hold {chosen.total_bytes} bytes, over the "
-                               f"{limits.mib(chosen.budget)} target, and train goldens are not sketched; record "
+                               f"{mib(chosen.budget)} target, and train goldens are not sketched; record "
                                "fewer layers, or pass --sketch never (up to the hard limit)")
         return chosen
     try:
@@ -192,9 +208,13 @@ def encode_checked(golden: Golden, path: Path | str) -> bytes:
     try:
         codec.decode(data, path)
     except GoldenError as exc:
-        raise VeosnapError(f"{path}: not written: a check would refuse this golden ({exc.cause}); record it with "
-                           "--sketch auto, or fewer tokens or layers") from None
+        raise _refused(path, exc) from None
     return data
+
+
+def _refused(where: object, exc: GoldenError) -> VeosnapError:
+    return VeosnapError(f"{where}: not written: a check would refuse this golden ({exc.cause}); record it with "
+                        "--sketch auto, or fewer tokens or layers")
 
 
 def _check_routes(key: GoldenKey, reference: dict[int, RouteRecord], truth: dict[int, RouteRecord],
@@ -216,15 +236,62 @@ def _check_routes(key: GoldenKey, reference: dict[int, RouteRecord], truth: dict
     return margins
 
 
+def recorded(project: Project, key: GoldenKey, seed: int = 0, allow_near_ties: bool = False,
+             sketch: str = "auto") -> Golden:
+    """The golden for `key` from a pristine process: this one if no candidate ran here, else a fresh one."""
+    if pristine.touched():
+        from .isolated import record_bytes
+
+        data = record_bytes(project, key, seed=seed, allow_near_ties=allow_near_ties, sketch=sketch)
+        try:
+            return codec.decode(data, f"the fresh recording of {key}")
+        except GoldenError as exc:
+            raise _refused(key, exc) from None
+    return build_golden(project, key, seed=seed, allow_near_ties=allow_near_ties, sketch=sketch)
+
+
+def stored_bytes(new: Golden, path: Path, root: Path) -> tuple[bytes, str]:
+    """What recording `new` stores at `path` under `root`, and a note for the user.
+
+    An existing golden's approval trail is kept: the new golden carries it, and must then reproduce the
+    stored file byte for byte (a recording cannot extend the trail, having no reason to give). An
+    unreadable golden is replaced (it has no trail anyone can trust), and the note says so.
+    """
+    if not os.path.lexists(path):
+        return encode_checked(new, path), ""
+    try:
+        old = store.read(path, root)
+    except GoldenError as exc:
+        return encode_checked(new, path), f"replaced an unreadable golden: {exc.cause}"
+    trail = old.manifest.approvals
+    if not trail:
+        return encode_checked(new, path), ""
+    new.manifest.approvals = list(trail)
+    data = encode_checked(new, path)
+    if data != store.read_file(path):
+        count = f"{len(trail)} approval{'s' if len(trail) > 1 else ''}"
+        scenario = "" if new.key.scenario == "step" else f" --scenario {new.key.scenario}"
+        raise GoldenError(path, f"has an approval trail ({count}, last {trail[-1].reason!r}): recording it again "
+                                "would change it without an approval; re-record it with `veosnap refresh --reason "
+                                f"\"...\" --model {new.key.model} --dtype {new.key.dtype}{scenario}`")
+    return data, f"approval trail of {len(trail)} kept"
+
+
 def record(project: Project, model: str, dtype: str, scenario: str = "step", seed: int = 0,
            allow_near_ties: bool = False, sketch: str = "auto") -> RecordOutcome:
     """Record one golden into the project's goldens directory; leaves an identical file untouched."""
     key = GoldenKey(project.hardware_class, model, scenario, dtype)
-    new = build_golden(project, key, seed=seed, allow_near_ties=allow_near_ties, sketch=sketch)
+    writable(project.goldens)
     path = store.path_for(project.goldens, key)
-    data = encode_checked(new, path)
-    written = not (path.is_file() and path.read_bytes() == data)
+    store.check_writable(path, project.goldens)  # before the minutes a recording may take
+    new = recorded(project, key, seed=seed, allow_near_ties=allow_near_ties, sketch=sketch)
+    data, note = stored_bytes(new, path, project.goldens)
+    try:
+        written = store.read_file(path) != data
+    except GoldenError:
+        written = True
     if written:
-        store.write_bytes(data, path)
+        store.write_bytes(data, path, project.goldens)
     margins = new.manifest.min_margin.values()
-    return RecordOutcome(key=key, path=path, written=written, min_margin=min(margins) if margins else None)
+    return RecordOutcome(key=key, path=path, written=written, min_margin=min(margins) if margins else None,
+                         note=note)
