@@ -3,7 +3,9 @@
 `compare_route_sets` says per MoE layer which tokens went to other experts; `compare_tensors` gives
 every toleranced tensor's row error against its bound, and where the worst of it is. Token tensors are
 compared on the batch's real tokens (`Tokens`); under route replay a layer's route weights are
-compared on the tokens the candidate routed as the golden.
+compared on the tokens the candidate routed as the golden. A tensor the golden holds as a sketch is
+compared sketch to sketch (`sketch.compare_sketch`, on the candidate's device): its error is an
+estimate and its worst place a group of rows, which the result says (`estimate`, `width`, `group`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from ..golden.codec import Golden
 from . import fmt
 from .metric import RowError, is_token_tensor, row_error
 from .routes import RouteDiff, compare_routes
+from .sketch import CandidateSketch, SketchError, SketchProblem, compare_sketch
 
 
 @dataclass(frozen=True)
@@ -39,9 +42,16 @@ class TensorResult:
     bound: float
     noise: float
     where: str = ""
-    rows_over: int = 0
-    rows: int = 0
+    rows_over: int = 0  # rows over the bound (a sketched tensor: groups, and exact rows outside its support)
+    rows: int = 0  # rows compared (a sketched tensor: groups)
     problem: str = ""  # non-finite values, wrong shape or dtype, missing tensor
+    width: int = 0  # a sketched tensor: the sketch's width and rows per group (0: compared whole)
+    group: int = 0
+    estimate: bool = False  # the error is an estimate from the sketch (False: exact)
+
+    @property
+    def sketched(self) -> bool:
+        return self.width > 0
 
     @property
     def ratio(self) -> float:
@@ -75,18 +85,24 @@ def same_route_tokens(golden: Golden, experts: Mapping[int, torch.Tensor]) -> di
 
 
 def compare_tensors(golden: Golden, produced: Mapping[str, torch.Tensor], tokens: Tokens, *, gradients: bool = True,
-                    same_routes: Mapping[int, torch.Tensor] | None = None) -> list[TensorResult]:
-    """Every toleranced tensor of the golden against `produced`, by row error.
+                    same_routes: Mapping[int, torch.Tensor] | None = None,
+                    sketches: Mapping[str, CandidateSketch | SketchProblem] | None = None) -> list[TensorResult]:
+    """Every toleranced tensor of the golden against `produced` (whole) or `sketches` (the candidate's
+    tensors the golden holds as sketches, reduced with their spec), by row error.
 
     `gradients=False`: a forward-only candidate, whose gradients are not compared (the report says so).
     `same_routes`: per MoE layer, the tokens whose route weights are comparable (see `same_route_tokens`).
     """
     results = []
+    sketches = sketches or {}
     for name in golden.compared_names():
         parsed = names.parse(name)
         if isinstance(parsed, names.Grad) and not gradients:
             continue
         tol = golden.manifest.tolerance[name]
+        if name in golden.sketches:
+            results.append(_compare_sketched(golden, name, sketches.get(name), tokens))
+            continue
         gold = golden.tensors[name]
         cand = produced.get(name)
         problem = _problem(name, cand, gold)
@@ -135,3 +151,46 @@ def _where(name: str, err: RowError, gold: torch.Tensor, tokens: Tokens) -> str:
     if gold.ndim == 1:
         return f"element {err.row}: golden {fmt.value(err.golden_value)} vs {fmt.value(err.candidate_value)}"
     return f"row {err.row} {values}"
+
+
+def _compare_sketched(golden: Golden, name: str, cand: CandidateSketch | SketchProblem | None,
+                      tokens: Tokens) -> TensorResult:
+    """A sketched golden tensor against the candidate's sketch of it."""
+    tol, gold = golden.manifest.tolerance[name], golden.sketches[name]
+    spec = gold.spec
+    kind = {"width": spec.width, "group": spec.group}
+    if cand is None or isinstance(cand, SketchProblem):
+        problem = "missing from the candidate" if cand is None else cand.problem
+        return TensorResult(name, float("inf"), tol.bound, tol.noise, problem=problem, **kind)
+    if cand.nonfinite_rows:
+        row = cand.first_nonfinite_row
+        where = _row_place(name, row, row, len(spec.shape), tokens)
+        return TensorResult(name, float("inf"), tol.bound, tol.noise, where=where, **kind,
+                            problem=f"{cand.nonfinite_rows} row(s) with non-finite values (NaN/Inf), first at {where}")
+    err = compare_sketch(gold, cand, bound=tol.bound, name=name)
+    where = _where_sketched(name, err, len(spec.shape), tokens)
+    return TensorResult(name, err.error, tol.bound, tol.noise, where=where, rows_over=err.rows_over, rows=err.groups,
+                        estimate=err.estimate, **kind)
+
+
+def _where_sketched(name: str, err: SketchError, ndim: int, tokens: Tokens) -> str:
+    """Where the worst group is: its rows (a token tensor's batch rows, positions and tokens)."""
+    place = _row_place(name, err.first_row, err.last_row, ndim, tokens)
+    return place if err.group >= 0 else f"{place}, outside the golden's non-zero rows"
+
+
+def _row_place(name: str, first: int, last: int, ndim: int, tokens: Tokens) -> str:
+    """Rows `first`..`last` of a tensor, named as a report names a row."""
+    if is_token_tensor(name):
+        (b0, s0), (b1, s1) = divmod(first, tokens.width), divmod(last, tokens.width)
+        ids = [int(tokens.ids[r]) for r in range(first, last + 1)
+               if r < tokens.ids.numel() and bool(tokens.mask[r])][:4]
+        shown = ", ".join(map(str, ids)) + (", ..." if last - first + 1 > len(ids) and ids else "")
+        token = f" (token{'s' if len(ids) > 1 else ''} {shown})" if ids else ""
+        if first == last:
+            return f"row {b0} pos {s0}{token}"
+        if b0 == b1:
+            return f"row {b0} pos {s0}-{s1}{token}"
+        return f"row {b0} pos {s0} to row {b1} pos {s1}{token}"
+    unit = "element" if ndim <= 1 else "row"
+    return f"{unit} {first}" if first == last else f"{unit}s {first}-{last}"

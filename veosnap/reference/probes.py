@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -72,17 +72,32 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     raise TypeError(f"{type(model).__name__}: no decoder layer list found")
 
 
+def host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy on the host, made now: a kernel may reuse the buffer in place later (on the CPU `.cpu()`
+    would be no copy)."""
+    return tensor.detach().to("cpu", copy=True)
+
+
+# What a hook keeps of a tensor it sees, given the tensor's golden name: a host copy by default; capture
+# passes its reducer's (a sketch made on the tensor's device for a sketched tensor).
+Keep = Callable[[str, torch.Tensor], object]
+
+
+def _host_copy(_name: str, tensor: torch.Tensor) -> torch.Tensor:
+    return host_copy(tensor)
+
+
 @contextmanager
-def record_layer_outputs(model: nn.Module) -> Iterator[dict[int, torch.Tensor]]:
-    """Within the block, each decoder layer's output hidden states are recorded by index."""
-    outputs: dict[int, torch.Tensor] = {}
+def record_layer_outputs(model: nn.Module, keep: Keep = _host_copy) -> Iterator[dict[int, object]]:
+    """Within the block, each decoder layer's output hidden states are recorded by index (what `keep`
+    keeps of them, at once, before a later kernel can reuse the buffer)."""
+    outputs: dict[int, object] = {}
     handles = []
     for index, layer in enumerate(decoder_layers(model)):
 
         def hook(_module: nn.Module, _inputs: tuple, output: object, index: int = index) -> None:
             hidden = output[0] if isinstance(output, (tuple, list)) else output
-            # A copy now: a kernel may reuse this buffer in place later (on the CPU .cpu() is no copy).
-            outputs[index] = hidden.detach().to("cpu", copy=True)
+            outputs[index] = keep(f"layers.{index}.output", hidden)
 
         handles.append(layer.register_forward_hook(hook))
     try:
@@ -93,20 +108,20 @@ def record_layer_outputs(model: nn.Module) -> Iterator[dict[int, torch.Tensor]]:
 
 
 @contextmanager
-def record_logits(model: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
-    """The logits as the LM head produced them, copied at once.
+def record_logits(model: nn.Module, keep: Keep = _host_copy) -> Iterator[dict[str, object]]:
+    """The logits as the LM head produced them, kept (`keep`) at once.
 
     Fused cross-entropy kernels (liger's) write the gradient into the logits' own buffer inside the
     model's forward, so by the time the forward returns `output.logits` holds something else.
     """
-    produced: dict[str, torch.Tensor] = {}
+    produced: dict[str, object] = {}
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is None:
         yield produced
         return
 
     def hook(_module: nn.Module, _inputs: tuple, output: torch.Tensor) -> None:
-        produced["logits"] = full(output.detach()).to("cpu", copy=True)
+        produced["logits"] = keep("logits", full(output.detach()))
 
     handle = head.register_forward_hook(hook)
     try:

@@ -1,6 +1,8 @@
 """One JSON document per command: checks (`passed`, `results`), a goldens diff, the support matrix.
 
-Every tensor is listed (worst first); numbers that are not finite are `null`.
+Every tensor is listed (worst first); numbers that are not finite are `null`. A tensor compared from
+a sketch says so: `estimate` holds the sentence the text report prints ("estimate from a 64-wide
+sketch (groups of 2 rows)"), null where the figure is exact; `sketch` is {width, group} or null.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from ..numerics.fmt import json_number
 from ..runs.diff import DiffReport, FieldChange, GoldenDiff
 from ..runs.matrix import Matrix
 from ..runs.verdict import CheckReport
+from .view import estimate_note, sketch_note
 
 
 def check_dict(report: CheckReport) -> dict:
@@ -38,7 +41,9 @@ def check_dict(report: CheckReport) -> dict:
         "notes": report.notes,
         "tensors": [
             {"name": t.name, "error": json_number(t.error), "bound": t.bound, "noise": t.noise,
-             "ratio": json_number(t.ratio), "passed": t.passed, "where": t.where, "problem": t.problem or None}
+             "ratio": json_number(t.ratio), "passed": t.passed, "where": t.where, "problem": t.problem or None,
+             "rows_over": t.rows_over, "rows": t.rows, "estimate": sketch_note(t) or None,
+             "sketch": {"width": t.width, "group": t.group} if t.sketched else None}
             for t in report.ranked()
         ],
     }
@@ -60,7 +65,8 @@ def golden_diff_dict(d: GoldenDiff) -> dict:
         "material": d.material,
         "compared": d.compared,
         "tensors": [{"name": t.name, "ratio": json_number(t.ratio), "error": json_number(t.error), "bound": t.bound,
-                     "problem": t.problem or None} for t in d.ranked()],
+                     "problem": t.problem or None,
+                     "estimate": estimate_note(t.width, t.group) if t.estimate else None} for t in d.ranked()],
         "tensors_added": d.tensors_added,
         "tensors_removed": d.tensors_removed,
         "routes": [{"layer": r.layer, "tokens": r.tokens, "flipped": r.flipped, "near_tie": r.near_tie,

@@ -15,6 +15,7 @@ from ..golden import names
 from ..golden.codec import Golden
 from ..golden.manifest import Approval, json_object
 from ..numerics import fmt
+from ..numerics.compare import TensorResult
 from ..runs.diff import DiffReport, FieldChange, GoldenDiff, TrailChange
 from ..runs.matrix import Cell, Matrix
 from ..runs.verdict import CheckReport
@@ -57,6 +58,17 @@ class CheckView:
     next: str = ""
 
 
+def estimate_note(width: int, group: int) -> str:
+    """What every renderer says where a figure is an estimate from a sketch."""
+    return f"estimate from a {width}-wide sketch (groups of {group} row{'s' if group != 1 else ''})"
+
+
+def sketch_note(t: TensorResult) -> str:
+    """A tensor result's estimate note ('' when its figure is exact: a whole tensor, or a sketched one's
+    worst row outside the golden's support, measured exactly)."""
+    return estimate_note(t.width, t.group) if t.sketched and t.estimate and not t.problem else ""
+
+
 def check_view(report: CheckReport, shown: int = SHOWN_ROWS) -> CheckView:
     view = CheckView(report.status, f"{report.golden}  backend={report.backend}  layout={report.layout}", [])
     if report.skipped:
@@ -83,10 +95,13 @@ def check_view(report: CheckReport, shown: int = SHOWN_ROWS) -> CheckView:
     room = shown if failing else min(shown, SHOWN_PASSING)
     for t in failing + [t for t in ranked if t.passed][: max(0, room - len(failing))]:
         where = t.problem or t.where
+        unit = "groups" if t.sketched else "rows"
         if t.rows_over and not t.problem:
-            where = f"{t.rows_over}/{t.rows} rows over; {where}"
+            where = f"{t.rows_over}/{t.rows} {unit} over; {where}"
         elif t.error == 0 and not t.problem:
             where = "bit-identical to the golden"
+        if sketch_note(t) and t.error != 0:
+            where = f"{where}; {sketch_note(t)}"
         view.rows.append(TensorRow(t.name, fmt.num(t.error), fmt.num(t.bound), fmt.num(t.ratio) + "x", t.passed, where))
     hidden = len(ranked) - len(view.rows)
     if hidden:
@@ -123,6 +138,7 @@ class MoveRow:
     error: str
     bound: str
     problem: str
+    estimate: str = ""  # the estimate note when the move is measured sketch to sketch
 
 
 @dataclass
@@ -204,7 +220,8 @@ def golden_change(d: GoldenDiff, shown: int | None = SHOWN_TENSORS, fields: int 
         manifest=d.manifest if fields is None else d.manifest[:fields],
         manifest_hidden=0 if fields is None else max(0, len(d.manifest) - fields),
         routes=[r.message() for r in d.routes], tensors_added=d.tensors_added, tensors_removed=d.tensors_removed,
-        tensors=[MoveRow(t.name, fmt.times(t.ratio), fmt.num(t.error), fmt.num(t.bound), t.problem) for t in kept],
+        tensors=[MoveRow(t.name, fmt.times(t.ratio), fmt.num(t.error), fmt.num(t.bound), t.problem,
+                         estimate_note(t.width, t.group) if t.estimate else "") for t in kept],
         tensors_hidden=(f"... {len(rest)} more moved, at most {fmt.times(rest[0].ratio)} bound "
                         "(--format json lists every one)") if rest else "",
         tolerance=_tolerance_line(d), provenance=d.provenance,
@@ -344,12 +361,24 @@ def golden_view(g: Golden, full: bool = False) -> GoldenView:
     if m.min_margin:
         margins = ", ".join(f"layer {layer}: {fmt.num(v)}" for layer, v in sorted(m.min_margin.items()))
         facts.append(("routers", f"min margin {margins}"))
+    if m.sketch is not None:
+        stored = sum(t.numel() * t.element_size() for t in g.stored_tensors().values())
+        facts.append(("sketch", f"mode {m.sketch.mode}: {len(g.sketches)} of {len(m.tolerance)} compared tensors "
+                                f"sketched (width x rows per group below); {stored} bytes stored, planned "
+                                f"{m.sketch.planned_bytes} for a target of {m.sketch.budget} (hard limit "
+                                f"{m.sketch.hard_limit})"))
     facts += [("approved", f"{a.reason!r} (replaced {a.previous_payload_hash})") for a in m.approvals]
-    every = sorted(g.tensors)
+    every = sorted({*g.tensors, *g.sketches})
     shown = every if full else [n for n in every if not names.parse(n).per_parameter]
     tensors = []
     for name in shown:
-        t, tol = g.tensors[name], m.tolerance.get(name)
-        tensors.append((name, str(t.dtype).removeprefix("torch."), str(list(t.shape)),
-                        f"noise {fmt.num(tol.noise)} bound {fmt.num(tol.bound)}" if tol else ""))
+        tol = m.tolerance.get(name)
+        bound = f"noise {fmt.num(tol.noise)} bound {fmt.num(tol.bound)}" if tol else ""
+        if name in g.sketches:
+            sketch = g.sketches[name]
+            tensors.append((name, sketch.dtype, str(list(sketch.spec.shape)),
+                            f"{bound}; sketch {sketch.spec.describe()} (seed {sketch.spec.seed})"))
+            continue
+        t = g.tensors[name]
+        tensors.append((name, str(t.dtype).removeprefix("torch."), str(list(t.shape)), bound))
     return GoldenView(facts, tensors, len(every), full, len(every) - len(shown))

@@ -32,7 +32,7 @@ from ..golden.key import GoldenKey
 from ..numerics.compare import compare_route_sets, compare_tensors, same_route_tokens
 from ..reference import coverage, hardware, limits, models
 from ..reference.capture import Capture
-from ..reference.determinism import deterministic
+from ..reference.determinism import deterministic, one_thread
 from ..reference.inputs import Batch
 from ..reference.zoo import Project, ToyConfig, load_checked
 from .verdict import CheckReport
@@ -58,7 +58,8 @@ def check_layouts(project: Project, key: GoldenKey, backend: Backend, layouts: S
     """
     timeout_s = guard.check_timeout(timeout_s)
     chosen = [(spec, registry.resolve(spec)) for spec in layouts]
-    golden, toy = load_checked(project, key, cross_class, gold)
+    with one_thread():  # a golden's tensors are small: a thread pool would cost more than the work
+        golden, toy = load_checked(project, key, cross_class, gold)
     batch = Batch.from_golden(golden)
     parameters = limits.check_config(toy)
     limits.check_batch(golden, toy)
@@ -91,8 +92,11 @@ def check_layouts(project: Project, key: GoldenKey, backend: Backend, layouts: S
         outcomes = torchrun.run(project, key, backend.spec, [chosen[index][0] for index in spawned], nproc, timeout_s)
         for index, outcome in zip(spawned, outcomes):
             fields = {"backend": backend.spec, "layout": chosen[index][0]}
-            reports[index] = (judge(golden, batch, outcome.result, fields) if outcome.result is not None
-                              else _report(golden, fields, skipped=outcome.skipped, error=outcome.error))
+            if outcome.result is None:
+                reports[index] = _report(golden, fields, skipped=outcome.skipped, error=outcome.error)
+                continue
+            with one_thread():
+                reports[index] = judge(golden, batch, outcome.result, fields)
     ordered = [reports[index] for index in range(len(chosen))]
     for report in ordered:
         report.notes[:0] = cross_class_notes(key)
@@ -122,7 +126,8 @@ def _in_process(golden: Golden, batch: Batch, toy: ToyConfig, backend: Backend, 
         else:
             report = None
     if report is None:
-        report = judge(golden, batch, result, fields)
+        with one_thread():  # comparing is many small ops: a thread pool would cost more than the work
+            report = judge(golden, batch, result, fields)
     if left:
         report.notes.append(f"candidate {fields['backend']} left patches behind (restored): {', '.join(left)}")
     return report
@@ -151,7 +156,7 @@ def compare(golden: Golden, batch: Batch, capture: Capture, replayed: Capture | 
     routes = compare_route_sets(golden, capture.experts(), tokens)
     source = replayed if replayed is not None else capture
     tensors = compare_tensors(golden, source.all_tensors(), tokens, gradients=source.backward,
-                              same_routes=same_route_tokens(golden, source.experts()))
+                              same_routes=same_route_tokens(golden, source.experts()), sketches=source.sketches)
     return CheckReport(golden=str(golden.key), model=golden.key.model, dtype=golden.key.dtype, tensors=tensors,
                        routes=routes, route_replay=replayed is not None, **report_fields)
 

@@ -43,14 +43,15 @@ class FreshRecorder:
                                               stdout=subprocess.PIPE, stderr=log, env=env, text=True)
         return self._proc
 
-    def record(self, project: Project, key: GoldenKey, seed: int = 0, allow_near_ties: bool = False) -> bytes:
+    def record(self, project: Project, key: GoldenKey, seed: int = 0, allow_near_ties: bool = False,
+               sketch: str = "auto") -> bytes:
         """The golden for `key` as the reference records it in a fresh process (its file bytes)."""
         proc = self._start()
         assert self._dir is not None and proc.stdin is not None and proc.stdout is not None
         out = Path(self._dir.name) / "golden.bin"
         request = {"goldens": str(project.goldens), "configs": str(project.configs), "testdata": str(project.testdata),
                    "hardware_class": project.hardware_class, "key": str(key), "seed": seed,
-                   "allow_near_ties": allow_near_ties, "out": str(out)}
+                   "allow_near_ties": allow_near_ties, "sketch": sketch, "out": str(out)}
         try:
             proc.stdin.write(json.dumps(request) + "\n")
             proc.stdin.flush()
@@ -94,10 +95,11 @@ class FreshRecorder:
         self.close()
 
 
-def record_bytes(project: Project, key: GoldenKey, seed: int = 0, allow_near_ties: bool = False) -> bytes:
+def record_bytes(project: Project, key: GoldenKey, seed: int = 0, allow_near_ties: bool = False,
+                 sketch: str = "auto") -> bytes:
     """One golden recorded in a fresh process."""
     with FreshRecorder() as recorder:
-        return recorder.record(project, key, seed, allow_near_ties)
+        return recorder.record(project, key, seed, allow_near_ties, sketch)
 
 
 def main() -> int:
@@ -114,7 +116,7 @@ def main() -> int:
             project = Project(Path(request["goldens"]), Path(request["configs"]), Path(request["testdata"]),
                               request["hardware_class"])
             golden = build_golden(project, GoldenKey.from_name(request["key"]), seed=request["seed"],
-                                  allow_near_ties=request["allow_near_ties"])
+                                  allow_near_ties=request["allow_near_ties"], sketch=request.get("sketch", "auto"))
             Path(request["out"]).write_bytes(codec.encode(golden))
             reply = {"ok": True}
         except VeosnapError as exc:

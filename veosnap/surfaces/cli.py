@@ -17,8 +17,9 @@ from typing import Callable, Sequence
 from ..candidates import backends, guard
 from ..candidates.layouts import registry as layouts
 from ..errors import VeosnapError
-from ..golden import store
+from ..golden import limits, store
 from ..golden.key import DTYPE_NAMES, SCENARIOS, GoldenKey
+from ..golden.sketches import MODES
 from ..numerics import fmt
 from ..reference.zoo import TIER_CHOICES, Project, resolve_dir
 from ..render import json as render_json
@@ -57,7 +58,7 @@ def cmd_record(args: argparse.Namespace) -> int:
     project = _recording_project(args)
     for model, dtype in _selection(args, project):
         outcome = record(project, model, dtype, scenario=args.scenario, seed=args.seed,
-                         allow_near_ties=args.allow_near_ties)
+                         allow_near_ties=args.allow_near_ties, sketch=args.sketch)
         margin = "" if outcome.min_margin is None else f"  min router margin {fmt.num(outcome.min_margin)}"
         note = f"  ({outcome.note})" if outcome.note else ""
         state = "wrote" if outcome.written else "unchanged"
@@ -104,7 +105,7 @@ def cmd_refresh(args: argparse.Namespace) -> int:
     project = _recording_project(args)
     for model, dtype in _selection(args, project):
         outcome = refresh(project, model, dtype, args.reason, force=args.force, scenario=args.scenario,
-                          allow_near_ties=args.allow_near_ties)
+                          allow_near_ties=args.allow_near_ties, sketch=args.sketch)
         print(f"{outcome.action:9s} {outcome.path}  ({outcome.why})")
         if outcome.diff is not None:
             print("\n".join(render_text.diff_golden(outcome.diff)))
@@ -213,6 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
     _scenario(p)
     p.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     p.add_argument("--allow-near-ties", action="store_true", help="record even if a router has near-ties")
+    p.add_argument("--sketch", choices=MODES, default="auto",
+                   help="store large tensors as sketches: auto (only when the golden would not fit "
+                        f"{limits.mib(limits.TARGET_BYTES)}), always, never (default auto; see docs/sketch.md)")
     commands["record"] = cmd_record
 
     p = sub.add_parser("check", help="check a backend against the goldens")
@@ -252,6 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reason", required=True, metavar="TEXT", help="why the goldens change (kept in the approval trail)")
     p.add_argument("--force", action="store_true", help="rewrite even goldens that did not move beyond noise")
     p.add_argument("--allow-near-ties", action="store_true", help="record even if a router has near-ties")
+    p.add_argument("--sketch", choices=MODES, default=None,
+                   help="auto, always or never (default: the mode the golden was recorded with, auto if it "
+                        "has no sketched tensor)")
     commands["refresh"] = cmd_refresh
 
     p = sub.add_parser("verify", help="check golden files for corruption and inconsistency")

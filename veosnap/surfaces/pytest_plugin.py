@@ -214,7 +214,9 @@ class VeosnapSession:
         if name not in self._recordings:
             if self._recorder is None:
                 self._recorder = FreshRecorder()
-            fresh = codec.decode(self._recorder.record(self.project, key), f"the fresh recording of {key}")
+            # Sketch mode auto (large models' goldens stay bounded); stored_bytes runs the reader's checks.
+            fresh = codec.decode(self._recorder.record(self.project, key, sketch="auto"),
+                                 f"the fresh recording of {key}")
             root = self.project.goldens
             self._recordings[name], _ = stored_bytes(fresh, store.path_for(root, key), root)
         return self._recordings[name]

@@ -8,6 +8,11 @@ real token went to other experts than the golden's, the step runs again forced o
 experts (route replay). Rank 0 then holds a `LayoutResult` shaped like the golden's capture:
 `assemble` puts every rank's token outputs (logits, layer outputs, routes) back at their positions in
 the golden's batch, and takes the full gradients.
+
+Tensors the golden holds as sketches are reduced where they are produced (`reference.reduce`): each
+pass's hooks sketch its token rows at their golden positions, so a rank sends only rows x width numbers
+(never a full activation) and rank 0 scatters them as it scatters whole rows; a gradient sharded by
+rows (FSDP2) is sketched shard by shard. Any other sharding is gathered first (docs/layouts.md).
 """
 
 from __future__ import annotations
@@ -20,9 +25,10 @@ from ...errors import Unsupported
 from ...golden import names
 from ...numerics.routes import flips
 from ...reference import train
-from ...reference.capture import Capture, Part, forward_backward, gradients
+from ...reference.capture import Capture, Part, forward_backward, reduce_gradients
 from ...reference.inputs import Batch
 from ...reference.probes import RouteRecord
+from ...reference.reduce import WHOLE, CandidateReducer, Reducer, Rows, assemble_rows
 from ..backends import Backend
 from .protocol import Layout, LayoutContext, Setup
 
@@ -67,6 +73,9 @@ class _Runner:
         self.layout, self.ctx, self.setup, self.backward = layout, ctx, setup, backward
         self.shards = layout.shard(ctx, setup)
         self.total = ctx.batch.predictions
+        # The golden's sketched tensors are reduced with its specs; everything else is kept whole.
+        self.reducer: Reducer = CandidateReducer(ctx.golden.sketches, ctx.batch.token_mask) \
+            if ctx.golden.sketches else WHOLE
 
     def passes(self, forced: dict[int, torch.Tensor] | None) -> list[Part]:
         """One step: every pass's forward and backward, gradients accumulating from zero."""
@@ -80,17 +89,22 @@ class _Runner:
                     grad_scale=float(self.setup.data.size), backward=self.backward,
                     # a padding slot (no golden position) may go anywhere: it is never compared
                     forced={layer: experts[shard.positions.clamp(min=0)] for layer, experts in forced.items()}
-                    if forced else None))
+                    if forced else None,
+                    reducer=self.reducer, positions=shard.positions))
         return parts
+
+    def gradients(self) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
+        """The step's gradients, whole or reduced (every rank joins the gathers of shards)."""
+        return reduce_gradients(self.setup.inner, self.reducer) if self.backward else ({}, {})
 
     def step(self) -> LayoutResult | None:
         parts = self.passes(None)
-        grads = gradients(self.setup.inner) if self.backward else {}  # every rank joins the gathers of shards
+        grads = self.gradients()
         replayed = None
         if self.ctx.any(self.routes_differ(parts)):
             forced = self.ctx.golden.experts()
             replayed_parts = self.passes(forced)
-            replayed = self.gather(replayed_parts, gradients(self.setup.inner) if self.backward else {})
+            replayed = self.gather(replayed_parts, self.gradients())
         capture = self.gather(parts, grads)
         return None if capture is None else LayoutResult(capture, replayed, list(self.setup.notes))
 
@@ -100,7 +114,7 @@ class _Runner:
         def forward_backward_step() -> tuple[torch.Tensor, dict[int, RouteRecord]]:
             parts = self.passes(None)
             # Only each step's loss and routes are kept: no token outputs cross between ranks.
-            gathered = self.gather([replace(p, logits=None, layers={}) for p in parts], {})
+            gathered = self.gather([replace(p, logits=None, layers={}) for p in parts], ({}, {}))
             if gathered is None:
                 return sum(p.loss for p in parts), {}
             return gathered.tensors[str(names.LOSS)], gathered.routes
@@ -124,12 +138,14 @@ class _Runner:
                     return True
         return False
 
-    def gather(self, parts: list[Part], grads: dict[str, torch.Tensor]) -> Capture | None:
+    def gather(self, parts: list[Part], grads: tuple[dict[str, torch.Tensor], dict[str, object]]) -> Capture | None:
         """On rank 0, the passes of every distinct data share assembled into the golden's positions."""
         mine = list(zip(parts, (s.positions for s in self.shards)))
         if self.setup.data.size == 1:  # every rank ran the whole batch: rank 0's passes are the run's
-            return assemble(self.ctx, mine, grads, self.backward) if self.ctx.rank == 0 else None
-        gathered = self.ctx.gather((self.setup.data.rank, mine))
+            return assemble(self.ctx, mine, grads, self.backward, self.reducer) if self.ctx.rank == 0 else None
+        # Only small things cross between ranks: whole token rows of whole tensors, and per-row
+        # sketches (rows x width) of sketched ones, moved to the host first.
+        gathered = self.ctx.gather((self.setup.data.rank, [(_to_host(part), positions) for part, positions in mine]))
         if gathered is None:
             return None
         pieces, seen = [], set()
@@ -137,29 +153,44 @@ class _Runner:
             if data_rank not in seen:  # peers holding the same data (tensor parallel) ran the same tokens
                 seen.add(data_rank)
                 pieces += items
-        return assemble(self.ctx, pieces, grads, self.backward)
+        return assemble(self.ctx, pieces, grads, self.backward, self.reducer)
 
 
-def assemble(ctx: LayoutContext, pieces: list[tuple[Part, torch.Tensor]], grads: dict[str, torch.Tensor],
-             backward: bool = True) -> Capture:
+def _to_host(part: Part) -> Part:
+    """`part` with its sketched rows on the host (a collective pickles what it sends)."""
+    host = lambda kept: kept.cpu() if isinstance(kept, Rows) else kept  # noqa: E731
+    return replace(part, logits=host(part.logits), layers={layer: host(v) for layer, v in part.layers.items()})
+
+
+def assemble(ctx: LayoutContext, pieces: list[tuple[Part, torch.Tensor]],
+             grads: tuple[dict[str, torch.Tensor], dict[str, object]], backward: bool = True,
+             reducer: Reducer = WHOLE) -> Capture:
     """Passes of a layout, each with the golden positions of its token slots, as one capture shaped
     like the golden's: token outputs scattered back to their positions (positions no pass covered are
-    padding, and keep the golden's values), the loss summed, the gradients as given."""
+    padding, and keep the golden's values; a sketched tensor's rows there are zero, and masked), the
+    loss summed, the gradients as given (whole ones, and sketched ones as the reducer kept them)."""
     batch = ctx.batch
+    whole_grads, kept_grads = grads
     tensors: dict[str, torch.Tensor] = {str(names.LOSS): sum(part.loss for part, _ in pieces)}
+    sketches: dict[str, object] = dict(kept_grads)
     parts = [part for part, _ in pieces]
-    if parts[0].logits is not None:
-        tensors[str(names.LOGITS)] = _grid(batch, _scatter(ctx, names.LOGITS, [p.logits for p in parts], pieces))
-    for layer in sorted(parts[0].layers):
-        name = names.LayerOutput(layer)
-        tensors[str(name)] = _grid(batch, _scatter(ctx, name, [p.layers[layer] for p in parts], pieces))
+    produced = {} if parts[0].logits is None else {names.LOGITS: [p.logits for p in parts]}
+    produced.update({names.LayerOutput(layer): [p.layers[layer] for p in parts] for layer in sorted(parts[0].layers)})
+    for name, values in produced.items():
+        if reducer.spec(str(name)) is not None:
+            if all(isinstance(v, Rows) for v in values):  # a problem (wrong shape) is reported as the tensor's
+                _covered(ctx, name, torch.cat([v.positions for v in values]))
+            rows = assemble_rows(values, batch.rows * batch.width)
+            sketches[str(name)] = reducer.finish(str(name), rows)
+        else:
+            tensors[str(name)] = _grid(batch, _scatter(ctx, name, values, pieces))
     routes = {}
     for layer in sorted(parts[0].routes):
         recs = [p.routes[layer] for p in parts]
         experts, weights, margin = (_scatter(ctx, names.Route(layer, part), [getattr(r, part) for r in recs], pieces)
                                     for part in ("experts", "weights", "margin"))
         routes[layer] = RouteRecord(layer, experts.long(), weights, margin)
-    return Capture(tensors={**tensors, **grads}, routes=routes, backward=backward)
+    return Capture(tensors={**tensors, **whole_grads}, routes=routes, backward=backward, sketches=sketches)
 
 
 def _grid(batch: Batch, flat: torch.Tensor) -> torch.Tensor:
@@ -176,8 +207,18 @@ def _scatter(ctx: LayoutContext, name: names.TensorName, values: list[torch.Tens
         raise LayoutError(f"{name}: the passes produced {rows.shape[0]} token rows for {positions.numel()} positions")
     kept = positions >= 0  # slots a layout added (padding) stand for no golden position
     rows, positions = rows[kept], positions[kept]
-    count = ctx.batch.rows * ctx.batch.width
-    covered = torch.zeros(count, dtype=torch.bool)
+    covered = _covered(ctx, name, positions)
+    out = torch.zeros(ctx.batch.rows * ctx.batch.width, *rows.shape[1:], dtype=rows.dtype)
+    gold = ctx.golden.tensors.get(str(name))
+    if gold is not None and gold.numel() == out.numel():  # padding nobody computed: the golden's own values
+        out[~covered] = gold.reshape(out.shape)[~covered].to(out.dtype)
+    out[positions] = rows
+    return out
+
+
+def _covered(ctx: LayoutContext, name: names.TensorName, positions: torch.Tensor) -> torch.Tensor:
+    """[rows * width] bool: the golden positions the passes produced, each once, every real token among them."""
+    covered = torch.zeros(ctx.batch.rows * ctx.batch.width, dtype=torch.bool)
     if positions.numel() != positions.unique().numel():
         raise LayoutError(f"{name}: passes overlap (a golden position is produced twice)")
     covered[positions] = True
@@ -186,12 +227,7 @@ def _scatter(ctx: LayoutContext, name: names.TensorName, values: list[torch.Tens
         first = int(missing.nonzero()[0])
         row, pos = divmod(first, ctx.batch.width)
         raise LayoutError(f"{name}: no pass produced the token at row {row} pos {pos}")
-    out = torch.zeros(count, *rows.shape[1:], dtype=rows.dtype)
-    gold = ctx.golden.tensors.get(str(name))
-    if gold is not None and gold.numel() == out.numel():  # padding nobody computed: the golden's own values
-        out[~covered] = gold.reshape(out.shape)[~covered].to(out.dtype)
-    out[positions] = rows
-    return out
+    return covered
 
 
 def _row_dims(name: names.TensorName) -> int:
