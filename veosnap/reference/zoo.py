@@ -54,6 +54,9 @@ def resolve_dir(kind: str, flag: str | Path | None = None) -> Path:
 TIERS = ("toy", "real")
 TIER_CHOICES = (*TIERS, "all")
 SIDECAR = "veosnap.json"
+# tier; batch (a BatchRecipe); golden_budget_mib (what a golden aims for before compression: the real
+# tier keeps goldens small enough to travel with the repository); real_config and note (for people).
+SIDECAR_FIELDS = ("tier", "batch", "golden_budget_mib", "real_config", "note")
 TOY_SEQUENCES_FILE = "sequences.parquet"
 
 
@@ -89,6 +92,7 @@ class ToyConfig:
     path: Path
     tier: str = "toy"
     batch: BatchRecipe = BatchRecipe()
+    golden_budget: int | None = None  # bytes a golden aims for (sketching the rest); None: golden.limits' target
 
     @property
     def hash(self) -> str:
@@ -107,24 +111,28 @@ def list_models(configs_dir: Path, tier: str = "all") -> list[str]:
     return [n for n in names if read_sidecar(configs_dir / n)[0] == tier]
 
 
-def read_sidecar(directory: Path) -> tuple[str, BatchRecipe]:
-    """The tier and batch recipe a config directory's `veosnap.json` declares (toy defaults without one)."""
+def read_sidecar(directory: Path) -> tuple[str, BatchRecipe, int | None]:
+    """The tier, batch recipe and golden budget (bytes) a config directory's `veosnap.json` declares
+    (toy defaults without one)."""
     path = directory / SIDECAR
     if not path.is_file():
-        return "toy", BatchRecipe()
+        return "toy", BatchRecipe(), None
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise VeosnapError(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(data, dict):
         raise VeosnapError(f"{path}: expected an object like {{\"tier\": \"real\"}}")
-    unknown = sorted(set(data) - {"tier", "batch", "real_config", "note"})
+    unknown = sorted(set(data) - set(SIDECAR_FIELDS))
     if unknown:
-        raise VeosnapError(f"{path}: unknown field {unknown[0]!r} (known: tier, batch, real_config, note)")
+        raise VeosnapError(f"{path}: unknown field {unknown[0]!r} (known: {', '.join(SIDECAR_FIELDS)})")
     tier = data.get("tier", "toy")
     if tier not in TIERS:
         raise VeosnapError(f"{path}: tier {tier!r} is not one of {', '.join(TIERS)}")
-    return tier, _recipe(path, data.get("batch"))
+    budget = data.get("golden_budget_mib")
+    if budget is not None and (type(budget) not in (int, float) or not 0 < budget <= 64):
+        raise VeosnapError(f"{path}: golden_budget_mib must be a number of MiB in (0, 64], not {budget!r}")
+    return tier, _recipe(path, data.get("batch")), None if budget is None else int(budget * 2**20)
 
 
 def _recipe(path: Path, value: object) -> BatchRecipe:
@@ -156,8 +164,8 @@ def load_config(configs_dir: Path, name: str) -> ToyConfig:
         raise VeosnapError(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(config, dict) or "model_type" not in config:
         raise VeosnapError(f"{path}: a HF config needs a 'model_type' field")
-    tier, batch = read_sidecar(path.parent)
-    return ToyConfig(name=name, config=config, path=path, tier=tier, batch=batch)
+    tier, batch, budget = read_sidecar(path.parent)
+    return ToyConfig(name=name, config=config, path=path, tier=tier, batch=batch, golden_budget=budget)
 
 
 @dataclass(frozen=True)

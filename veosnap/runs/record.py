@@ -85,7 +85,7 @@ def build_golden(project: Project, key: GoldenKey, seed: int = 0, allow_near_tie
         torch.manual_seed(seed)
         model = models.build(toy, dtype, device, seed)
         absent = coverage.absences(model)
-        chosen = _plan(key, model, batch, sketch, seed)
+        chosen = _plan(key, model, batch, sketch, seed, toy.golden_budget)
         reducer: Reducer = RecordReducer(chosen, batch.token_mask) if chosen.sketched else WHOLE
         high = models.upcast_copy(model, toy, torch.float64)  # before training moves the weights
         if hyper is None:
@@ -174,7 +174,8 @@ def build_golden(project: Project, key: GoldenKey, seed: int = 0, allow_near_tie
     return golden
 
 
-def _plan(key: GoldenKey, model: torch.nn.Module, batch: inputs.Batch, mode: str, seed: int) -> Plan:
+def _plan(key: GoldenKey, model: torch.nn.Module, batch: inputs.Batch, mode: str, seed: int,
+          budget: int | None = None) -> Plan:
     """Each tensor's form (whole or sketched with which spec), from shapes, before the reference runs.
 
     The train scenario's goldens are stored whole (sketching covers the step scenario): a train golden
@@ -192,7 +193,8 @@ def _plan(key: GoldenKey, model: torch.nn.Module, batch: inputs.Batch, mode: str
                                "fewer layers, or pass --sketch never (up to the hard limit)")
         return chosen
     try:
-        return plan(shapes, mode=mode, fixed_bytes=fixed, seed=seed)
+        return plan(shapes, mode=mode, fixed_bytes=fixed, seed=seed,
+                    **({} if budget is None else {"budget": budget}))  # a config's own budget (veosnap.json)
     except VeosnapError as exc:
         raise VeosnapError(f"{key}: {exc}") from None
 
