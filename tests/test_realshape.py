@@ -213,3 +213,32 @@ def test_the_narrow_moe_golden_has_experts_without_tokens(narrow):
     for layer in (0, 1):
         used = gold.tensors[f"routes.{layer}.experts"].unique().numel()
         assert used <= 12 * 8 < 128, used
+
+
+# --- the committed cpu real-shape goldens ---------------------------------------------------------
+
+CPU_REAL = {"qwen3-real": ["tail_key_block_dropped", "loss_int16_vocab", "varlen_boundary_late"],
+            "qwen3_moe-real-small": ["empty_expert_shifts_groups"]}
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("model", sorted(CPU_REAL))
+def test_the_cpu_real_shape_golden_passes_the_reference_and_catches_its_planted_bugs(model, repo_project):
+    golden = repo_project.goldens / "cpu" / model / "step-float32.safetensors.zst"
+    if not golden.is_file():
+        pytest.skip(f"{golden} not recorded (veosnap record --model {model} --dtype float32)")
+    (reference,) = check_layouts_single(repo_project, model, "eager")
+    assert reference.passed and reference.worst.ratio < 0.5, (reference.worst.name, reference.worst.ratio)
+    for fault in CPU_REAL[model]:
+        named, _reach = realshape_faults.FAULTS[fault]
+        report = run(repo_project, model, fault)
+        assert not report.passed, fault
+        bad = failing(report)
+        assert (any(".experts." in n for n in bad) and "layers.0.output" in bad) if named == "moe" else named in bad, \
+            (fault, sorted(bad))
+
+
+def check_layouts_single(project: Project, model: str, spec: str) -> list[CheckReport]:
+    from veosnap.runs.check import check_layouts
+
+    return check_layouts(project, GoldenKey("cpu", model, "step", "float32"), backends.resolve(spec), ["single"])
