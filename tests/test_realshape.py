@@ -192,11 +192,13 @@ def test_a_real_shape_bug_passes_the_toy_golden_and_fails_the_real_shape_one(fau
         assert named in bad, sorted(bad)
 
 
+@pytest.mark.heavy
 def test_the_int16_loss_bug_is_named_in_the_loss_not_the_logits(narrow):
     report = run(narrow, "narrow-packed", "loss_int16_vocab")
     assert {"loss", "grad.lm_head.weight"} <= failing(report) and "logits" not in failing(report)
 
 
+@pytest.mark.heavy
 def test_the_late_varlen_boundary_shows_on_a_sequence_after_the_16th(narrow):
     report = run(narrow, "narrow-packed", "varlen_boundary_late")
     layer0 = next(t for t in report.tensors if t.name == "layers.0.output")
@@ -206,6 +208,7 @@ def test_the_late_varlen_boundary_shows_on_a_sequence_after_the_16th(narrow):
                                hardware_class="cpu"), "llama", "varlen_boundary_late", layout="packed").passed
 
 
+@pytest.mark.heavy
 def test_the_narrow_moe_golden_has_experts_without_tokens(narrow):
     from veosnap.golden import store
 
