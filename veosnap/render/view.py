@@ -1,8 +1,10 @@
 """The one view model: what a report says and which rows it shows, decided once for every renderer.
 
 `check_view`, `golden_change`, `matrix_view` and `golden_view` turn typed results into lines and rows
-of text (numbers formatted by `numerics.fmt`); `text`, `markdown` and (to come) `html` only lay them out.
+of text (numbers formatted by `numerics.fmt`); `text`, `markdown` and `html` only lay them out.
 A failed check shows every failing tensor then its closest passing ones, a passed one its closest calls;
+its worst rows (`worst_rows_sections`) are shown for the failing forward tensors in forward order, then
+for the failing gradients or updates worst first;
 a diff's terminal text cuts long lists where markdown folds them; a matrix groups repeated skips.
 """
 
@@ -105,6 +107,45 @@ def next_step(report: CheckReport) -> str:
     if not report.routes_passed:
         return f"look at the router inputs of the first flipped layer; full detail: {cmd}"
     return f"{cmd}  (every tensor, worst rows; start from the first diverging layer)"
+
+
+@dataclass(frozen=True)
+class RowsSection:
+    """Tensors a report shows with their worst rows (by name, in order), and how many more there were."""
+
+    title: str
+    caption: str
+    tensors: list[str]
+    more: int = 0
+
+
+def forward_order(name: names.TensorName) -> tuple:
+    """Sort key: the order a forward pass computes tensors (per layer its routes then its output; then
+    logits, loss and the train curves)."""
+    layer = name.layer
+    return (layer is None, layer if layer is not None else 0, {"routes": 0, "output": 1}.get(name.group, 2), str(name))
+
+
+def worst_rows_sections(report: CheckReport, shown: int = SHOWN_ROWS) -> list[RowsSection]:
+    """Which tensors a report shows with their worst rows: the failing forward tensors in forward order
+    (their worst rows are tokens), then the failing gradients or updates worst first (output rows); a
+    passed check, its closest calls."""
+    ranked = report.ranked()
+    failing = [t for t in ranked if not t.passed]
+    if not failing:
+        return [RowsSection("Closest calls", "The tensors nearest their bound, and their worst rows.",
+                            [t.name for t in ranked[:SHOWN_PASSING]])] if ranked else []
+    forward = sorted((t.parsed for t in failing if t.parsed.stage == "forward"), key=forward_order)
+    params = [t.name for t in failing if t.parsed.stage != "forward"]
+    sections = []
+    if forward:
+        sections.append(RowsSection("Worst tokens", "Failing forward tensors in forward order, each with its worst "
+                                    "tokens (b = batch row, p = position, t = token id).",
+                                    [str(n) for n in forward[:shown]], len(forward) - shown))
+    if params:
+        sections.append(RowsSection("Worst parameter rows", "Failing gradients or updates, worst first, each with its "
+                                    "worst output rows.", params[:shown], len(params) - shown))
+    return sections
 
 
 def checks_summary(reports: list[CheckReport]) -> str:

@@ -58,6 +58,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         return cmd_matrix(args)
     if args.backends or args.layouts:
         raise VeosnapError("--backends and --layouts go with --matrix (for one backend: --backend SPEC)")
+    html_path = _html_target(args.html) if args.html else None  # a bad path fails before the checks run
     from ..runs.check import check_layouts
 
     project = _project(args)
@@ -71,7 +72,21 @@ def cmd_check(args: argparse.Namespace) -> int:
     ]
     out = render_json.checks(reports) if args.format == "json" else render_text.checks(reports, color=sys.stdout.isatty())
     sys.stdout.write(out if out.endswith("\n") else out + "\n")
+    if html_path is not None:
+        from ..render import html as render_html
+
+        store.write_bytes(render_html.checks(reports).encode(), html_path)
+        print(f"wrote {html_path}", file=sys.stderr)
     return EXIT_OK if all(r.passed for r in reports) else EXIT_FAILED
+
+
+def _html_target(path: Path) -> Path:
+    """The file `--html` writes: a new or existing file in an existing directory."""
+    if path.is_dir():
+        raise VeosnapError(f"--html {path}: is a directory; name the page to write, e.g. {path / 'veosnap.html'}")
+    if not path.parent.is_dir():
+        raise VeosnapError(f"--html {path}: directory {path.parent} does not exist")
+    return path
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
@@ -113,6 +128,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_matrix(args: argparse.Namespace) -> int:
     from ..runs import matrix
 
+    if args.html:
+        raise VeosnapError("--html goes with a check of one backend (not --matrix)")
     if args.backend:
         raise VeosnapError("--matrix takes --backends a,b,c (not --backend)")
     project = _project(args)
@@ -212,6 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
                    help="seconds before a multi-process check is ended as an error (default %(default)g)")
     p.add_argument("--format", choices=("text", "json"), default="text")
+    p.add_argument("--html", metavar="FILE", type=Path,
+                   help="also write the report as one self-contained HTML page: error/bound per layer, forward "
+                        "and backward, route flips per expert, worst rows")
     p.add_argument("--cross-class", action="store_true",
                    help="allow goldens of another hardware class than this machine's (measures the gap)")
     commands["check"] = cmd_check
