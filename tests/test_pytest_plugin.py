@@ -143,6 +143,28 @@ def test_a_planted_bug_in_the_backend_fails_with_veosnaps_report(project: Path) 
     assert git(project, "status", "--porcelain") == " M mypkg/attention.py\n"
 
 
+def test_veosnap_html_writes_one_page_per_failing_check_named_after_the_test(project: Path) -> None:
+    kernel = project / "mypkg" / "attention.py"
+    old, new = PLANTED_BUG
+    kernel.write_text(kernel.read_text().replace(old, new))
+
+    run = pytest_in(project, "--veosnap-html", "reports/html", "-k", "not grouped")
+    assert run.ret == 1, run.output
+    pages = sorted(p.name for p in (project / "reports" / "html").iterdir())
+    assert pages == [f"tests_test_kernels.py_test_attention_matches_reference_{model}-float32-blockwise.html"
+                     for model in ("llama", "qwen3_moe")]
+    assert "HTML report: reports/html/tests_test_kernels.py_test_attention_matches_reference_llama-float32-blockwise" \
+           ".html" in run.output
+    page = (project / "reports" / "html" / pages[0]).read_text(encoding="utf-8")
+    assert 'data-golden="cpu/llama/step-float32" data-status="FAIL"' in page
+    assert "first diverging layer" in page
+
+    (project / "not-a-dir").write_text("")
+    run = pytest_in(project, "--veosnap-html", "not-a-dir")
+    assert run.ret == 4, run.output
+    assert "veosnap: --veosnap-html not-a-dir: not a directory" in run.output
+
+
 def test_a_layout_checked_through_the_fixture_fails_on_a_planted_layout_bug(project: Path) -> None:
     planted = REPO / "tests" / "layout_faults.py"
     (project / "tests" / "test_layouts.py").write_text(

@@ -17,6 +17,8 @@ that merely have veosnap installed.
 
 from __future__ import annotations
 
+import hashlib
+import re
 import shlex
 from dataclasses import dataclass, field
 from itertools import product
@@ -71,11 +73,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                         help=f"{what} directory (default: ini veosnap_{kind}, else <rootdir>/"
                              f"{'toy_configs' if kind == 'configs' else kind} if present, else veosnap's bundled zoo)")
         parser.addini(f"veosnap_{kind}", f"veosnap {what} directory, relative to the ini file", default=None)
+    group.addoption("--veosnap-html", metavar="DIR", default=None,
+                    help="write one self-contained HTML page per failing veosnap check into DIR, named after the "
+                         "test's node id")
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", f"{_MATRIX_MARK}(models, dtypes, backends, layouts): veosnap check matrix "
                                        "(use veosnap.surfaces.pytest_plugin.matrix)")
+    html = config.getoption("veosnap_html", None)
+    if html and (config.invocation_params.dir / html).exists() and not (config.invocation_params.dir / html).is_dir():
+        raise pytest.UsageError(f"veosnap: --veosnap-html {html}: not a directory")
     state = VeosnapSession(config)
     config.stash[_STATE] = state
     if config.pluginmanager.hasplugin("xdist"):
@@ -256,11 +264,27 @@ class VeosnapSession:
         _raise_for(snapshot)
         if candidate.report is None:
             raise GoldenMismatch(candidate.missing)
-        message = "\n" + "\n".join(candidate.diff_lines(None))
+        message = "\n" + "\n".join(candidate.diff_lines(None)) + self._write_html(request, candidate.report)
         if self.update:
             message += ("\n(--snapshot-update records goldens from the HF eager reference only; "
                         "this candidate was checked, not written)")
         raise GoldenMismatch(message, candidate.report)
+
+    def _write_html(self, request: pytest.FixtureRequest, report: CheckReport) -> str:
+        """With --veosnap-html DIR: the failing check's page, written to DIR/<node id>.html; the line saying so."""
+        html = self.config.getoption("veosnap_html")
+        if not html:
+            return ""
+        from ..errors import VeosnapError
+        from ..golden import store
+        from ..render import html as render_html
+
+        path = (self.config.invocation_params.dir / html).resolve() / html_name(request.node.nodeid)
+        try:
+            store.write_bytes(render_html.checks([report]).encode(), path)
+        except (OSError, VeosnapError) as exc:
+            return f"\nveosnap: HTML report not written: {exc}"
+        return f"\nHTML report: {_shown(path)}"
 
     def _missing_message(self, request: pytest.FixtureRequest, key: GoldenKey, path: Path) -> str:
         project = self.project
@@ -366,6 +390,14 @@ class VeosnapSession:
 
 
 _STATE = pytest.StashKey[VeosnapSession]()
+
+
+def html_name(nodeid: str) -> str:
+    """The file name of a test's HTML report: its node id with only letters, digits, '.', '-' and '_'."""
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", nodeid).strip("._") or "check"
+    if len(stem) > 200:  # file names end at 255 bytes; the digest keeps long parametrized ids apart
+        stem = stem[:190] + "-" + hashlib.sha256(nodeid.encode()).hexdigest()[:8]
+    return stem + ".html"
 
 
 def _raise_for(snapshot: SnapshotAssertion) -> None:
