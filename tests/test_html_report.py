@@ -16,6 +16,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+from golden_repo import committed_golden
 
 from veosnap.surfaces.cli import main
 
@@ -181,6 +182,7 @@ def test_route_flips_per_layer_and_expert_match_the_json(repo_project, capsys, t
 
 @needs_browser
 def test_a_train_runs_updates_are_charted_from_the_lm_head_down(repo_project, capsys, tmp_path):
+    committed_golden("qwen3_moe", "float32", "train")
     page = tmp_path / "train.html"
     dirs = ["--goldens", str(repo_project.goldens), "--configs", str(repo_project.configs)]
     assert main(["check", *dirs, "--model", "qwen3_moe", "--dtype", "float32", "--scenario", "train", "--backend",

@@ -18,14 +18,16 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
+from golden_repo import CLASS
 
 import veosnap
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "pytest-plugin.md"
 MODELS = ("llama", "qwen3_moe")
-LLAMA = Path("goldens/cpu/llama/step-float32.safetensors.zst")
-QWEN3_MOE = Path("goldens/cpu/qwen3_moe/step-float32.safetensors.zst")
+LLAMA = Path(f"goldens/{CLASS}/llama/step-float32.safetensors.zst")  # recorded on this machine, in its class
+QWEN3_MOE = Path(f"goldens/{CLASS}/qwen3_moe/step-float32.safetensors.zst")
+LLAMA_BF16 = Path(f"goldens/{CLASS}/llama/step-bfloat16.safetensors.zst")
 PLANTED_BUG = ("running_sum = running_sum * rescale + ", "running_sum = running_sum + ")
 
 
@@ -44,9 +46,10 @@ class Run:
 
 def pytest_in(project: Path, *args: str) -> Run:
     """Run pytest in `project` in a fresh interpreter, with this checkout's veosnap."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PYTEST_", "VEOSNAP_")) and k != "PYTHONPATH"}
-    env["PYTHONPATH"] = str(Path(veosnap.__file__).resolve().parents[1])
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "VEOSNAP_"))}
+    # This checkout's veosnap first; the rest of the path stays (a GPU machine may carry packages there).
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(veosnap.__file__).resolve().parents[1]),
+                                                      env.get("PYTHONPATH")]))
     plugin = [] if any(ep.value == "veosnap.surfaces.pytest_plugin" for ep in entry_points(group="pytest11")) \
         else ["-p", "veosnap.surfaces.pytest_plugin"]
     proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *plugin, "-q", *args],
@@ -55,6 +58,8 @@ def pytest_in(project: Path, *args: str) -> Run:
 
 
 def git(project: Path, *args: str) -> str:
+    if shutil.which("git") is None:
+        pytest.skip("needs git, which is not installed here")
     return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=project, check=True,
                           capture_output=True, text=True).stdout
 
@@ -109,7 +114,7 @@ def test_a_deleted_golden_is_reported_missing_and_recreated_by_snapshot_update(p
     run = pytest_in(project)
     assert run.ret == 1, run.output
     assert "1 failed, 2 passed" in run.output
-    assert "no golden for cpu/llama/step-float32" in run.output
+    assert f"no golden for {CLASS}/llama/step-float32" in run.output
     assert "pytest --snapshot-update 'tests/test_kernels.py::test_attention_matches_reference[llama-float32-blockwise]'" \
         in run.output
     assert "veosnap record --model llama --dtype float32" in run.output
@@ -131,7 +136,7 @@ def test_a_planted_bug_in_the_backend_fails_with_veosnaps_report(project: Path) 
     assert run.ret == 1, run.output
     assert "3 failed" in run.output
     assert "GoldenMismatch" in run.output
-    assert "FAIL  cpu/llama/step-float32  backend=blockwise  layout=single" in run.output
+    assert f"FAIL  {CLASS}/llama/step-float32  backend=blockwise  layout=single" in run.output
     assert "first diverging layer: layer 0 (layers.0.output" in run.output
     assert re.search(r"E\s+logits\s+\S+\s+\S+\s+\S+x\s+FAIL", run.output), run.output
 
@@ -156,7 +161,7 @@ def test_veosnap_html_writes_one_page_per_failing_check_named_after_the_test(pro
     assert "HTML report: reports/html/tests_test_kernels.py_test_attention_matches_reference_llama-float32-blockwise" \
            ".html" in run.output
     page = (project / "reports" / "html" / pages[0]).read_text(encoding="utf-8")
-    assert 'data-golden="cpu/llama/step-float32" data-status="FAIL"' in page
+    assert f'data-golden="{CLASS}/llama/step-float32" data-status="FAIL"' in page
     assert "first diverging layer" in page
 
     (project / "not-a-dir").write_text("")
@@ -176,19 +181,19 @@ def test_a_layout_checked_through_the_fixture_fails_on_a_planted_layout_bug(proj
     run = pytest_in(project, "tests/test_layouts.py")
     assert run.ret == 1, run.output
     assert "1 failed, 1 passed" in run.output
-    assert f"FAIL  cpu/llama/step-float32  backend=blockwise  layout={planted}:packed_no_restart" in run.output
+    assert f"FAIL  {CLASS}/llama/step-float32  backend=blockwise  layout={planted}:packed_no_restart" in run.output
     assert "first diverging layer: layer 0 (layers.0.output" in run.output
 
 
 def test_unused_goldens_fail_a_full_run_are_kept_by_partial_runs_and_deleted_by_snapshot_update(project: Path) -> None:
-    unused = project / "goldens" / "cpu" / "llama" / "step-bfloat16.safetensors.zst"
+    unused = project / LLAMA_BF16
     shutil.copy(project / LLAMA, unused)  # no test checks llama in bfloat16
 
     run = pytest_in(project)
     assert run.ret == 1, run.output
     assert "3 passed" in run.output
     assert "1 golden(s) unused." in run.output
-    assert "Unused cpu/llama/step-bfloat16" in run.output
+    assert f"Unused {CLASS}/llama/step-bfloat16" in run.output
 
     for partial in (["-k", "grouped"], ["tests/test_kernels.py"]):
         run = pytest_in(project, "--snapshot-update", *partial)
@@ -199,13 +204,13 @@ def test_unused_goldens_fail_a_full_run_are_kept_by_partial_runs_and_deleted_by_
     run = pytest_in(project, "--snapshot-update")
     assert run.ret == 0, run.output
     assert "1 unused golden(s) deleted." in run.output
-    assert "Deleted cpu/llama/step-bfloat16" in run.output
+    assert f"Deleted {CLASS}/llama/step-bfloat16" in run.output
     assert not unused.exists()
     assert git(project, "status", "--porcelain") == ""
 
 
 def test_a_veosnap_test_skipped_before_its_check_keeps_unused_goldens(project: Path) -> None:
-    unused = project / "goldens" / "cpu" / "llama" / "step-bfloat16.safetensors.zst"
+    unused = project / LLAMA_BF16
     shutil.copy(project / LLAMA, unused)
     (project / "tests" / "test_gpu.py").write_text(
         "import pytest\n\n\n"
@@ -220,21 +225,22 @@ def test_a_veosnap_test_skipped_before_its_check_keeps_unused_goldens(project: P
 
 
 def test_a_hardware_class_without_goldens_skips_with_the_reason(recorded: Path) -> None:
-    run = pytest_in(recorded, "-rs", "--veosnap-hardware-class", "cuda-sm90")
+    other = "cuda-sm90" if CLASS != "cuda-sm90" else "cuda-sm89"
+    run = pytest_in(recorded, "-rs", "--veosnap-hardware-class", other)
     assert run.ret == 0, run.output
     assert "3 skipped" in run.output
-    assert "no goldens for hardware class cuda-sm90" in run.output
+    assert f"no goldens for hardware class {other}" in run.output
 
 
 def test_under_xdist_only_the_unused_golden_is_deleted(project: Path) -> None:
     pytest.importorskip("xdist")
-    unused = project / "goldens" / "cpu" / "llama" / "step-bfloat16.safetensors.zst"
+    unused = project / LLAMA_BF16
     shutil.copy(project / LLAMA, unused)
 
     run = pytest_in(project, "-n", "2", "--snapshot-update")
     assert run.ret == 0, run.output
     assert "3 passed" in run.output
-    assert run.output.count("Deleted cpu/") == 1, run.output
-    assert "Deleted cpu/llama/step-bfloat16" in run.output
+    assert run.output.count(f"Deleted {CLASS}/") == 1, run.output
+    assert f"Deleted {CLASS}/llama/step-bfloat16" in run.output
     assert not unused.exists()
     assert git(project, "status", "--porcelain") == ""

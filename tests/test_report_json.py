@@ -50,7 +50,7 @@ def test_route_flips_are_counted_per_expert(repo_project, capsys):
     assert gained != lost
     assert len(first["gained"]) == len(first["lost"]) == 8  # qwen3_moe's 8 experts
     # The fault moves the batch's last token; the golden sent it to `lost` and not to `gained`.
-    gold = store.read(repo_project.goldens / "cpu" / "qwen3_moe" / "step-float32.safetensors.zst")
+    gold = store.read(repo_project.goldens / repo_project.hardware_class / "qwen3_moe" / "step-float32.safetensors.zst")
     experts = gold.tensors[f"routes.{first['layer']}.experts"]
     assert first["first_flipped_token"] == experts.shape[0] - 1
     assert lost in experts[-1].tolist() and gained not in experts[-1].tolist()
@@ -65,7 +65,7 @@ def test_a_passing_check_has_no_next_step(repo_project, capsys):
 
 @pytest.mark.parametrize("model", ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"])
 def test_every_zoo_tensor_has_a_place(repo_project, model):
-    gold = store.read(repo_project.goldens / "cpu" / model / "step-float32.safetensors.zst")
+    gold = store.read(repo_project.goldens / repo_project.hardware_class / model / "step-float32.safetensors.zst")
     layers = sum(name.endswith(".output") for name in gold.compared_names())
     for name in gold.compared_names():
         where = names.parse(name)

@@ -137,7 +137,7 @@ def test_a_bug_planted_in_veomnis_model_fails_at_its_layer() -> None:
 
     veomni = backends.resolve(f"{PLUGIN}:veomni")
     project = Project.resolve(goldens=ROOT / "goldens", configs=ROOT / "toy_configs", testdata=ROOT / "testdata")
-    report = check(project, GoldenKey("cpu", "qwen3", "step", "float32"), backends.Backend("veomni+planted",
+    report = check(project, GoldenKey(project.hardware_class, "qwen3", "step", "float32"), backends.Backend("veomni+planted",
                                                                                            (*veomni.steps, planted)))
     assert report.status == "FAIL"
     assert report.first_divergence.startswith("layer 1")
