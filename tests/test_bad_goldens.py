@@ -7,6 +7,7 @@ zstandard libraries, then checked through the CLI exactly as a user would.
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 import struct
 import tracemalloc
@@ -265,9 +266,15 @@ def test_config_hash_disagrees_with_the_model_checked(capsys, goldens, tmp_path)
     config["rms_norm_eps"] = config.get("rms_norm_eps", 1e-6) * 10
     (configs / "llama" / "config.json").write_text(json.dumps(config))
     code, err = check_llama(capsys, goldens, "--configs", str(configs))
+    refresh = (f"veosnap refresh --reason 'config changed: <why>' --model llama --dtype float32 --goldens {goldens} "
+               f"--configs {configs}")
     assert (code, err) == (2, f"veosnap: error: {goldens / REL}: recorded from another config than "
-                              f"{configs / 'llama' / 'config.json'} (config hash differs); re-record with "
-                              "`veosnap record --model llama --dtype float32`\n")
+                              f"{configs / 'llama' / 'config.json'} (config hash differs); if the change is intended, "
+                              f"re-record it with `{refresh}`\n")
+    # The advice runs as printed: an approved refresh, after which the check passes.
+    assert main(shlex.split(refresh)[1:]) == 0
+    assert "rewrote" in capsys.readouterr().out
+    assert check_llama(capsys, goldens, "--configs", str(configs)) == (0, "")
 
 
 # --- the tensors ---------------------------------------------------------------------------------

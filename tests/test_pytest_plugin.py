@@ -44,8 +44,8 @@ class Run:
     output: str
 
 
-def pytest_in(project: Path, *args: str) -> Run:
-    """Run pytest in `project` in a fresh interpreter, with this checkout's veosnap."""
+def pytest_in(project: Path, *args: str, cwd: Path | None = None) -> Run:
+    """Run pytest in `project` (or its subdirectory `cwd`) in a fresh interpreter, with this checkout's veosnap."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "VEOSNAP_"))}
     # This checkout's veosnap first; the rest of the path stays (a GPU machine may carry packages there).
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(veosnap.__file__).resolve().parents[1]),
@@ -53,7 +53,7 @@ def pytest_in(project: Path, *args: str) -> Run:
     plugin = [] if any(ep.value == "veosnap.surfaces.pytest_plugin" for ep in entry_points(group="pytest11")) \
         else ["-p", "veosnap.surfaces.pytest_plugin"]
     proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *plugin, "-q", *args],
-                          cwd=project, env=env, capture_output=True, text=True, timeout=600)
+                          cwd=cwd or project, env=env, capture_output=True, text=True, timeout=600)
     return Run(proc.returncode, proc.stdout + proc.stderr)
 
 
@@ -183,6 +183,23 @@ def test_a_layout_checked_through_the_fixture_fails_on_a_planted_layout_bug(proj
     assert "1 failed, 1 passed" in run.output
     assert f"FAIL  {CLASS}/llama/step-float32  backend=blockwise  layout={planted}:packed_no_restart" in run.output
     assert "first diverging layer: layer 0 (layers.0.output" in run.output
+
+
+def test_file_paths_in_tests_are_the_projects_wherever_pytest_starts(project: Path) -> None:
+    planted = Path("tests") / "planted_layout.py"
+    shutil.copy(REPO / "tests" / "layout_faults.py", project / planted)
+    (project / "tests" / "test_paths.py").write_text(
+        "def test_file_backend(veosnap_check):\n"
+        "    veosnap_check('llama', backend='mypkg/attention.py:patch', layout='packed')\n\n\n"
+        "def test_file_layout_with_a_bug(veosnap_check):\n"
+        f"    veosnap_check('llama', backend='blockwise', layout='{planted}:packed_no_restart')\n"
+    )
+    for where in (project, project / "tests"):  # `pytest` at the root, and `cd tests && pytest`
+        run = pytest_in(project, "test_paths.py" if where != project else "tests/test_paths.py", cwd=where)
+        assert run.ret == 1, run.output
+        assert "1 failed, 1 passed" in run.output, run.output
+        assert "file not found" not in run.output
+        assert "first diverging layer: layer 0 (layers.0.output" in run.output
 
 
 def test_unused_goldens_fail_a_full_run_are_kept_by_partial_runs_and_deleted_by_snapshot_update(project: Path) -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
+import shlex
 import subprocess
 import sys
 import zipfile
@@ -91,12 +93,18 @@ def test_a_failing_check_exits_1_and_says_what_to_run_next(repo_project, capsys)
     assert "next: veosnap check --model llama --dtype float32" in out
 
 
-def test_missing_golden_says_how_to_record_it(scratch_project, capsys):
+def test_missing_golden_says_how_to_record_it_and_the_advice_runs_as_printed(scratch_project, capsys):
     record(scratch_project, "llama", "float32")
     assert cli(scratch_project, "check", "--model", "qwen3", "--dtype", "float32") == 2
     err = capsys.readouterr().err.strip()
-    assert err.endswith(f"record it with `veosnap record --model qwen3 --dtype float32` on {CLASS} hardware")
     assert err.count("\n") == 0
+    advice = re.fullmatch(r".*; record it with `(veosnap record [^`]*)` on (\S+) hardware", err)
+    assert advice and advice.group(2) == CLASS, err
+    assert shlex.split(advice.group(1))[:6] == ["veosnap", "record", "--model", "qwen3", "--dtype", "float32"]
+    assert f"--goldens {scratch_project.goldens}" in advice.group(1)  # the project it was checked in
+
+    assert main(shlex.split(advice.group(1))[1:]) == 0
+    assert cli(scratch_project, "check", "--model", "qwen3", "--dtype", "float32") == 0
 
 
 def test_no_goldens_for_a_hardware_class_never_falls_back(repo_project, capsys, monkeypatch):

@@ -118,6 +118,9 @@ class Manifest:
     # SHA-256 of this manifest's JSON with this field empty, so a hand-edited bound or seed is caught
     # like a hand-edited tensor. Goldens written before it have none and are read without the check.
     manifest_hash: str = ""
+    # Routers the reference has whose routes veosnap does not read, by module path: what each returns.
+    # Left out of the JSON when empty, so goldens without such routers keep their bytes.
+    routes_not_captured: dict[str, str] = field(default_factory=dict)
 
     def own_hash(self) -> str:
         """What `manifest_hash` should be for the manifest as it stands."""
@@ -129,6 +132,8 @@ class Manifest:
                     tolerance={name: [t.noise, t.bound] for name, t in sorted(self.tolerance.items())},
                     min_margin={str(layer): value for layer, value in self.min_margin.items()},
                     approvals=[asdict(a) for a in self.approvals])
+        if not self.routes_not_captured:
+            del data["routes_not_captured"]
         return json.dumps(data, sort_keys=True, separators=(",", ":"), allow_nan=False)
 
     @classmethod
@@ -172,8 +177,9 @@ _MANIFEST_TYPES: dict[str, type | tuple[type, ...]] = {
     "key": dict, "config": dict, "config_hash": str, "inputs_hash": str, "reference": dict, "provenance": dict,
     "tolerance": dict, "alpha": _NUMBER, "floor": _NUMBER, "tie_epsilon": _NUMBER,
     "min_margin": dict, "payload_hash": str, "approvals": list, "schema_version": int, "manifest_hash": str,
+    "routes_not_captured": dict,
 }
-_OPTIONAL = {"payload_hash", "approvals", "manifest_hash"}
+_OPTIONAL = {"payload_hash", "approvals", "manifest_hash", "routes_not_captured"}
 
 
 def _finite_non_negative(value: object) -> bool:
@@ -286,6 +292,9 @@ def _parse(data: dict) -> Manifest:
         if not layer.isdigit() or str(int(layer)) != layer:
             raise ValueError(f"min_margin has layer {layer!r}, not a layer number")
         min_margin[int(layer)] = value
+    not_captured = data.get("routes_not_captured", {})
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in not_captured.items()):
+        raise TypeError("field 'routes_not_captured' is not an object of module paths to strings")
     return Manifest(
         key=GoldenKey(**data["key"]), config=data["config"], config_hash=data["config_hash"],
         inputs_hash=data["inputs_hash"], reference=_reference(data["reference"], "reference"),
@@ -294,4 +303,5 @@ def _parse(data: dict) -> Manifest:
         payload_hash=data.get("payload_hash", ""),
         approvals=[_approval(a, f"approvals[{i}]") for i, a in enumerate(data.get("approvals", []))],
         schema_version=data["schema_version"], manifest_hash=data.get("manifest_hash", ""),
+        routes_not_captured=dict(not_captured),
     )

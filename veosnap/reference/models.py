@@ -13,7 +13,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ..errors import VeosnapError
-from . import weights
+from . import limits, weights
 from .zoo import ToyConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -71,6 +71,7 @@ def build(
             )
         except Exception as exc:  # noqa: BLE001 - a config transformers accepts but cannot instantiate
             raise VeosnapError(f"{toy.path}: transformers cannot build this model ({_cause(exc)})") from None
+    limits.check_model(toy, model)
     weights.initialize(model, seed)
     return model.to(device)
 

@@ -11,12 +11,14 @@ a diff's terminal text cuts long lists where markdown folds them; a matrix group
 from __future__ import annotations
 
 import math
+import shlex
 from dataclasses import dataclass, field
 
 from ..golden import names
 from ..golden.codec import Golden
 from ..golden.manifest import Approval, json_object
 from ..numerics import fmt
+from ..reference.probes import not_captured
 from ..runs.diff import DiffReport, FieldChange, GoldenDiff
 from ..runs.matrix import Cell, Matrix
 from ..runs.verdict import CheckReport
@@ -99,9 +101,10 @@ def check_view(report: CheckReport, shown: int = SHOWN_ROWS) -> CheckView:
 
 
 def next_step(report: CheckReport) -> str:
-    """What to run next for a failed check."""
-    layout = "" if report.layout == "single" else f" --layout {report.layout}"
-    cmd = f"veosnap check --model {report.model} --dtype {report.dtype} --backend {report.backend}{layout} --format json"
+    """What to run next for a failed check: a command that runs as printed (the check's own selection)."""
+    layout = [] if report.layout == "single" else ["--layout", report.layout]
+    cmd = shlex.join(["veosnap", "check", "--model", report.model, "--dtype", report.dtype, *report.selection,
+                      "--backend", report.backend, *layout, "--format", "json"])
     if report.error:
         return f"fix the backend error, then {cmd}"
     if not report.routes_passed:
@@ -359,6 +362,8 @@ def golden_view(g: Golden, full: bool = False) -> GoldenView:
     if m.min_margin:
         margins = ", ".join(f"layer {layer}: {fmt.num(v)}" for layer, v in sorted(m.min_margin.items()))
         facts.append(("routers", f"min margin {margins}"))
+    if m.routes_not_captured:
+        facts.append(("routers", not_captured(m.routes_not_captured)))
     facts += [("approved", f"{a.reason!r} (replaced {a.previous_payload_hash})") for a in m.approvals]
     every = sorted(g.tensors)
     shown = every if full else [n for n in every if not names.parse(n).per_parameter]

@@ -30,13 +30,15 @@ from ..reference import hardware
 from ..reference.capture import Capture
 from ..reference.determinism import deterministic
 from ..reference.inputs import Batch
+from ..reference.probes import not_captured
 from ..reference.zoo import Project, ToyConfig, load_checked
 from .verdict import CheckReport
 
 DEFAULT_TIMEOUT_S = torchrun.DEFAULT_TIMEOUT_S
+DEFAULT_NPROC = 2
 
 
-def check(project: Project, key: GoldenKey, backend: Backend, layout: str = "single", *, nproc: int = 2,
+def check(project: Project, key: GoldenKey, backend: Backend, layout: str = "single", *, nproc: int = DEFAULT_NPROC,
           timeout_s: float = DEFAULT_TIMEOUT_S, cross_class: bool = False, gold: Golden | None = None) -> CheckReport:
     """Check `backend` under one `layout` (a SPEC) against the golden for `key`; see `check_layouts`."""
     return check_layouts(project, key, backend, [layout], nproc=nproc, timeout_s=timeout_s,
@@ -44,7 +46,7 @@ def check(project: Project, key: GoldenKey, backend: Backend, layout: str = "sin
 
 
 def check_layouts(project: Project, key: GoldenKey, backend: Backend, layouts: Sequence[str] = ("single",), *,
-                  nproc: int = 2, timeout_s: float = DEFAULT_TIMEOUT_S, cross_class: bool = False,
+                  nproc: int = DEFAULT_NPROC, timeout_s: float = DEFAULT_TIMEOUT_S, cross_class: bool = False,
                   gold: Golden | None = None) -> list[CheckReport]:
     """Check `backend` under each of `layouts` (SPECs) against the golden for `key`: one report each, in order.
 
@@ -78,8 +80,13 @@ def check_layouts(project: Project, key: GoldenKey, backend: Backend, layouts: S
             reports[index] = (judge(golden, batch, outcome.result, fields) if outcome.result is not None
                               else _report(golden, fields, skipped=outcome.skipped, error=outcome.error))
     ordered = [reports[index] for index in range(len(chosen))]
+    selection = [*project.flags(), *(["--scenario", key.scenario] if key.scenario != "step" else []),
+                 *(["--cross-class"] if cross_class else []),
+                 *(["--nproc", str(nproc)] if spawned and nproc != DEFAULT_NPROC else []),
+                 *(["--timeout", f"{timeout_s:g}"] if spawned and timeout_s != DEFAULT_TIMEOUT_S else [])]
     for report in ordered:
-        report.notes[:0] = cross_class_notes(key)
+        report.notes[:0] = cross_class_notes(key) + routes_not_captured_notes(golden)
+        report.selection = list(selection)
     return ordered
 
 
@@ -135,6 +142,13 @@ def cross_class_notes(key: GoldenKey) -> list[str]:
     if key.hardware_class == here:
         return []
     return [f"cross-class: a {key.hardware_class} golden checked on {here}; ratios measure how far the classes are apart"]
+
+
+def routes_not_captured_notes(golden: Golden) -> list[str]:
+    """The report note for a golden whose routers veosnap could not read (none when it read them all)."""
+    unread = golden.manifest.routes_not_captured
+    return [f"{not_captured(unread)}: routing is not compared, a routing bug shows only in the outputs"] if unread \
+        else []
 
 
 def _report(golden: Golden, fields: dict[str, str], **outcome: str) -> CheckReport:

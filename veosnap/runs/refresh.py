@@ -20,7 +20,7 @@ from ..numerics import fmt
 from ..reference import hardware
 from ..reference.zoo import Project
 from .diff import GoldenDiff, diff_goldens
-from .record import build_golden
+from .record import build_golden, fragile_error, fragility
 
 # Manifest fields whose change alone makes a refresh rewrite: the golden would describe another
 # function, batch, tolerance rule or format than the one on disk.
@@ -60,8 +60,12 @@ def reasons_to_rewrite(d: GoldenDiff) -> list[str]:
 
 
 def refresh(project: Project, model: str, dtype: str, reason: str, force: bool = False,
-            scenario: str = "step", seed: int | None = None, allow_near_ties: bool = False) -> RefreshOutcome:
-    """Re-record one golden from the reference; rewrite it only if it moved beyond noise (or `force`)."""
+            scenario: str = "step", seed: int | None = None, allow_near_ties: bool = False,
+            allow_fragile: bool = False) -> RefreshOutcome:
+    """Re-record one golden from the reference; rewrite it only if it moved beyond noise (or `force`).
+
+    A new golden that cheap legitimate variants fail is refused, as `record` refuses it, unless
+    `allow_fragile`."""
     reason = reason.strip()
     if not reason:
         raise VeosnapError("--reason: give the reason for this refresh (it is stored in the golden's approval trail)")
@@ -77,12 +81,18 @@ def refresh(project: Project, model: str, dtype: str, reason: str, force: bool =
     if seed is None:  # keep the weights the old golden was recorded with
         seed = old.manifest.reference.seed if old is not None else 0
     new = build_golden(project, key, seed=seed, allow_near_ties=allow_near_ties)
+    why = reasons_to_rewrite(diff_goldens(old, new)) if old is not None else []
+    if (old is None or why or force) and not allow_fragile:
+        fragile = fragility(project, new)
+        if fragile:
+            scenario_args = [] if scenario == "step" else ["--scenario", scenario]
+            raise fragile_error(key, fragile, project.command("refresh", "--reason", reason, "--model", model,
+                                                              "--dtype", dtype, *scenario_args, hardware_class=False))
     if old is None:
         why = "replaced an unreadable golden (--force)" if path.exists() else "no golden before"
         new.manifest.approvals = [Approval(reason, previous_payload_hash=None)]
         store.write_bytes(codec.encode(new), path)
         return RefreshOutcome(key, path, "created", why)
-    why = reasons_to_rewrite(diff_goldens(old, new))
     if not why and not force:
         return RefreshOutcome(key, path, "unchanged", "within noise of the recorded golden")
     new.manifest.approvals = [*old.manifest.approvals, Approval(reason, old.manifest.payload_hash)]

@@ -29,6 +29,10 @@ class CheckReport:
     error: str = ""  # the candidate could not run: why
     skipped: str = ""  # the backend or layout does not apply to this model: why
     notes: list[str] = field(default_factory=list)
+    # The command-line flags that select this check besides model, dtype, backend and layout (the
+    # project's directories and class where not the defaults, the scenario, --cross-class, --nproc), so
+    # a command a report advises runs as printed.
+    selection: list[str] = field(default_factory=list)
 
     @property
     def routes_passed(self) -> bool:

@@ -157,8 +157,9 @@ class VeosnapSession:
             base = self.config.inipath.parent if self.config.inipath else self.config.rootpath
             return (base / str(ini)).resolve()
         local = self.config.rootpath / ("toy_configs" if kind == "configs" else kind)
-        if local.is_dir() or (kind == "goldens" and (self.update or self.update_new_only)):
-            return local  # --snapshot-update records into the project, never into the bundled zoo
+        own_zoo = (self.config.rootpath / "toy_configs").is_dir()
+        if local.is_dir() or (kind == "goldens" and (self.update or self.update_new_only or own_zoo)):
+            return local  # a project's goldens are its own; --snapshot-update never writes into the bundled zoo
         return None
 
     @property
@@ -212,7 +213,7 @@ class VeosnapSession:
               dtype: str = "float32", *, layout: str | None = None, scenario: str = "step") -> CheckReport:
         """Check `backend` under `layout` on `model` in `dtype` against its golden; see `veosnap_check`."""
         __tracebackhide__ = True
-        from ..candidates import backends
+        from ..candidates import backends, specs
         from ..candidates.layouts import registry
         from ..errors import VeosnapError
         from ..golden import store
@@ -220,6 +221,9 @@ class VeosnapSession:
         from ..reference import hardware
 
         project = self.project
+        # A file path in a test is the project's, relative to the rootdir wherever pytest was started.
+        backend = specs.anchored(backend, self.config.rootpath)
+        layout = None if layout is None else specs.anchored(layout, self.config.rootpath)
         try:
             key = GoldenKey(project.hardware_class, model, scenario, dtype)
             resolved = backends.resolve(backend)
