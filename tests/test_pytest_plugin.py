@@ -8,8 +8,10 @@ plugin itself (`pytest --snapshot-update`), never into this repository.
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -139,6 +141,14 @@ def test_a_planted_bug_in_the_backend_fails_with_veosnaps_report(project: Path) 
     assert f"FAIL  {CLASS}/llama/step-float32  backend=blockwise  layout=single" in run.output
     assert "first diverging layer: layer 0 (layers.0.output" in run.output
     assert re.search(r"E\s+logits\s+\S+\s+\S+\s+\S+x\s+FAIL", run.output), run.output
+    # The next step names the backend as the command line can reach it (conftest's name exists under pytest only).
+    advice = re.search(r"next: (veosnap check --model llama [^\n]*?)  \(", run.output)
+    assert advice and "--backend mypkg/attention.py:patch" in advice.group(1), run.output
+    done = subprocess.run([sys.executable, "-m", "veosnap", *shlex.split(advice.group(1))[1:]], cwd=project,
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                              filter(None, [str(Path(veosnap.__file__).resolve().parents[1]),
+                                            os.environ.get("PYTHONPATH")]))})
+    assert done.returncode == 1 and json.loads(done.stdout)["results"][0]["first_divergence"].startswith("layer 0")
 
     # --snapshot-update does not bless the bug: the candidate is still checked and writes nothing.
     run = pytest_in(project, "--snapshot-update", "-k", "llama")

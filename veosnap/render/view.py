@@ -66,6 +66,8 @@ def check_view(report: CheckReport, shown: int = SHOWN_ROWS) -> CheckView:
     if report.skipped:
         view.lines.append(f"skipped: {report.skipped}")
         return view
+    if not report.passed:  # every failed report says what to run next, however it failed
+        view.next = f"next: {next_step(report)}"
     if report.error:
         view.lines.append(f"error: {report.error}")
         return view
@@ -95,8 +97,6 @@ def check_view(report: CheckReport, shown: int = SHOWN_ROWS) -> CheckView:
     hidden = len(ranked) - len(view.rows)
     if hidden:
         view.hidden = f"... and {hidden} more tensors, all within bound (--format json lists every one)"
-    if not report.passed:
-        view.next = f"next: {next_step(report)}"
     return view
 
 
@@ -104,7 +104,7 @@ def next_step(report: CheckReport) -> str:
     """What to run next for a failed check: a command that runs as printed (the check's own selection)."""
     layout = [] if report.layout == "single" else ["--layout", report.layout]
     cmd = shlex.join(["veosnap", "check", "--model", report.model, "--dtype", report.dtype, *report.selection,
-                      "--backend", report.backend, *layout, "--format", "json"])
+                      "--backend", report.portable_backend or report.backend, *layout, "--format", "json"])
     if report.error:
         return f"fix the backend error, then {cmd}"
     if not report.routes_passed:

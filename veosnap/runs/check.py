@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..candidates import backends
 from ..candidates.backends import Backend
 from ..candidates.layouts import engine, registry, torchrun
 from ..candidates.layouts.engine import LayoutResult
@@ -84,9 +85,11 @@ def check_layouts(project: Project, key: GoldenKey, backend: Backend, layouts: S
                  *(["--cross-class"] if cross_class else []),
                  *(["--nproc", str(nproc)] if spawned and nproc != DEFAULT_NPROC else []),
                  *(["--timeout", f"{timeout_s:g}"] if spawned and timeout_s != DEFAULT_TIMEOUT_S else [])]
+    portable = backends.portable(backend.spec) or ""
     for report in ordered:
         report.notes[:0] = cross_class_notes(key) + routes_not_captured_notes(golden)
         report.selection = list(selection)
+        report.portable_backend = portable if portable != backend.spec else ""
     return ordered
 
 

@@ -33,6 +33,9 @@ class CheckReport:
     # project's directories and class where not the defaults, the scenario, --cross-class, --nproc), so
     # a command a report advises runs as printed.
     selection: list[str] = field(default_factory=list)
+    # The backend as a SPEC any process resolves, where `backend` names one registered in this process
+    # only (a conftest's register_backend): `path/to/file.py:fn`. Empty: `backend` itself.
+    portable_backend: str = ""
 
     @property
     def routes_passed(self) -> bool:
