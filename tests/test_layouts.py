@@ -26,13 +26,13 @@ from veosnap.surfaces.cli import main
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 FAULTS = HERE / "layout_faults.py"
-RUN_ON_CPU = ["single", "packed", "microbatch", "ddp", "fsdp2", "hsdp", "tp", "ep"]
-DECLINED = ["sp", "cp"]  # decline before any rank starts, with the reason
+RUN_ON_CPU = ["single", "packed", "microbatch", "ddp", "fsdp2", "hsdp", "tp", "ep", "sp", "sp_packed", "sp_fsdp2",
+              "sp_ep", "cp", "cp_packed"]
+EXPERTS_ONLY = ("ep", "sp_ep")  # skip dense models
 TIMEOUT_S = 300
 RANKS = torch.cuda.device_count() >= 2 if ON_CUDA else True  # 2 ranks: gloo on the CPU, a GPU each on CUDA
-# Where they run, only the layouts `veosnap check --layout` can run here: multi-process ones need their ranks.
-RUNNABLE = [name for name in registry.names()
-            if RANKS or name in DECLINED or not registry.resolve(name).distributed]
+# Only the layouts `veosnap check --layout` can run here: multi-process ones need their ranks.
+RUNNABLE = [name for name in registry.names() if RANKS or not registry.resolve(name).distributed]
 
 
 @pytest.fixture(scope="module")
@@ -56,16 +56,15 @@ def every_layout(request: pytest.FixtureRequest, project: Project) -> tuple[str,
     return request.param, by_layout(reports)
 
 
+@pytest.mark.heavy
 def test_every_layout_that_runs_here_passes_against_the_single_process_golden(every_layout: tuple[str, dict]) -> None:
     model, reports = every_layout
     assert list(reports) == RUNNABLE
     for name in (name for name in RUN_ON_CPU if name in RUNNABLE):
         report = reports[name]
-        if name == "ep" and model == "llama":
+        if name in EXPERTS_ONLY and model == "llama":
             assert report.skipped and "dense" in report.skipped
             continue
-        if ON_CUDA and name == "tp" and model == "qwen3_moe" and "_StridedShard" in report.error:
-            continue  # torch 2.11's DTensor cannot run transformers' MoE TP plan (docs/gpu.md); 2.13 can
         assert report.passed and not report.skipped, (name, report.error, report.worst)
         assert {t.name for t in report.tensors} >= {"loss", "logits", "layers.0.output"}
         assert any(t.name.startswith("grad.") for t in report.tensors)
@@ -73,11 +72,13 @@ def test_every_layout_that_runs_here_passes_against_the_single_process_golden(ev
             assert report.routes and all(r.clear_flips == 0 for r in report.routes)
 
 
-def test_sequence_and_context_parallel_are_skipped_with_the_reason(every_layout: tuple[str, dict]) -> None:
+@pytest.mark.heavy
+@gpus_for(2)
+def test_sequence_parallel_layouts_say_how_attention_ran(every_layout: tuple[str, dict]) -> None:
     _, reports = every_layout
-    for name in DECLINED:
-        assert reports[name].status == "skip"
-        assert "CUDA" in reports[name].skipped
+    assert reports["sp"].notes[0].startswith("Ulysses all-to-all over 2 ranks (veosnap all-to-all), 2 heads each")
+    assert reports["cp"].notes[0].startswith("keys and values all-gathered over 2 ranks")
+    assert "fully_shard over the same 2 ranks" in reports["sp_fsdp2"].notes
 
 
 @pytest.fixture(scope="module")
