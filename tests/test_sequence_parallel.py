@@ -3,7 +3,8 @@ every parallel layout must take (positions, rows, parameters and tokens that do 
 number of ranks).
 
 Every multi-process check is a real torchrun (gloo on the CPU, NCCL on CUDA, one GPU per rank: they
-skip, saying so, where fewer GPUs are visible); each fixture below is one torchrun shared by its tests. Those marked `heavy` (3 and 4 processes, the train scenario, bfloat16) take 15-30 s each:
+skip, saying so, where fewer GPUs are visible); each fixture below is one torchrun shared by its tests.
+Those marked `heavy` (3 and 4 processes, the train scenario, bfloat16) take 15-30 s each:
 `pytest -m "not heavy"` leaves them out of a quick local run; CI runs them.
 """
 

@@ -61,7 +61,8 @@ def main() -> None:
                 t = time.perf_counter()
                 check(project, GoldenKey(project.hardware_class, name, "step", dtype), backends.resolve("eager"))
                 chk = time.perf_counter() - t
-                size = store.path_for(project.goldens, GoldenKey(project.hardware_class, name, "step", dtype)).stat().st_size
+                key = GoldenKey(project.hardware_class, name, "step", dtype)
+                size = store.path_for(project.goldens, key).stat().st_size
                 table.add_row(name, f"{sum(p.numel() for p in model.parameters()):,}", dtype, f"{step * 1000:.0f} ms",
                               f"{rec:.2f} s", f"{variants:.2f} s", f"{chk:.2f} s", f"{size / 1024:.0f} KiB")
     Console(width=120).print(table)

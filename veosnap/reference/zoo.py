@@ -174,7 +174,8 @@ def load_golden(project: Project, key: GoldenKey) -> Golden:
                 f"(present: {', '.join(classes) or 'none'}); record this one on that hardware with "
                 f"`{record}`, or pick a class with --hardware-class"
             )
-        raise MissingGoldenError(f"{path}: no golden for {key}; record it with `{record}` on {key.hardware_class} hardware")
+        raise MissingGoldenError(f"{path}: no golden for {key}; record it with `{record}` on {key.hardware_class} "
+                                 "hardware")
     return store.read(path, root=project.goldens)
 
 
