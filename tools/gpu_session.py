@@ -28,6 +28,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from veosnap.candidates import backends  # noqa: E402
+from veosnap.errors import VeosnapError  # noqa: E402
 from veosnap.golden.key import SCENARIOS, GoldenKey  # noqa: E402
 from veosnap.reference import hardware  # noqa: E402
 from veosnap.reference.zoo import Project  # noqa: E402
@@ -65,7 +66,12 @@ def phase_record(project: Project, out: Path) -> None:
         for model in project.models():
             for dtype in ("float32", "bfloat16"):
                 t = time.perf_counter()
-                outcome = record.record(project, model, dtype, scenario=scenario)
+                try:
+                    outcome = record.record(project, model, dtype, scenario=scenario)
+                except VeosnapError as exc:  # a fragile or near-tie golden: said, and the others still recorded
+                    rows.append({"model": model, "dtype": dtype, "scenario": scenario, "error": str(exc)})
+                    print(f"NOT recorded {model} {scenario} {dtype}: {exc}", flush=True)
+                    continue
                 rows.append({"model": model, "dtype": dtype, "scenario": scenario, "written": outcome.written,
                              "seconds": round(time.perf_counter() - t, 2), "min_margin": outcome.min_margin,
                              "bytes": outcome.path.stat().st_size})
