@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The project's own pytest on a CUDA machine, in one device command (docs/gpu.md):
 #
-#     bash tools/gpu_pytest.sh [--record] [PYTEST ARGS...]
+#     bash tools/gpu_pytest.sh [--record] [--part K/N] [PYTEST ARGS...]
 #
 # Installs the carried wheels (.whl/: zstandard, syrupy, transformers 5.24, the GPU kernel libraries)
 # into /tmp/site without a package index, then runs the suite with this checkout on PYTHONPATH. With
@@ -10,7 +10,8 @@
 # Writes $OUT/env.txt, $OUT/pytest.log and $OUT/junit.xml, and prints a table of outcomes per test
 # file at the end. The whole script keeps to $GPU_PYTEST_BUDGET_S seconds (default 510): pytest is
 # ended when that time is up (-m "not heavy" runs a shorter suite), so the log always comes back inside
-# a 9-minute device command. Exit status: pytest's (124 when it was ended).
+# a 9-minute device command. --part K/N runs the K-th of N slices of the test files (every N-th file,
+# by name), for when one command cannot hold the whole suite. Exit status: pytest's (124: ended).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-pytest-out}
@@ -44,11 +45,21 @@ if [ "${1:-}" = "--record" ]; then
     shift
     python3 tools/gpu_session.py record --out "$OUT/record" 2>&1 | tail -40
 fi
+SELECTED=()
+if [ "${1:-}" = "--part" ]; then
+    K=${2%/*}; N=${2#*/}; shift 2
+    i=0
+    for file in tests/test_*.py; do
+        [ $(( i % N )) -eq $(( K - 1 )) ] && SELECTED+=("$file")
+        i=$(( i + 1 ))
+    done
+    echo "part $K/$N: ${SELECTED[*]}"
+fi
 
 LIMIT=$(( BUDGET - SECONDS - 15 ))  # what is left, less the time to print the summary
 start=$(date +%s)
 timeout --signal=INT --kill-after=10 "$LIMIT" \
-    python3 -m pytest -q -rs -p no:cacheprovider --durations=15 --junitxml="$OUT/junit.xml" "$@" \
+    python3 -m pytest -q -rs -p no:cacheprovider --durations=15 --junitxml="$OUT/junit.xml" "${SELECTED[@]}" "$@" \
     > "$OUT/pytest.log" 2>&1
 status=$?
 tail -60 "$OUT/pytest.log"
