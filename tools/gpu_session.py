@@ -1,6 +1,6 @@
 """Everything veosnap does on a GPU machine, in phases that fit one device command each.
 
-    python tools/gpu_session.py record  --out DIR   # this class's goldens, step and train, float32 (TF32 off) and bfloat16
+    python tools/gpu_session.py record  --out DIR   # this class's goldens: step and train, float32 and bfloat16
     python tools/gpu_session.py matrix  --out DIR   # GPU backends x zoo; precision regression; cross-class
     python tools/gpu_session.py layouts --out DIR   # layouts on this machine's GPUs (NCCL), all models
 
