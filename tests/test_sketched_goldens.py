@@ -25,6 +25,7 @@ from veosnap.golden.key import GoldenKey
 from veosnap.numerics.sketch import rowsketch, rowsketch_at
 from veosnap.reference import hardware
 from veosnap.reference.zoo import Project
+from veosnap.render import html as render_html
 from veosnap.render import json as render_json
 from veosnap.render import markdown as render_markdown
 from veosnap.render import text as render_text
@@ -222,6 +223,8 @@ def test_reports_say_when_a_figure_is_an_estimate(twins):
     assert row["sketch"] == {"width": 64, "group": 1}
     loss = next(t for t in doc["tensors"] if t["name"] == "loss")
     assert loss["estimate"] is None and loss["sketch"] is None
+    page = render_html.checks([report])
+    assert "estimate from a 64-wide sketch (groups of 1 row)" in page  # the all-tensors table and tooltips
 
 
 def test_show_lists_each_sketched_tensor_with_its_form(twins):
