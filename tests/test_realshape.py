@@ -76,6 +76,18 @@ def test_cli_tier_selection(tmp_path):
     assert missing.returncode == 2 and "gpt_oss-real" in missing.stderr, missing.stderr
 
 
+def test_the_plugin_matrix_takes_a_tier(tmp_path):
+    (tmp_path / "test_zoo.py").write_text(
+        "from veosnap.surfaces.pytest_plugin import matrix\n\n"
+        "@matrix(dtypes=['float32'])\ndef test_toy(model, dtype):\n    pass\n\n"
+        "@matrix(dtypes=['float32'], tier='real')\ndef test_real(model, dtype):\n    pass\n")
+    from test_pytest_plugin import pytest_in
+
+    run = pytest_in(tmp_path, "--collect-only", f"--veosnap-configs={ROOT / 'toy_configs'}")
+    collected = {line.split("::")[1] for line in run.output.splitlines() if "::" in line}
+    assert collected == {f"test_toy[{m}-float32]" for m in TOYS} | {f"test_real[{m}-float32]" for m in REAL}, run.output
+
+
 # --- the batches ---------------------------------------------------------------------------------
 
 def test_derived_sequences_are_deterministic_and_spread_over_the_vocabulary():
