@@ -143,7 +143,7 @@ def test_committed_moe_goldens_route_clearly_and_use_every_expert(repo_project, 
 
 
 def test_recorder_refuses_a_router_with_near_ties(scratch_project, monkeypatch):
-    monkeypatch.setattr(weights, "ROUTER_READ", 0.0)  # a random router: nothing keeps scores apart
+    monkeypatch.setattr(weights, "TIER_LOGITS", (weights.TAIL_LOGIT,) * 3)  # no token code raises an expert
     monkeypatch.setattr(weights, "ROUTER_NOISE", 1e-4)
     with pytest.raises(VeosnapError, match="under the tie epsilon"):
         record(scratch_project, "qwen3_moe", "float32")
