@@ -390,37 +390,61 @@ def test_a_corrupt_sketch_entry_is_refused_with_one_line():
 # --- the CUDA kernel, through Triton's interpreter ---------------------------------------------------------
 
 INTERPRETED = textwrap.dedent("""
-    import os, torch
-    import triton.runtime.interpreter as interpreter
-    patch = interpreter._patch_lang_tensor
-    def patched(tensor, scope):  # numpy >= 2.3 refuses int() of the interpreter's 1-element scalars
-        patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-    interpreter._patch_lang_tensor = patched
+    import torch
     from veosnap.numerics import sketch, sketch_triton
+    from veosnap.numerics.sketch_triton import Config
+    g = torch.Generator().manual_seed(0)
+    # the table's choice, and others: narrow lanes and one chunk per program (the finest column
+    # split), wide lanes with long steps, two rows per lane group
+    configs = [None, Config(vec_bytes=4, s=2, levels=0), Config(vec_bytes=32, s=8, levels=1), Config(s=1, block_r=64)]
     worst = 0.0
-    for rows, columns, width, ro, co, dtype in [(37, 70, 32, 7, 0, torch.float32), (9, 300, 64, 0, 13, torch.bfloat16),
-            (3, 2500, 8, 0, 0, torch.float32), (5, 700, 128, 5, 200, torch.float64), (6, 1, 8, 0, 0, torch.float32)]:
-        x = torch.randn(rows, columns).to(dtype)
-        a = sketch.rowsketch_torch(x, width, 99, row_offset=ro, col_offset=co)
-        b = sketch_triton.rowsketch(x, width, 99, row_offset=ro, col_offset=co, tile=256)
-        assert a.values.dtype == b.values.dtype
-        scale = x.double().norm(dim=1).max().item()
-        worst = max(worst, (a.values - b.values).abs().max().item() / scale, (a.sumsq - b.sumsq).abs().max().item() / scale**2)
-    x = torch.randn(40, 3000)  # row shards and another tiling: the same bits as the whole
-    whole = sketch_triton.rowsketch(x, 16, 5, tile=256)
-    parts = torch.cat([sketch_triton.rowsketch(x[:17], 16, 5, tile=512).values,
-                       sketch_triton.rowsketch(x[17:], 16, 5, row_offset=17, tile=128).values])
-    assert torch.equal(whole.values, parts)
+    for rows, columns, width, ro, co, dtype, seed in [
+            (37, 70, 32, 7, 0, torch.float32, 99), (9, 300, 64, 0, 13, torch.bfloat16, 1),
+            (3, 1500, 8, 0, 0, torch.bfloat16, 2), (5, 700, 128, 5, 200, torch.float64, 3),
+            (6, 1, 8, 0, 0, torch.float32, 4), (4, 900, 16, 0, 40, torch.float16, 5),
+            (2, 50, 1, 3, 0, torch.float64, 6)]:
+        x = torch.randn(rows, columns, generator=g, dtype=torch.float64).to(dtype)
+        a = sketch.rowsketch_torch(x, width, seed, row_offset=ro, col_offset=co)
+        for config in configs:
+            b = sketch_triton.rowsketch(x, width, seed, row_offset=ro, col_offset=co, config=config)
+            assert b.values.dtype == a.values.dtype and b.sumsq.dtype == a.sumsq.dtype
+            assert torch.equal(a.values, b.values), (rows, columns, width, dtype, config)  # same pairwise order
+            worst = max(worst, (a.sumsq - b.sumsq).abs().max().item() / x.double().norm(dim=1).max().item() ** 2)
+    x = torch.randn(40, 3000, generator=g)  # row shards, one configuration: the whole tensor's bits
+    whole = sketch_triton.rowsketch(x, 16, 5)
+    top, rest = sketch_triton.rowsketch(x[:17], 16, 5), sketch_triton.rowsketch(x[17:], 16, 5, row_offset=17)
+    assert torch.equal(whole.values, torch.cat([top.values, rest.values]))
+    assert torch.equal(whole.sumsq, torch.cat([top.sumsq, rest.sumsq]))
+    x = torch.randn(4, 3000, generator=g).bfloat16()  # another column split (the GPU's for few rows): same bits
+    split = [sketch_triton.rowsketch(x, 16, 5, s=2, levels=levels) for levels in (0, 3, 6)]
+    assert all(torch.equal(split[0].values, o.values) and torch.equal(split[0].sumsq, o.sumsq) for o in split[1:])
     print(worst)
 """)
 
 
-def test_the_triton_kernel_computes_the_rule_in_the_interpreter():
+def test_the_triton_kernel_computes_the_torch_paths_values_in_the_interpreter():
     pytest.importorskip("triton", reason="triton is not installed (it comes with CUDA torch); the kernel is "
                                          "checked on the GPU by tools/bench_sketch.py")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", INTERPRETED], capture_output=True, text=True, env=env, timeout=300,
                           check=False)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert float(done.stdout.strip()) < 1e-6
+    assert float(done.stdout.strip()) < 1e-6  # sums of squares: float32 accumulation of 16-bit inputs
+
+
+def test_the_kernels_tile_and_column_split():
+    pytest.importorskip("triton", reason="triton is not installed")
+    from veosnap.numerics.sketch_triton import CONFIGS, Config, config_for, launch_plan  # noqa: PLC0415
+
+    assert config_for(torch.bfloat16, 64) is CONFIGS[(torch.bfloat16, 64)]  # measured on the H200
+    assert config_for(torch.bfloat16, 16) is CONFIGS[(torch.bfloat16, None)]  # not measured: the default
+    config = Config(vec_bytes=16, s=4, levels=5)
+    tile = launch_plan(8192, 2374, 64, 2, config, programs_wanted=264)  # bfloat16 logits at width 64
+    assert (tile.q, tile.e, tile.block_r, tile.steps_per_program, tile.parts) == (8, 8, 16, 32, 19)
+    fp32 = launch_plan(8192, 32, 64, 4, config)
+    assert (fp32.q, fp32.e, fp32.block_r, fp32.parts) == (16, 4, 8, 1)
+    wide = launch_plan(4, 10, 1024, 2, config)
+    assert (wide.q, wide.e) == (32, 32)  # a stripe never spans more than a warp
+    few = launch_plan(64, 2374, 64, 2, config, programs_wanted=264)  # few rows: the columns are split more
+    assert few.steps_per_program < 32 and 4 * few.parts >= 264
+    assert launch_plan(1, 1 << 28, 16, 2, config).parts <= 65535  # the grid's limit

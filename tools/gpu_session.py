@@ -39,7 +39,8 @@ from veosnap.runs.check import check  # noqa: E402
 GPU_BACKENDS = ["eager", "sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "sdpa_math", "flex_attention",
                 "grouped_mm", "batched_mm", "sdpa+grouped_mm", "liger", "flash_attention_2"]
 COMPILE_MODELS = ["llama", "qwen3_moe"]  # inductor compiles take tens of seconds per model
-LAYOUTS = ["packed", "microbatch", "ddp", "fsdp2", "hsdp", "ep", "tp", "cp"]  # ep before tp: a tp crash ends the torchrun
+LAYOUTS = ["packed", "microbatch", "ddp", "fsdp2", "hsdp", "ep", "sp", "sp_packed", "sp_fsdp2", "sp_ep", "cp", "cp_packed",
+           "tp"]  # tp last: a tp crash ends the torchrun
 
 
 def environment() -> dict:
@@ -65,7 +66,8 @@ def phase_record(project: Project, out: Path) -> None:
             rows.append({"model": model, "dtype": dtype, "seconds": round(time.perf_counter() - t, 2),
                          "min_margin": outcome.min_margin, "bytes": outcome.path.stat().st_size})
             print(f"recorded {outcome.key} in {rows[-1]['seconds']} s, min margin {outcome.min_margin}", flush=True)
-    results = verify.verify([project.goldens / project.hardware_class])
+    # verify takes goldens roots (<class>/<model>/<file> under them): the root, then this class's results
+    results = [r for r in verify.verify([project.goldens]) if r.key and r.key.hardware_class == project.hardware_class]
     bad = [r.line() for r in results if not r.ok]
     print(f"verified {len(results)} goldens: {len(bad)} bad", *bad, sep="\n", flush=True)
     save(out, "record.json", {"env": environment(), "goldens": rows, "verify_bad": bad})

@@ -395,3 +395,16 @@ def veomni_chunk_loss(model: nn.Module) -> Iterator[nn.Module]:
 def veomni_fsdp2(model: nn.Module) -> Iterator[nn.Module]:
     """VeOmni's own FSDP2 (`build_parallelize_model`) under veosnap's fsdp2/hsdp layouts."""
     yield from _candidate(model, _ops(), own_parallelize=True)
+
+
+def veomni_ulysses(model: nn.Module) -> nn.Module:
+    """The reference model, with VeOmni's own Ulysses all-to-all (`veomni.distributed.sequence_parallel.
+    ulysses`) as the exchange of veosnap's `sp` layouts (other layouts run the reference unchanged): checks
+    VeOmni's sequence-parallel communication, gradients included, against the single-process golden."""
+    _import_veomni()
+    from veomni.distributed.sequence_parallel.ulysses import gather_heads_scatter_seq, gather_seq_scatter_heads
+
+    from veosnap.candidates.layouts.sequence import Exchange, use_exchange
+
+    return use_exchange(model, Exchange(gather_seq_scatter_heads, gather_heads_scatter_seq,
+                                        name="VeOmni's ulysses all-to-all"))

@@ -26,8 +26,9 @@ hash is per (row, stripe), so a row's sketch is a gather within contiguous strip
 Arithmetic: float32 and float64 inputs accumulate in float64, bfloat16 and float16 in float32; a
 sketch is stored in float32 (float64 for a float64 tensor, the noise run). Sums run in a fixed
 order, so the same tensor gives the same bytes on one machine, and a bit-identical candidate has
-error exactly 0. The CUDA kernel (`sketch_triton`, imported lazily) computes the same numbers
-within float rounding; both take `mix32` and the constants from this module.
+error exactly 0. A row's stripes are added pairwise (`pairwise_sum`): the CUDA kernel
+(`sketch_triton`, imported lazily) adds them in that very order, so its values are these bits
+(its sums of squares agree within float rounding); both take `mix32` and the constants from here.
 
 Comparison: a group's error is `||sketch(c_G) - sketch(g_G)|| / (sqrt(n_G) * tau)`, n_G the rows
 counted in the group and tau the RMS of the golden's exact row norms, so with one row per group it

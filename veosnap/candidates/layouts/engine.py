@@ -56,6 +56,7 @@ def run(layout: Layout, backend: Backend, ctx: LayoutContext) -> LayoutResult | 
         result = runner.train() if ctx.hyper is not None else runner.step()
     if result is not None:
         result.forward_only = candidate.forward_only
+        result.notes.extend(candidate.notes)
     return result
 
 
@@ -84,10 +85,13 @@ class _Runner:
         parts = []
         for index, shard in enumerate(self.shards):
             with self.layout.accumulate(self.ctx, self.setup, index, len(self.shards)):
+                share = shard.batch.predictions / self.total if shard.weight is None else shard.weight
                 parts.append(forward_backward(
-                    self.setup.model, shard.batch, inner=self.setup.inner, share=shard.batch.predictions / self.total,
+                    self.setup.model, shard.batch, inner=self.setup.inner, share=share,
                     grad_scale=float(self.setup.data.size), backward=self.backward,
-                    forced={layer: experts[shard.positions] for layer, experts in forced.items()} if forced else None))
+                    # a padding slot (no golden position) may go anywhere: it is never compared
+                    forced={layer: experts[shard.positions.clamp(min=0)] for layer, experts in forced.items()}
+                    if forced else None))
         return parts
 
     def step(self) -> LayoutResult | None:
@@ -123,10 +127,11 @@ class _Runner:
         for part, shard in zip(parts, self.shards):
             for layer, experts in golden.items():
                 rec = part.routes.get(layer)
-                expected = experts[shard.positions]
+                expected = experts[shard.positions.clamp(min=0)]
                 if rec is None or rec.experts.shape != expected.shape:
                     return True
-                if flips(expected, rec.experts, mask[shard.positions]).any():
+                real = (shard.positions >= 0) & mask[shard.positions.clamp(min=0)]
+                if flips(expected, rec.experts, real).any():
                     return True
         return False
 
@@ -180,6 +185,8 @@ def _scatter(ctx: LayoutContext, name: names.TensorName, values: list[torch.Tens
     positions = torch.cat([positions for _, positions in pieces])
     if rows.shape[0] != positions.numel():
         raise LayoutError(f"{name}: the passes produced {rows.shape[0]} token rows for {positions.numel()} positions")
+    kept = positions >= 0  # slots a layout added (padding) stand for no golden position
+    rows, positions = rows[kept], positions[kept]
     count = ctx.batch.rows * ctx.batch.width
     covered = torch.zeros(count, dtype=torch.bool)
     if positions.numel() != positions.unique().numel():
