@@ -72,14 +72,14 @@ REAL = {
 }
 FFN_KEYS = ("intermediate_size", "moe_intermediate_size")
 # What the CPU run narrows: MLP and expert widths (a quarter, DeepSeek-V3's 256 experts to 32 wide) and
-# the two largest embedding tables.
+# the largest embedding tables (the codebook, 4096 codes, is the same at any vocabulary of 4096 or more).
 CPU_WIDTHS = {
     "qwen3_moe": {"intermediate_size": 1536, "moe_intermediate_size": 192},
     "mixtral": {"intermediate_size": 1792},
     "gpt_oss": {"intermediate_size": 720},
     "deepseek_v3": {"intermediate_size": 4608, "moe_intermediate_size": 32},
 }
-CPU_VOCAB = {"gpt_oss": 32768, "deepseek_v3": 16384}
+CPU_VOCAB = {"qwen3_moe": 32768, "gpt_oss": 32768, "deepseek_v3": 16384}
 
 
 def build(fields: dict, dtype: torch.dtype) -> torch.nn.Module:
