@@ -100,3 +100,24 @@ def test_a_group_limit_margin_counts_the_groups_and_their_experts():
     # Two groups a hair apart whose swap changes nothing: no group margin.
     idle = torch.tensor([[0.9, 0.8, 0.1, 0.3, 0.29, 0.0, 0.0, 0.0]])  # groups 1.7, 0.4, 0.29, 0.0; chosen 0, 1
     assert margins(idle, torch.tensor([[0, 1]]), group_limit=limit).item() == pytest.approx(0.5)
+
+
+def test_at_many_experts_routers_decide_clearly_and_idle_experts_are_the_batchs_business(scratch_project):
+    """256 experts top-2 (more experts than the 86-token batch fills: 172 slots): the routers still decide
+    every token clearly, and the recorder records though experts get no tokens (issue 11 item 3: whether
+    every expert is used is a property of the batch, not a rule of the recorder)."""
+    import json
+
+    from veosnap.reference.inputs import Batch
+    from veosnap.runs.record import build_golden
+
+    config = json.loads((scratch_project.configs / "qwen3_moe" / "config.json").read_text())
+    config.update(num_experts=256, hidden_size=320, moe_intermediate_size=8, num_hidden_layers=2)
+    (scratch_project.configs / "qwen3_moe_wide").mkdir()
+    (scratch_project.configs / "qwen3_moe_wide" / "config.json").write_text(json.dumps(config))
+    golden = build_golden(scratch_project, GoldenKey("cpu", "qwen3_moe_wide", "step", "bfloat16"))
+    mask = Batch.from_golden(golden).token_mask
+    assert min(golden.manifest.min_margin.values()) > 10 * golden.manifest.tie_epsilon, golden.manifest.min_margin
+    for layer in golden.manifest.min_margin:
+        used = golden.tensors[f"routes.{layer}.experts"][mask].unique().numel()
+        assert 100 < used < 256, used  # spread over many experts, and not all of them: the batch is too small
