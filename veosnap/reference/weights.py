@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import inspect
 import math
 
 import torch
@@ -74,6 +75,13 @@ def generator(seed: int, name: str) -> torch.Generator:
 def draw(seed: int, name: str, shape: tuple[int, ...]) -> torch.Tensor:
     """Standard normal float32 values for (seed, name), on the CPU."""
     return torch.randn(shape, generator=generator(seed, name), dtype=torch.float32)
+
+
+def hashed_experts(seed: int, vocab_size: int, num_experts: int, top_k: int) -> torch.Tensor:
+    """[vocab, top_k]: distinct experts per token, for routers that look a token's experts up in a table
+    (DeepSeek-V4's `tid2eid`) instead of scoring them."""
+    keys = torch.rand((vocab_size, num_experts), generator=generator(seed, "routing.token_codes"))
+    return keys.argsort(dim=1)[:, :top_k]
 
 
 def router_permutation(seed: int, router_name: str, num_experts: int, limit: GroupLimit | None = None) -> torch.Tensor:
@@ -242,6 +250,11 @@ def _decides_clearly(routers: list[nn.Module], codes: torch.Tensor) -> torch.Ten
     return worst
 
 
+def _scores_hidden_states(router: nn.Module) -> bool:
+    """Whether `router` decides from the hidden states alone (not from the token ids, as a hash router does)."""
+    return "input_ids" not in inspect.signature(type(router).forward).parameters
+
+
 def token_codes(model: nn.Module, seed: int, vocab_size: int, moe: list[MoeLayer]) -> torch.Tensor:
     """[vocab, experts + 1]: each token's values in the reserved dimensions (its code, then the offset).
 
@@ -252,7 +265,8 @@ def token_codes(model: nn.Module, seed: int, vocab_size: int, moe: list[MoeLayer
     """
     experts, top_k = moe[0].num_experts, moe[0].top_k
     limit = group_limit(moe[0].router)
-    routers = [_code_router(model, m, seed) for m in moe]
+    # Routers that look a token's experts up by its id (DeepSeek-V4's hash layers) have no decision to design for.
+    routers = [_code_router(model, m, seed) for m in moe if _scores_hidden_states(m.router)]
     book = min(vocab_size, CODEBOOK)
     blocks = []
     for block, first in enumerate(range(0, book, DESIGN_BLOCK)):
