@@ -105,7 +105,8 @@ def test_a_config_below_a_limit_is_one_line_naming_the_file_and_the_limit(own_pr
 
 
 def test_a_config_at_the_limit_records(own_project, capsys):
-    own_project("at_limit", zoo_config("qwen3_moe", hidden_size=32, num_experts=32, num_experts_per_tok=4))
+    # The limit: one hidden dimension per expert for the token code, and one for the routers' offset.
+    own_project("at_limit", zoo_config("qwen3_moe", hidden_size=33, num_experts=32, num_experts_per_tok=4))
     code, out, err = run(capsys, "record", "--model", "at_limit", "--dtype", "float32")
     assert code == 0, err
     assert "min router margin" in out
