@@ -36,7 +36,8 @@ ROOT = Path(__file__).resolve().parent.parent
 FAULTS_FILE = Path(__file__).with_name("realshape_faults.py")
 REAL = ["deepseek_v3-real", "gpt_oss-real", "llama-real", "mixtral-real", "qwen2-real", "qwen3-real",
         "qwen3_moe-real", "qwen3_moe-real-small"]
-TOYS = ["deepseek_v3", "gpt_oss", "llama", "mixtral", "qwen2", "qwen3", "qwen3_moe"]
+TOYS = ["deepseek_v3", "gpt_oss", "gpt_oss_aux", "llama", "mixtral", "mixtral_aux", "qwen2", "qwen3", "qwen3_moe",
+        "qwen3_moe_aux"]
 
 
 # --- the tier ------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..golden.names import layer_of
-from ..numerics.routes import margins
+from ..numerics.routes import GroupLimit, margins
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
@@ -248,18 +248,40 @@ def unread_routers(model: nn.Module) -> Iterator[dict[str, str]]:
             handle.remove()
 
 
-def selection_scores(router: nn.Module, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The scores a router ranks experts by (float32), and their slope against the logits.
+@dataclass(frozen=True)
+class Selection:
+    """What a router ranks experts by: scores (float32), their slope against the logits, and its group
+    limit (None when every expert competes)."""
 
-    Softmax and plain top-k routers rank by logits (softmax is monotone; slope 1); sigmoid routers
-    with a score-correction bias (DeepSeek-V3) rank by sigmoid(logits) + bias.
+    scores: torch.Tensor
+    slope: torch.Tensor
+    group_limit: GroupLimit | None = None
+
+    def margins(self, chosen: torch.Tensor) -> torch.Tensor:
+        """Per token, in logit units: how far the choice `chosen` is from changing (see `routes.margins`)."""
+        return margins(self.scores, chosen, self.slope, self.group_limit)
+
+
+def selection(router: nn.Module, logits: torch.Tensor) -> Selection:
+    """How `router` ranks experts, read from its attributes (the logits it returned, flattened).
+
+    Softmax and plain top-k routers rank by logits (softmax is monotone; slope 1; a router bias is
+    already in its logits); sigmoid routers with a score-correction bias (DeepSeek-V3) rank by
+    sigmoid(logits) + bias, within their kept groups when `n_group`/`topk_group` limit them.
     """
     logits = logits.detach().float()
     bias = getattr(router, "e_score_correction_bias", None)
-    if isinstance(bias, torch.Tensor):
-        sig = logits.sigmoid()
-        return sig + bias.detach().float().to(logits.device), sig * (1 - sig)
-    return logits, torch.ones_like(logits)
+    if not isinstance(bias, torch.Tensor):
+        return Selection(logits, torch.ones_like(logits))
+    sig = logits.sigmoid()
+    return Selection(sig + bias.detach().float().to(logits.device), sig * (1 - sig), group_limit(router))
+
+
+def group_limit(router: nn.Module) -> GroupLimit | None:
+    """The router's group limit (`num_group` or `n_group` groups, `topk_group` kept), None without one."""
+    groups = int(getattr(router, "num_group", getattr(router, "n_group", 1)) or 1)
+    keep = int(getattr(router, "topk_group", groups) or groups)
+    return GroupLimit(groups, keep) if 1 < groups and keep < groups else None
 
 
 @dataclass
@@ -290,12 +312,12 @@ def record_routes(model: nn.Module) -> Iterator[dict[int, RouteRecord]]:
                 return  # not a router veosnap reads (`unread_routers` says so)
             logits, weights, indices = output[0], output[1], output[2]
             experts, sorted_weights = sort_route(indices.detach(), weights.detach())
-            scores, slope = selection_scores(module, logits.reshape(-1, logits.shape[-1]))
+            chosen = selection(module, logits.reshape(-1, logits.shape[-1]))
             records[layer] = RouteRecord(
                 layer=layer,
                 experts=experts.reshape(-1, experts.shape[-1]).cpu(),
                 weights=sorted_weights.reshape(-1, experts.shape[-1]).cpu(),
-                margin=margins(scores, indices.reshape(-1, indices.shape[-1]), slope).cpu(),
+                margin=chosen.margins(indices.reshape(-1, indices.shape[-1])).cpu(),
             )
 
         handles.append(moe.router.register_forward_hook(hook))
