@@ -8,7 +8,7 @@ compared on the tokens the candidate routed as the golden.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -52,12 +52,18 @@ class TensorResult:
         return not self.problem and self.error <= self.bound
 
 
-def compare_route_sets(golden: Golden, experts: Mapping[int, torch.Tensor], tokens: Tokens) -> list[RouteDiff]:
+def compare_route_sets(golden: Golden, experts: Mapping[int, torch.Tensor], tokens: Tokens,
+                       unreadable: Mapping[int, str] | None = None) -> list[RouteDiff]:
     """Per MoE layer of the golden, tokens the candidate sent to other experts (clear flips and near-ties
-    apart); a layer the candidate has no routes for, or routes of another shape, flips every token."""
+    apart); a layer whose routes could not be read (`unreadable`: layer -> why) says so and compares
+    nothing; a layer the candidate has no routes for, or routes of another shape, flips every token."""
     count = int(tokens.mask.sum())
     diffs = []
+    unreadable = unreadable or {}
     for layer, gold in golden.experts().items():
+        if layer in unreadable:
+            diffs.append(RouteDiff(layer, count, 0, 0, None, unreadable=unreadable[layer]))
+            continue
         candidate = experts.get(layer)
         if candidate is None or candidate.shape != gold.shape:
             diffs.append(RouteDiff(layer, count, count, 0, 0))
@@ -75,16 +81,19 @@ def same_route_tokens(golden: Golden, experts: Mapping[int, torch.Tensor]) -> di
 
 
 def compare_tensors(golden: Golden, produced: Mapping[str, torch.Tensor], tokens: Tokens, *, gradients: bool = True,
-                    same_routes: Mapping[int, torch.Tensor] | None = None) -> list[TensorResult]:
+                    same_routes: Mapping[int, torch.Tensor] | None = None,
+                    absent: Mapping[str, str] | None = None) -> list[TensorResult]:
     """Every toleranced tensor of the golden against `produced`, by row error.
 
     `gradients=False`: a forward-only candidate, whose gradients are not compared (the report says so).
     `same_routes`: per MoE layer, the tokens whose route weights are comparable (see `same_route_tokens`).
+    `absent`: tensors the candidate says it does not produce, and why (not compared; the report says so).
     """
     results = []
+    absent = absent or {}
     for name in golden.compared_names():
         parsed = names.parse(name)
-        if isinstance(parsed, names.Grad) and not gradients:
+        if (isinstance(parsed, names.Grad) and not gradients) or name in absent:
             continue
         tol = golden.manifest.tolerance[name]
         gold = golden.tensors[name]
@@ -135,3 +144,47 @@ def _where(name: str, err: RowError, gold: torch.Tensor, tokens: Tokens) -> str:
     if gold.ndim == 1:
         return f"element {err.row}: golden {fmt.value(err.golden_value)} vs {fmt.value(err.candidate_value)}"
     return f"row {err.row} {values}"
+
+
+SHOWN_NAMES = 3  # names a structure line lists before "and N more"
+
+
+def structure_changes(golden: Golden, produced: Mapping[str, torch.Tensor], route_layers: Iterable[int], *,
+                      parameters: bool = True) -> list[str]:
+    """How the candidate model's structure differs from the golden's, one line per kind ([] when it does not):
+    parameters missing, extra, or of another shape or dtype (from the gradients or updates each side has),
+    decoder layers, MoE blocks (`route_layers`: the MoE layers the candidate has, readable or not).
+
+    A report says these before any numbers: a model-structure change (a transformers version that keeps a
+    router weight in another dtype, a renamed parameter) is not a numerics failure.
+    """
+    lines = []
+    if parameters:
+        gold, cand = _parameters(golden.tensors), _parameters(produced)
+        lines += _named("parameters missing from the candidate", sorted(set(gold) - set(cand)))
+        lines += _named("parameters the golden does not have", sorted(set(cand) - set(gold)))
+        dtypes = [f"{p} {_dt(cand[p])}, golden {_dt(gold[p])}" for p in sorted(set(gold) & set(cand))
+                  if cand[p].dtype != gold[p].dtype]
+        shapes = [f"{p} {tuple(cand[p].shape)}, golden {tuple(gold[p].shape)}" for p in sorted(set(gold) & set(cand))
+                  if tuple(cand[p].shape) != tuple(gold[p].shape)]
+        lines += _named("parameter dtype differs", dtypes) + _named("parameter shape differs", shapes)
+    gold_layers = {p.layer for n in golden.tensors if isinstance(p := names.try_parse(n), names.LayerOutput)}
+    cand_layers = {p.layer for n in produced if isinstance(p := names.try_parse(n), names.LayerOutput)}
+    if gold_layers != cand_layers:
+        lines.append(f"decoder layers: the candidate has {len(cand_layers)}, the golden {len(gold_layers)}")
+    gold_moe, cand_moe = set(golden.route_layers()), set(route_layers)
+    lines += _named("MoE blocks missing from the candidate in layers", sorted(map(str, gold_moe - cand_moe)))
+    lines += _named("MoE blocks the golden has no routes for in layers", sorted(map(str, cand_moe - gold_moe)))
+    return lines
+
+
+def _parameters(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {parsed.param: t for name, t in tensors.items()
+            if isinstance(parsed := names.try_parse(name), (names.Grad, names.Update))}
+
+
+def _named(what: str, items: list[str]) -> list[str]:
+    if not items:
+        return []
+    more = f" (and {len(items) - SHOWN_NAMES} more)" if len(items) > SHOWN_NAMES else ""
+    return [f"{what}: {', '.join(items[:SHOWN_NAMES])}{more}"]

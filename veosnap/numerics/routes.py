@@ -42,12 +42,16 @@ class RouteDiff:
     clear_flips: int
     near_tie_flips: int
     first_flipped_token: int | None
+    unreadable: str = ""  # why the candidate's routes in this layer could not be read ('' when they were)
 
     @property
     def passed(self) -> bool:
         return self.clear_flips == 0
 
     def message(self) -> str:
+        if self.unreadable:
+            return (f"routes not readable in layer {self.layer}: {self.unreadable}; expert ids and weights not "
+                    "compared, the tensors downstream are")
         if self.clear_flips:
             return (
                 f"routing differs: layer {self.layer} sends {self.clear_flips} of {self.tokens} tokens "

@@ -1,7 +1,9 @@
 """Run any layout on one rank (or in process): the part of a layout check every layout shares.
 
-`run` loads the model as the layout says, applies the backend (its patches stay until the run is
-done), sets the candidate up, and runs one step (or the train scenario's steps) of the layout's passes.
+`run` loads the model as the layout says, tells the backend where it runs (`context.Context`), applies
+it (its patches stay until the run is done), sets the candidate up (the layout wraps it, unless the
+backend parallelizes it itself), and runs one step (or the train scenario's steps) of the layout's
+passes, each in the candidate's own batch form when it adapts the batch (`Candidate.adapt_batch`).
 Each pass's loss is weighted by its share of the golden's predictions, and by the data group's size to
 undo a reducer's averaging, so the reduced gradient is exactly the full-batch mean gradient. When any
 real token went to other experts than the golden's, the step runs again forced onto the golden's
@@ -15,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 import torch
+from torch import nn
 
 from ...errors import Unsupported
 from ...golden import names
@@ -23,8 +26,9 @@ from ...reference import train
 from ...reference.capture import Capture, Part, forward_backward, gradients
 from ...reference.inputs import Batch
 from ...reference.probes import RouteRecord
-from ..backends import Backend
-from .protocol import Layout, LayoutContext, Setup
+from .. import context
+from ..backends import Backend, Candidate
+from .protocol import DataGroup, Layout, LayoutContext, Setup
 
 
 @dataclass
@@ -43,52 +47,118 @@ class LayoutError(RuntimeError):
 
 def run(layout: Layout, backend: Backend, ctx: LayoutContext) -> LayoutResult | None:
     """Run `layout` with `backend` on this rank; the result on rank 0, None on the others."""
-    model = layout.load(ctx)
-    with backend.prepare(model) as candidate:
+    # A backend that parallelizes the model itself gets the plain reference, never one transformers sharded.
+    model = ctx.build(ctx.device) if backend.parallelizes else layout.load(ctx)
+    ctx = replace(ctx, mesh=layout.mesh(ctx))
+    data = layout.data(ctx)
+    where = told(layout, ctx, data)
+    with context.told(where), backend.prepare(model, where) as candidate:
         why = candidate.forward_only
         if why and not layout.checks_forward_only:
             raise Unsupported(f"{backend.spec} runs forward only here ({why}); layouts check gradients")
         if why and ctx.hyper is not None:
             raise Unsupported(f"runs forward only here ({why}); the train scenario needs gradients")
+        if candidate.full_gradients is not None and ctx.hyper is not None:
+            raise Unsupported("the train scenario reads full parameters, which full_gradients does not give")
         candidate.model.train()
         candidate.model.zero_grad(set_to_none=True)
-        runner = _Runner(layout, ctx, layout.wrap(candidate.model, ctx), backward=not candidate.forward_only)
+        if backend.parallelizes:
+            setup = Setup(candidate.model, _unwrapped(candidate.model), data,
+                          notes=[f"parallelized by the backend ({backend.spec}), not wrapped by the layout"])
+        else:
+            setup = layout.wrap(candidate.model, ctx)
+        if setup.data is None:
+            setup.data = data
+        elif setup.data != data:
+            raise LayoutError(f"layout {layout.name}: wrap() set up data share {setup.data} but data() told the "
+                              f"backend {data}; override data()")
+        runner = _Runner(layout, ctx, setup, candidate, where)
         result = runner.train() if ctx.hyper is not None else runner.step()
     if result is not None:
         result.forward_only = candidate.forward_only
     return result
 
 
+def told(layout: Layout, ctx: LayoutContext, data: DataGroup) -> context.Context:
+    """What a backend is told about where it runs (`veosnap.context()`)."""
+    group = None
+    if ctx.world > 1:
+        import torch.distributed as dist
+
+        group = dist.group.WORLD
+    return context.Context(layout=layout.name, rank=ctx.rank, world=ctx.world, local_rank=ctx.local_rank,
+                           device=ctx.device, dp_world=data.size, dp_rank=data.rank, mesh=ctx.mesh, group=group,
+                           golden=ctx.golden.key)
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """The HF model inside a data-parallel wrapper a backend returned (hooks and gradients go there)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
 class _Runner:
     """One layout's passes on one rank, for a step or for the train scenario."""
 
-    def __init__(self, layout: Layout, ctx: LayoutContext, setup: Setup, backward: bool) -> None:
-        self.layout, self.ctx, self.setup, self.backward = layout, ctx, setup, backward
+    def __init__(self, layout: Layout, ctx: LayoutContext, setup: Setup, candidate: Candidate,
+                 where: context.Context) -> None:
+        self.layout, self.ctx, self.setup, self.candidate = layout, ctx, setup, candidate
+        self.backward = not candidate.forward_only
         self.shards = layout.shard(ctx, setup)
         self.total = ctx.batch.predictions
+        # Each pass's model call, and the golden position of each of its output token slots (-1: none).
+        self.calls: list[dict | None] = []
+        self.positions: list[torch.Tensor] = []
+        for shard in self.shards:
+            if candidate.adapt_batch is None:
+                self.calls.append(None)
+                self.positions.append(shard.positions)
+                continue
+            adapted = candidate.adapt_batch(shard.batch.to(ctx.device), where)
+            local = torch.as_tensor(adapted.positions).reshape(-1).long().cpu()
+            if local.numel() and int(local.max()) >= shard.positions.numel():
+                raise LayoutError(f"adapt_batch gave position {int(local.max())} in a batch of "
+                                  f"{shard.positions.numel()} token slots")
+            self.calls.append(adapted.kwargs)
+            self.positions.append(torch.where(local >= 0, shard.positions[local.clamp(min=0)], -1))
 
     def passes(self, forced: dict[int, torch.Tensor] | None) -> list[Part]:
         """One step: every pass's forward and backward, gradients accumulating from zero."""
         self.setup.inner.zero_grad(set_to_none=True)
         parts = []
-        for index, shard in enumerate(self.shards):
+        for index, (shard, call, positions) in enumerate(zip(self.shards, self.calls, self.positions)):
             with self.layout.accumulate(self.ctx, self.setup, index, len(self.shards)):
                 parts.append(forward_backward(
                     self.setup.model, shard.batch, inner=self.setup.inner, share=shard.batch.predictions / self.total,
-                    grad_scale=float(self.setup.data.size), backward=self.backward,
-                    forced={layer: experts[shard.positions] for layer, experts in forced.items()} if forced else None))
+                    grad_scale=float(self.setup.data.size), backward=self.backward, call=call,
+                    forced={layer: experts[positions.clamp(min=0)] for layer, experts in forced.items()}
+                    if forced else None))
         return parts
+
+    def gradients(self) -> dict[str, torch.Tensor]:
+        """The step's full gradients (every rank joins the gathers of shards), the candidate's reader first."""
+        if not self.backward:
+            return {}
+        grads = gradients(self.setup.inner)
+        if self.candidate.full_gradients is not None:
+            for name, grad in self.candidate.full_gradients(self.setup.inner).items():
+                grads[str(names.Grad(name))] = grad.detach().to("cpu", copy=True)
+        return grads
 
     def step(self) -> LayoutResult | None:
         parts = self.passes(None)
-        grads = gradients(self.setup.inner) if self.backward else {}  # every rank joins the gathers of shards
+        grads = self.gradients()
         replayed = None
         if self.ctx.any(self.routes_differ(parts)):
             forced = self.ctx.golden.experts()
             replayed_parts = self.passes(forced)
-            replayed = self.gather(replayed_parts, gradients(self.setup.inner) if self.backward else {})
+            replayed = self.gather(replayed_parts, self.gradients())
         capture = self.gather(parts, grads)
-        return None if capture is None else LayoutResult(capture, replayed, list(self.setup.notes))
+        if capture is None:
+            return None
+        notes = [*self.setup.notes, *capture.notes, *(replayed.notes if replayed else [])]
+        return LayoutResult(capture, replayed, list(dict.fromkeys(notes)))
 
     def train(self) -> LayoutResult | None:
         """The golden's optimizer steps, each step's forward and backward run as this layout's passes."""
@@ -109,19 +179,22 @@ class _Runner:
         """Whether any real token of this rank's passes went to other experts than the golden's."""
         golden = self.ctx.golden.experts()
         mask = self.ctx.batch.token_mask
-        for part, shard in zip(parts, self.shards):
+        for part, positions in zip(parts, self.positions):
+            at = positions.clamp(min=0)
             for layer, experts in golden.items():
+                if layer in part.unreadable:  # nothing to compare, and nothing to force: said in the report
+                    continue
                 rec = part.routes.get(layer)
-                expected = experts[shard.positions]
+                expected = experts[at]
                 if rec is None or rec.experts.shape != expected.shape:
                     return True
-                if flips(expected, rec.experts, mask[shard.positions]).any():
+                if flips(expected, rec.experts, mask[at] & (positions >= 0)).any():
                     return True
         return False
 
     def gather(self, parts: list[Part], grads: dict[str, torch.Tensor]) -> Capture | None:
         """On rank 0, the passes of every distinct data share assembled into the golden's positions."""
-        mine = list(zip(parts, (s.positions for s in self.shards)))
+        mine = list(zip(parts, self.positions))
         if self.setup.data.size == 1:  # every rank ran the whole batch: rank 0's passes are the run's
             return assemble(self.ctx, mine, grads, self.backward) if self.ctx.rank == 0 else None
         gathered = self.ctx.gather((self.setup.data.rank, mine))
@@ -143,18 +216,22 @@ def assemble(ctx: LayoutContext, pieces: list[tuple[Part, torch.Tensor]], grads:
     batch = ctx.batch
     tensors: dict[str, torch.Tensor] = {str(names.LOSS): sum(part.loss for part, _ in pieces)}
     parts = [part for part, _ in pieces]
-    if parts[0].logits is not None:
+    absent = {name: why for part in reversed(parts) for name, why in part.absent.items()}  # the first pass's reason
+    notes = list(dict.fromkeys(note for part in parts for note in part.notes))
+    if all(p.logits is not None for p in parts):
         tensors[str(names.LOGITS)] = _grid(batch, _scatter(ctx, names.LOGITS, [p.logits for p in parts], pieces))
     for layer in sorted(parts[0].layers):
         name = names.LayerOutput(layer)
         tensors[str(name)] = _grid(batch, _scatter(ctx, name, [p.layers[layer] for p in parts], pieces))
     routes = {}
     for layer in sorted(parts[0].routes):
+        if any(layer not in p.routes for p in parts):  # read in some passes only: not a route of every token
+            continue
         recs = [p.routes[layer] for p in parts]
         experts, weights, margin = (_scatter(ctx, names.Route(layer, part), [getattr(r, part) for r in recs], pieces)
                                     for part in ("experts", "weights", "margin"))
         routes[layer] = RouteRecord(layer, experts.long(), weights, margin)
-    return Capture(tensors={**tensors, **grads}, routes=routes, backward=backward)
+    return Capture(tensors={**tensors, **grads}, routes=routes, backward=backward, absent=absent, notes=notes)
 
 
 def _grid(batch: Batch, flat: torch.Tensor) -> torch.Tensor:
@@ -169,6 +246,8 @@ def _scatter(ctx: LayoutContext, name: names.TensorName, values: list[torch.Tens
     positions = torch.cat([positions for _, positions in pieces])
     if rows.shape[0] != positions.numel():
         raise LayoutError(f"{name}: the passes produced {rows.shape[0]} token rows for {positions.numel()} positions")
+    stands = positions >= 0  # slots an adapted batch added (padding of its own) stand for no golden token
+    rows, positions = rows[stands], positions[stands]
     count = ctx.batch.rows * ctx.batch.width
     covered = torch.zeros(count, dtype=torch.bool)
     if positions.numel() != positions.unique().numel():

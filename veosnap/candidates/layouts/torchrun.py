@@ -113,11 +113,18 @@ def explain_failure(log: str, errors: dict[int, str], code: int, seconds: float)
     # (a collective whose peer vanished) are its consequences, whatever order torchrun saw them in.
     # Ranks torchrun itself stopped once another failed end on a signal (negative status): those are
     # consequences too, so a rank that exited by itself comes first.
+    # A silent rank that torchrun itself stopped (SIGTERM) once another rank failed is no cause when a
+    # rank wrote its error: that rank failed first (its peer then waited in a collective until stopped).
+    # A rank killed otherwise (SIGKILL: out of memory) or that exited by itself is still the cause.
     exits = {int(m.group(1)): m.group(2) for m in _RANK_EXIT_RE.finditer(log)}
-    silent = sorted((rank for rank in exits if rank not in errors), key=lambda r: (int(exits[r]) < 0, r))
+    stopped = -int(signal.SIGTERM)
+    silent = sorted((rank for rank in exits if rank not in errors and not (errors and int(exits[rank]) == stopped)),
+                    key=lambda r: (int(exits[r]) < 0, r))
     if silent:
         rank = silent[0]
         return f"rank {rank} exited with status {exits[rank]} after {seconds:.0f} s"
+    if errors and all(int(exits.get(rank, stopped)) == stopped for rank in exits if rank not in errors):
+        return next(iter(errors.values()))  # the error files in the order they were written: the first failure
     # Otherwise torchrun names the first rank that failed, and its own message says why.
     root = _RANK_EXIT_RE.search(log, max(log.find("Root Cause"), 0))
     if root:
@@ -155,7 +162,8 @@ def write_result(path: Path, result: LayoutResult) -> None:
     tensors = {n: t.contiguous().clone() for n, t in result.capture.all_tensors().items()}
     if result.replayed is not None:
         tensors.update({REPLAYED + n: t.contiguous().clone() for n, t in result.replayed.all_tensors().items()})
-    meta = {"notes": result.notes, "forward_only": result.forward_only, "backward": result.capture.backward}
+    meta = {"notes": result.notes, "forward_only": result.forward_only, "backward": result.capture.backward,
+            "absent": result.capture.absent, "replayed_absent": result.replayed.absent if result.replayed else {}}
     save_file(tensors, str(path), metadata={"veosnap": json.dumps(meta)})
 
 
@@ -170,6 +178,6 @@ def read_result(path: Path) -> LayoutResult:
     main = {n: t for n, t in tensors.items() if not n.startswith(REPLAYED)}
     replayed = {n[len(REPLAYED):]: t for n, t in tensors.items() if n.startswith(REPLAYED)}
     backward = meta["backward"]
-    return LayoutResult(Capture.from_tensors(main, backward),
-                        Capture.from_tensors(replayed, backward) if replayed else None,
+    return LayoutResult(Capture.from_tensors(main, backward, meta.get("absent")),
+                        Capture.from_tensors(replayed, backward, meta.get("replayed_absent")) if replayed else None,
                         notes=meta["notes"], forward_only=meta["forward_only"])
