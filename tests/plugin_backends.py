@@ -238,7 +238,7 @@ def _packing(swapped: bool = False):  # noqa: ANN202
             flat[[0, 1]] = flat[[1, 0]]
         pad = torch.zeros(2, dtype=torch.long, device=keep.device)
         kwargs = {"input_ids": torch.cat([batch.input_ids.reshape(-1)[keep], pad])[None],
-                  "position_ids": torch.cat([batch.position_ids.reshape(-1)[keep], torch.arange(2, device=pad.device)])[None],
+                  "position_ids": torch.cat([batch.position_ids.reshape(-1)[keep], torch.arange(2).to(pad)])[None],
                   "labels": torch.cat([batch.labels.reshape(-1)[keep], pad - 100])[None]}
         positions = torch.cat([flat, torch.full((2,), -1, device=keep.device)])
         return Adapted(kwargs, positions)

@@ -44,7 +44,8 @@ def _from_the_root(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def check(model: str, backend: str, *layouts: str, project: Project | None = None) -> dict[str, veosnap.CheckReport]:
     spec = backend if backend == "eager" else f"{PLUGIN}:{backend}"
-    reports = veosnap.check(model, spec, "float32", layouts=layouts or ("single",), project=project, timeout_s=TIMEOUT_S)
+    reports = veosnap.check(model, spec, "float32", layouts=layouts or ("single",), project=project,
+                            timeout_s=TIMEOUT_S)
     return {r.layout: r for r in reports}
 
 
@@ -118,6 +119,25 @@ def test_routes_that_cannot_be_read_are_said_not_reported_as_every_token_reroute
         assert "routes not readable in layer 0" in text and "sends 86 of 86" not in text
 
 
+def test_routes_that_cannot_be_read_in_the_train_scenario_are_said_too(project: Project) -> None:
+    (report,) = veosnap.check("qwen3_moe", f"{PLUGIN}:experts_bypassed", "float32", scenario="train", project=project)
+    assert report.passed and all("not called" in r.unreadable for r in report.routes), report.routes
+
+
+@pytest.mark.parametrize("model", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
+def test_the_recorder_still_records_the_committed_moe_goldens_byte_for_byte(project: Project, scratch_project: Project,
+                                                                           model: str) -> None:
+    """Routes read at the experts' inputs are the ones the router's output gave: the same golden bytes."""
+    import transformers
+
+    committed = store.path_for(project.goldens, GoldenKey("cpu", model, "step", "float32"))
+    recorded = load_golden(project, GoldenKey("cpu", model, "step", "float32")).manifest.provenance
+    if (recorded.torch, recorded.transformers) != (torch.__version__, transformers.__version__):
+        pytest.skip(f"the golden was recorded with torch {recorded.torch} / transformers {recorded.transformers}")
+    outcome = veosnap.record(model, "float32", project=scratch_project)
+    assert outcome.path.read_bytes() == committed.read_bytes()
+
+
 # --- 3. a generator backend's patch stays applied while any layout runs ----------------------------------
 
 
@@ -184,7 +204,7 @@ def test_the_context_outside_a_run_is_a_one_line_error_and_prepare_gives_an_in_p
 def test_two_steps_of_a_combination_cannot_both_adapt_the_batch() -> None:
     model = models.build(load_config(ROOT / "toy_configs", "llama"), torch.float32)
     both = backends.resolve(f"{PLUGIN}:collator_form+{PLUGIN}:collator_form")
-    with pytest.raises(VeosnapError, match="set adapt_batch; one step may"):
+    with pytest.raises(VeosnapError, match="both .collator_form. and .collator_form. set adapt_batch; one step may"):
         with both.prepare(model):
             pass
 

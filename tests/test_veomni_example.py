@@ -57,7 +57,8 @@ def _assert_quick_run(out: Path) -> None:
     # transformers 5.22 keeps DeepSeek-V3's router weight in bfloat16 (5.24, the golden's, in float32): said as
     # a structure change naming the versions, before any number.
     drift = cells[("deepseek_v3", "bfloat16", "veomni", "single")]
-    assert drift["status"] == "FAIL" and drift["reason"].startswith("structure differs from the golden (versions differ: ")
+    assert drift["status"] == "FAIL"
+    assert drift["reason"].startswith("structure differs from the golden (versions differ: ")
     assert table_ok(out)
 
 

@@ -1,6 +1,6 @@
 """VeOmni 0.1.12 as a veosnap candidate: its own model classes, ops config, collator and parallelism.
 
-    veosnap check --backend examples/veomni/plugin.py:veomni                          # every zoo model VeOmni implements
+    veosnap check --backend examples/veomni/plugin.py:veomni                          # every zoo model it implements
     veosnap check --backend examples/veomni/plugin.py:veomni --layout ddp --layout fsdp2 --layout hsdp
     veosnap check --backend examples/veomni/plugin.py:veomni_fsdp2 --layout fsdp2     # VeOmni's own FSDP2 wrapping
     veosnap check --backend examples/veomni/plugin.py:veomni_collator --layout fsdp2  # VeOmni's packing collator
@@ -24,22 +24,31 @@ experts' inputs, what VeOmni prints goes to stderr, and the patches stay applied
   wrapping, its weight loader), declared `@parallelizes`: the layout hands it the plain reference and
   does not shard it a second time.
 
-What VeOmni changes in the process, and what this plugin does about it (the "must restore" list):
+What VeOmni changes in the process (found by running every path), and what this plugin does about it,
+the "must restore" list of a real framework:
 
-| what | when | plugin |
-|---|---|---|
-| `transformers.loss.loss_utils.LOSS_MAPPING["ForCausalLM" / "ForConditionalGeneration" / "ForSequenceClassification"]`: VeOmni's losses return `(loss, logits, aux)`, every HF model built later would get a tuple | `build_foundation_model` -> `install_loss_mapping` | restored when the check is done |
-| `veomni.ops.config.singleton` (the ops config), the OpSlots of VeOmni's modeling modules | `build_foundation_model` | ops config restored when the check is done; OpSlots rebound at every build |
-| `veomni.distributed.parallel_state` (global state, topology cache, registry of meshes and groups) | `init_parallel_state` | set for the layout, cleared when the check is done |
-| `ALL_ATTENTION_FUNCTIONS` += `veomni_*_with_sp`, a mask function, a wrapped `load_and_register_attn_kernel`, `logging.Logger.info_rank0` & co. | `import veomni` | left: additive, VeOmni's imported modules call them |
-| a `veomni` logger writing INFO to stdout; transformers' docstring checks printing to stdout when VeOmni's modeling files import | `import veomni` | nothing: veosnap points stdout at stderr while candidates run |
-| `torch.utils.checkpoint.CheckpointFunction` | `build_parallelize_model(enable_reentrant=True)` | not used (gradient checkpointing off) |
+- `transformers.loss.loss_utils.LOSS_MAPPING["ForCausalLM" | "ForConditionalGeneration" |
+  "ForSequenceClassification"]` (`build_foundation_model` -> `install_loss_mapping`): VeOmni's losses
+  return `(loss, logits, aux)`, so every HF model built later would get a tuple for a loss. Restored
+  when the check is done (a test fails without it).
+- VeOmni's ops config (`veomni.ops.config.singleton`) and the OpSlots of its modeling modules
+  (`build_foundation_model`): the ops config is restored when the check is done; OpSlots are rebound
+  at every build.
+- VeOmni's parallel state (`veomni.distributed.parallel_state`: the global state, its topology cache,
+  a registry of meshes and groups; `init_parallel_state`): set for the layout, cleared when the check
+  is done (and before it, so nothing earlier is taken for this check's).
+- At `import veomni`: five `veomni_*_with_sp` names in transformers' `ALL_ATTENTION_FUNCTIONS`, a mask
+  function, a wrapped `load_and_register_attn_kernel`, `logging.Logger.info_rank0` and friends. Left:
+  additive (nothing an HF eager model uses changes), and VeOmni's imported modules call them.
+- A `veomni` logger writing INFO lines to stdout, and transformers' docstring checks printing to stdout
+  when VeOmni's modeling files import: nothing to do, veosnap points stdout at stderr while candidates run.
+- `torch.utils.checkpoint.CheckpointFunction` (`build_parallelize_model(enable_reentrant=True)`): not
+  used (gradient checkpointing is off).
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
 import tempfile
 from pathlib import Path
@@ -219,6 +228,7 @@ def _data_collator():  # noqa: ANN202 - the module veomni.data.data_collator
     """VeOmni's collator module. `veomni.data` also imports its data loaders and datasets, which need the
     trainer's dependencies (torchdata, datasets) that `--no-deps` leaves out; the collator itself needs
     none of them, so without them its file is loaded alone, under its own name."""
+    import importlib
     import importlib.util
     import sys
 

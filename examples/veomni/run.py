@@ -25,7 +25,7 @@ from typing import Iterator
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
-PLUGIN = str((HERE / "plugin.py").relative_to(ROOT)) if (HERE / "plugin.py").is_relative_to(ROOT) else str(HERE / "plugin.py")
+PLUGIN = str((HERE / "plugin.py").relative_to(ROOT))
 
 IN_PROCESS = ("single", "packed", "microbatch")
 DISTRIBUTED = ("ddp", "fsdp2", "hsdp", "ep", "tp")

@@ -360,9 +360,9 @@ class Backend:
         """
         ctx = ctx or context.in_process(model)
         reasons: list[str] = []
-        said: dict[str, tuple[int, object]] = {}
+        said: dict[str, tuple[str, object]] = {}  # what a step set -> (which step, the value)
         with context.told(ctx), ExitStack() as stack:
-            for index, step in enumerate(self.steps):
+            for step in self.steps:
                 args = (model, ctx) if _wants_context(step) else (model,)
                 if inspect.isgeneratorfunction(step):
                     result = stack.enter_context(contextmanager(step)(*args))
@@ -373,18 +373,16 @@ class Backend:
                     if result.forward_only:
                         reasons.append(result.forward_only)
                     for what in ("adapt_batch", "full_gradients"):
-                        value = getattr(result, what)
+                        value, name = getattr(result, what), getattr(step, "__name__", repr(step))
+                        if value is not None and what in said:
+                            raise VeosnapError(f"backend {self.spec!r}: both {said[what][0]!r} and {name!r} set "
+                                               f"{what}; one step may")
                         if value is not None:
-                            if what in said:
-                                parts = self.spec.split("+")
-                                raise VeosnapError(f"backend {self.spec!r}: both {parts[said[what][0]].strip()!r} "
-                                                   f"and {parts[index].strip()!r} set {what}; one step may")
-                            said[what] = (index, value)
+                            said[what] = (name, value)
                 elif result is not None:
                     model = result
-            yield Candidate(model, forward_only="; ".join(reasons),
-                            adapt_batch=said.get("adapt_batch", (0, None))[1],  # type: ignore[arg-type]
-                            full_gradients=said.get("full_gradients", (0, None))[1])  # type: ignore[arg-type]
+            value = {what: said[what][1] if what in said else None for what in ("adapt_batch", "full_gradients")}
+            yield Candidate(model, forward_only="; ".join(reasons), **value)  # type: ignore[arg-type]
 
 
 def resolve(spec: str) -> Backend:

@@ -163,17 +163,25 @@ class _Runner:
     def train(self) -> LayoutResult | None:
         """The golden's optimizer steps, each step's forward and backward run as this layout's passes."""
 
+        unreadable: list[dict[str, str]] = []  # the first step's unreadable routes (a train golden holds its routes)
+
         def forward_backward_step() -> tuple[torch.Tensor, dict[int, RouteRecord]]:
             parts = self.passes(None)
             # Only each step's loss and routes are kept: no token outputs cross between ranks.
             gathered = self.gather([replace(p, logits=None, layers={}) for p in parts], {})
             if gathered is None:
                 return sum(p.loss for p in parts), {}
+            if not unreadable:
+                unreadable.append({n: why for n, why in gathered.absent.items()
+                                   if isinstance(names.try_parse(n), names.Route)})
             return gathered.tensors[str(names.LOSS)], gathered.routes
 
         clip = lambda params, max_norm: self.layout.clip(params, max_norm, self.ctx)  # noqa: E731
         run = train.train(self.setup.inner, self.ctx.hyper, forward_backward_step, clip)
-        return LayoutResult(run.capture, notes=list(self.setup.notes)) if self.ctx.rank == 0 else None
+        if self.ctx.rank != 0:
+            return None
+        run.capture.absent = unreadable[0] if unreadable else {}
+        return LayoutResult(run.capture, notes=list(self.setup.notes))
 
     def routes_differ(self, parts: list[Part]) -> bool:
         """Whether any real token of this rank's passes went to other experts than the golden's."""
