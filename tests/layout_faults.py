@@ -16,7 +16,8 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from veosnap.candidates.layouts.protocol import DataGroup, Layout, LayoutContext, Setup
+from veosnap.candidates.layouts import sequence
+from veosnap.candidates.layouts.protocol import DataGroup, Layout, LayoutContext, Setup, Shard
 from veosnap.candidates.layouts.registry import LAYOUTS
 from veosnap.reference.train import clip_global
 
@@ -114,6 +115,54 @@ class ClipLocal(Planted):
         return norm
 
 
+# --- sequence parallel: bugs only a layout that shards positions can have ----------------------------
+
+
+def _reversed_heads(x: torch.Tensor, head_dim: int, seq_dim: int, group: object = None) -> torch.Tensor:
+    """The attention output sent back with the head chunks concatenated in reverse rank order."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    pieces = sequence.gather_heads_scatter_seq(x, head_dim=head_dim, seq_dim=seq_dim, group=group)
+    return torch.cat(list(reversed(pieces.chunk(world, dim=head_dim))), dim=head_dim)
+
+
+class HeadsReversed(Planted):
+    def wrap(self, model: nn.Module, ctx: LayoutContext) -> Setup:
+        # Through the exchange hook, as a framework's plugin would hand over its own.
+        sequence.use_exchange(model, sequence.Exchange(gather_heads_scatter_seq=_reversed_heads, name="reversed heads"))
+        return self.base.wrap(model, ctx)
+
+
+class GradsUnreduced(Planted):
+    @contextmanager
+    def accumulate(self, ctx: LayoutContext, setup: Setup, index: int, count: int):  # noqa: ANN201
+        yield  # each rank keeps its own positions' contribution to every replicated weight
+
+
+class LocalLoss(Planted):
+    def shard(self, ctx: LayoutContext, setup: Setup) -> list:
+        shards = self.base.shard(ctx, setup)
+        for shard in shards:
+            local = (shard.batch.extra["shift_labels"] != -100).sum()
+            shard.batch.extra["num_items_in_batch"] = local  # this rank's count, not the whole batch's
+        return shards
+
+
+class BoundaryOffByOne(Planted):
+    def shard(self, ctx: LayoutContext, setup: Setup) -> list:
+        shards = self.base.shard(ctx, setup)
+        if not ctx.last:
+            return shards
+        # The last rank's slice of row 0 is cut one token early; its positions, labels and mask are right.
+        (shard,) = shards
+        width = shard.batch.width
+        start = ctx.rank * width
+        row = ctx.batch.input_ids[0]
+        shard.batch.input_ids[0] = row[start - 1:start - 1 + width]
+        return [Shard(shard.batch, shard.positions, shard.weight)]
+
+
 ddp_sum_grads = SumGrads("ddp", "gradients summed instead of averaged across data-parallel ranks")
 fsdp2_swap_shard = SwapShard("fsdp2", "the last rank trains on the first rank's rows instead of its own")
 packed_no_restart = NoRestart("packed", "a packed batch whose position ids run on instead of restarting per sequence")
@@ -122,3 +171,7 @@ ddp_hang = Hang("ddp", "the last rank sleeps before its step (hangs the others i
 # train scenario only: bugs that leave every gradient right and the next parameters wrong
 microbatch_clip_micro = ClipMicro("microbatch", "gradients clipped after every micro-batch, not once after accumulation")
 fsdp2_clip_local = ClipLocal("fsdp2", "gradients clipped by each rank's own shard norm instead of the global norm")
+sp_heads_reversed = HeadsReversed("sp", "the attention output's head chunks sent back in reverse rank order")
+sp_grads_unreduced = GradsUnreduced("sp", "replicated weights' gradients not reduced across the sequence group")
+sp_local_loss = LocalLoss("sp", "each rank's loss divided by its own prediction count instead of the whole batch's")
+sp_boundary_off_by_one = BoundaryOffByOne("sp", "the last rank's slice of row 0 cut one token early")

@@ -24,7 +24,9 @@ from veosnap.surfaces.cli import main
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 FAULTS = HERE / "layout_faults.py"
-RUN_ON_CPU = ["single", "packed", "microbatch", "ddp", "fsdp2", "hsdp", "tp", "ep"]
+RUN_ON_CPU = ["single", "packed", "microbatch", "ddp", "fsdp2", "hsdp", "tp", "ep", "sp", "sp_packed", "sp_fsdp2",
+              "sp_ep", "cp", "cp_packed"]
+EXPERTS_ONLY = ("ep", "sp_ep")  # skip dense models
 TIMEOUT_S = 300
 
 
@@ -49,12 +51,13 @@ def every_layout(request: pytest.FixtureRequest, project: Project) -> tuple[str,
     return request.param, by_layout(reports)
 
 
+@pytest.mark.heavy
 def test_every_layout_the_cpu_runs_passes_against_the_single_process_golden(every_layout: tuple[str, dict]) -> None:
     model, reports = every_layout
     assert list(reports) == registry.names()
     for name in RUN_ON_CPU:
         report = reports[name]
-        if name == "ep" and model == "llama":
+        if name in EXPERTS_ONLY and model == "llama":
             assert report.skipped and "dense" in report.skipped
             continue
         assert report.passed and not report.skipped, (name, report.error, report.worst)
@@ -64,11 +67,12 @@ def test_every_layout_the_cpu_runs_passes_against_the_single_process_golden(ever
             assert report.routes and all(r.clear_flips == 0 for r in report.routes)
 
 
-def test_sequence_and_context_parallel_are_skipped_on_cpu_with_the_reason(every_layout: tuple[str, dict]) -> None:
+@pytest.mark.heavy
+def test_sequence_parallel_layouts_say_how_attention_ran(every_layout: tuple[str, dict]) -> None:
     _, reports = every_layout
-    for name in ("sp", "cp"):
-        assert reports[name].status == "skip"
-        assert "CUDA" in reports[name].skipped
+    assert reports["sp"].notes[0].startswith("Ulysses all-to-all over 2 ranks (veosnap all-to-all), 2 heads each")
+    assert reports["cp"].notes[0].startswith("keys and values all-gathered over 2 ranks")
+    assert "fully_shard over the same 2 ranks" in reports["sp_fsdp2"].notes
 
 
 @pytest.fixture(scope="module")

@@ -151,3 +151,20 @@ def test_a_bug_planted_in_veomnis_model_fails_at_its_layer() -> None:
                                                                                            (*veomni.steps, planted)))
     assert report.status == "FAIL"
     assert report.first_divergence.startswith("layer 1")
+
+
+@pytest.mark.skipif(not HERE, reason="veomni is not importable in this interpreter (tools/veomni_env.sh)")
+def test_veomnis_own_ulysses_all_to_all_is_checked_through_the_exchange_hook() -> None:
+    """VeOmni's `gather_seq_scatter_heads`/`gather_heads_scatter_seq` replace veosnap's under `sp` on 2 ranks."""
+    from veosnap.candidates import backends
+    from veosnap.golden.key import GoldenKey
+    from veosnap.reference.zoo import Project
+    from veosnap.runs.check import check_layouts
+
+    project = Project.resolve(goldens=ROOT / "goldens", configs=ROOT / "toy_configs", testdata=ROOT / "testdata")
+    reports = check_layouts(project, GoldenKey("cpu", "llama", "step", "float32"),
+                            backends.resolve(f"{ROOT / PLUGIN}:veomni_ulysses"), ["sp", "sp_packed"], nproc=2,
+                            timeout_s=300)
+    for report in reports:
+        assert report.passed, (report.layout, report.error, report.worst)
+        assert "VeOmni's ulysses all-to-all" in report.notes[0]

@@ -39,7 +39,8 @@ from veosnap.runs.check import check  # noqa: E402
 GPU_BACKENDS = ["eager", "sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "sdpa_math", "flex_attention",
                 "grouped_mm", "batched_mm", "sdpa+grouped_mm", "liger", "flash_attention_2"]
 COMPILE_MODELS = ["llama", "qwen3_moe"]  # inductor compiles take tens of seconds per model
-LAYOUTS = ["packed", "microbatch", "ddp", "fsdp2", "hsdp", "ep", "tp", "cp"]  # ep before tp: a tp crash ends the torchrun
+LAYOUTS = ["packed", "microbatch", "ddp", "fsdp2", "hsdp", "ep", "sp", "sp_packed", "sp_fsdp2", "sp_ep", "cp", "cp_packed",
+           "tp"]  # tp last: a tp crash ends the torchrun
 
 
 def environment() -> dict:

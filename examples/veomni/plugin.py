@@ -135,6 +135,9 @@ def parallel_state(ctx: veosnap.Context):  # noqa: ANN201 - veomni's ParallelSta
     if ctx.layout == "tp":
         raise Unsupported("VeOmni 0.1.12 has no tensor-parallel plan for its text models "
                           "(build_parallelize_model calls parallelize_module without one)")
+    if "sp" in ctx.mesh_shape:
+        raise Unsupported("veosnap's sequence-parallel layouts install their own attention exchange into the model; "
+                          "VeOmni's own Ulysses all-to-all is checked through that hook by `veomni_ulysses`")
     raise Unsupported(f"the VeOmni plugin does not know veosnap's layout {ctx.layout!r}")
 
 
@@ -289,3 +292,16 @@ def veomni_collator(model: nn.Module, ctx: veosnap.Context) -> Iterator[Candidat
 def veomni_fsdp2(model: nn.Module, ctx: veosnap.Context) -> Iterator[nn.Module]:
     """VeOmni's own FSDP2 (`build_parallelize_model`) under veosnap's fsdp2 and hsdp layouts."""
     yield from _candidate(model, ctx, _ops(), own=True)
+
+
+def veomni_ulysses(model: nn.Module) -> nn.Module:
+    """The reference model, with VeOmni's own Ulysses all-to-all (`veomni.distributed.sequence_parallel.
+    ulysses`) as the exchange of veosnap's `sp` layouts (other layouts run the reference unchanged): checks
+    VeOmni's sequence-parallel communication, gradients included, against the single-process golden."""
+    _import_veomni()
+    from veomni.distributed.sequence_parallel.ulysses import gather_heads_scatter_seq, gather_seq_scatter_heads
+
+    from veosnap.candidates.layouts.sequence import Exchange, use_exchange
+
+    return use_exchange(model, Exchange(gather_seq_scatter_heads, gather_heads_scatter_seq,
+                                        name="VeOmni's ulysses all-to-all"))

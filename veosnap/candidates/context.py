@@ -12,7 +12,8 @@ veosnap sets the context before the backend is applied and keeps it until the la
 A framework sets up its own parallel state from it (data, expert, sequence parallel sizes, a device
 mesh of its own over the same ranks): `dp_world` and `dp_rank` say how veosnap splits the golden's
 rows, `mesh` is the device mesh the layout shards over (FSDP2: 1-D `("shard",)`, HSDP: 2-D
-`("replicate", "shard")`, tp/ep: 1-D `("tp",)`/`("ep",)`; None in process and under ddp).
+`("replicate", "shard")`, tp/ep: 1-D `("tp",)`/`("ep",)`, sequence and context parallel: 1-D `("sp",)`;
+None in process and under ddp).
 """
 
 from __future__ import annotations

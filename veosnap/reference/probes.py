@@ -27,7 +27,39 @@ from ..numerics.routes import margins
 def full(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's full value (a collective: sharded values are gathered); other tensors as they are."""
     full_tensor = getattr(tensor, "full_tensor", None)
-    return full_tensor() if callable(full_tensor) else tensor
+    if not callable(full_tensor):
+        return tensor
+    strided = _gather_strided(tensor)
+    return strided if strided is not None else full_tensor()
+
+
+def _gather_strided(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The full value of a DTensor placed `_StridedShard(d, split_factor=s)` on a 1-D mesh, gathered here.
+
+    transformers' tensor-parallel plan places fused gate/up expert weights so (one chunk of each of the
+    s halves along d per rank). torch 2.11's `full_tensor()` cannot redistribute that placement ("use_strided_
+    shard_as_shard_order is True, but placements ... unable to be interpreted into a corresponding
+    shard_order"; torch fell back to a greedy plan from 2.12), so every MoE model's `tp` gradient gather
+    failed on torch 2.11. None when the placement is another (or uneven): then torch gathers.
+    """
+    try:
+        from torch.distributed.tensor.placement_types import _StridedShard
+    except ImportError:
+        return None
+    placements = getattr(tensor, "placements", ())
+    if len(placements) != 1 or not isinstance(placements[0], _StridedShard):
+        return None
+    import torch.distributed as dist
+
+    placement, mesh = placements[0], tensor.device_mesh
+    world, local = mesh.size(), tensor.to_local().contiguous()
+    dim, split = placement.dim % tensor.ndim, placement.split_factor
+    if tensor.shape[dim] % (split * world) or local.shape[dim] * world != tensor.shape[dim]:
+        return None
+    pieces = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(pieces, local, group=mesh.get_group())
+    chunks = [piece.chunk(split, dim=dim) for piece in pieces]  # chunks[rank][s]: that rank's chunk of part s
+    return torch.cat([chunks[rank][s] for s in range(split) for rank in range(world)], dim=dim)
 
 
 # --- decoder layers and logits -----------------------------------------------------------------------

@@ -129,9 +129,11 @@ class _Runner:
         parts = []
         for index, (shard, call, positions) in enumerate(zip(self.shards, self.calls, self.positions)):
             with self.layout.accumulate(self.ctx, self.setup, index, len(self.shards)):
+                share = shard.batch.predictions / self.total if shard.weight is None else shard.weight
                 parts.append(forward_backward(
-                    self.setup.model, shard.batch, inner=self.setup.inner, share=shard.batch.predictions / self.total,
+                    self.setup.model, shard.batch, inner=self.setup.inner, share=share,
                     grad_scale=float(self.setup.data.size), backward=self.backward, call=call,
+                    # a padding slot (no golden position) may go anywhere: it is never compared
                     forced={layer: experts[positions.clamp(min=0)] for layer, experts in forced.items()}
                     if forced else None))
         return parts
@@ -254,8 +256,8 @@ def _scatter(ctx: LayoutContext, name: names.TensorName, values: list[torch.Tens
     positions = torch.cat([positions for _, positions in pieces])
     if rows.shape[0] != positions.numel():
         raise LayoutError(f"{name}: the passes produced {rows.shape[0]} token rows for {positions.numel()} positions")
-    stands = positions >= 0  # slots an adapted batch added (padding of its own) stand for no golden token
-    rows, positions = rows[stands], positions[stands]
+    kept = positions >= 0  # slots a layout or an adapted batch added (padding) stand for no golden position
+    rows, positions = rows[kept], positions[kept]
     count = ctx.batch.rows * ctx.batch.width
     covered = torch.zeros(count, dtype=torch.bool)
     if positions.numel() != positions.unique().numel():

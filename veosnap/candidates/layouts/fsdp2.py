@@ -1,21 +1,57 @@
 """`fsdp2`: FSDP2 `fully_shard` on each decoder layer and the root, the golden's rows split across ranks.
-Sharded gradients and parameters are gathered to full tensors (`DTensor.full_tensor`) for comparing."""
+Sharded gradients and parameters are gathered to full tensors (`DTensor.full_tensor`) for comparing.
+
+`fully_shard` wants one parameter dtype per group, and transformers keeps some parameters in float32 in a
+bfloat16 model (DeepSeek-V3's router): those go into a group of their own first, as frameworks shard them.
+"""
 
 from __future__ import annotations
 
+from collections import Counter
+
 from torch import nn
 
+from ...errors import Unsupported
 from ...reference.probes import decoder_layers
 from .protocol import Layout, LayoutContext, Setup
 
 
 def shard_layers(model: nn.Module, mesh: object) -> None:
     """`fully_shard` each decoder layer, then the root, on `mesh` (in place)."""
-    from torch.distributed.fsdp import fully_shard
-
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        shard_uniform(layer, mesh)
+    shard_uniform(model, mesh)
+
+
+def shard_uniform(module: nn.Module, mesh: object) -> None:
+    """`fully_shard(module)`, after giving each submodule whose parameters have another dtype than most
+    of `module`'s (by size) a group of its own."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    owners: dict[nn.Module, list[nn.Parameter]] = {}
+    stack = [module]
+    while stack:
+        current = stack.pop()
+        own = list(current.parameters(recurse=False))
+        if own:
+            owners[current] = own
+        stack.extend(c for c in current.children() if not isinstance(c, FSDPModule))  # sharded already
+    sizes = Counter()
+    for params in owners.values():
+        for param in params:
+            sizes[param.dtype] += param.numel()
+    if len(sizes) > 1:
+        main = sizes.most_common(1)[0][0]
+        for owner, params in owners.items():
+            dtypes = {p.dtype for p in params}
+            if dtypes == {main}:
+                continue
+            if owner is module or len(dtypes) > 1:
+                names = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+                raise Unsupported(f"{type(owner).__name__} holds parameters of several dtypes ({names}) itself; "
+                                  "fully_shard needs one dtype per group")
+            fully_shard(owner, mesh=mesh)
+    fully_shard(module, mesh=mesh)
 
 
 class FSDP2(Layout):

@@ -7,6 +7,7 @@ from __future__ import annotations
 from ...errors import Unsupported
 from ...golden.codec import Golden
 from ...reference import inputs
+from ...reference.inputs import Batch
 from .protocol import Layout, LayoutContext, Setup, Shard
 
 # Model families whose transformers implementation cannot run packed sequences: checked anyway, they
@@ -28,12 +29,16 @@ class Packed(Layout):
             raise Unsupported(NO_PACKING[model_type])
 
     def shard(self, ctx: LayoutContext, setup: Setup) -> list[Shard]:
-        batch = ctx.batch
-        if batch.extra:
-            raise Unsupported(f"packing a batch with {', '.join(sorted(batch.extra))} is not supported yet")
-        sequences = [ids[mask.bool()].tolist() for ids, mask in zip(batch.input_ids, batch.attention_mask)]
-        real = batch.token_mask.nonzero().flatten()  # the golden position of each packed token, in order
-        return [Shard(inputs.packed(sequences), real)]
+        return [pack(ctx.batch)]
+
+
+def pack(batch: Batch) -> Shard:
+    """The batch's sequences packed into one row, each packed token at its golden position."""
+    if batch.extra:
+        raise Unsupported(f"packing a batch with {', '.join(sorted(batch.extra))} is not supported yet")
+    sequences = [ids[mask.bool()].tolist() for ids, mask in zip(batch.input_ids, batch.attention_mask)]
+    real = batch.token_mask.nonzero().flatten()  # the golden position of each packed token, in order
+    return Shard(inputs.packed(sequences), real)
 
 
 LAYOUT = Packed()

@@ -131,10 +131,18 @@ class Setup:
 @dataclass(frozen=True)
 class Shard:
     """One pass a rank runs: a batch, and for each of its token slots (row-major) the flat position
-    `row * width + position` of the golden's batch it stands for."""
+    `row * width + position` of the golden's batch it stands for (`NO_POSITION`, -1: a slot the layout
+    added, padding that stands for none; its outputs are dropped).
+
+    `weight` is what the engine multiplies the pass's loss by (before the data group's scale): None
+    for a model that averages over its own batch (the engine then weights it by the pass's share of the
+    golden's predictions); a layout whose model already divides by the whole batch's count (sequence
+    parallel: `num_items_in_batch`) gives 1.0, so a wrong count there is the layout's bug to catch.
+    """
 
     batch: Batch
     positions: torch.Tensor  # [batch.rows * batch.width] int64
+    weight: float | None = None
 
     @classmethod
     def whole(cls, batch: Batch) -> Shard:
@@ -146,6 +154,9 @@ class Shard:
         """The golden batch's rows `index`, at its full width."""
         positions = (index[:, None] * batch.width + torch.arange(batch.width)).reshape(-1)
         return cls(batch.select_rows(index), positions)
+
+
+NO_POSITION = -1
 
 
 def shard_rows(num_rows: int, world: int, rank: int) -> torch.Tensor:

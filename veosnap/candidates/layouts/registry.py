@@ -15,10 +15,21 @@ from .. import specs
 from .protocol import Layout
 
 ENTRY_POINT_GROUP = "veosnap.layouts"
-# One module per built-in layout, each holding `LAYOUT`; in this order in help texts and tables.
+# One module per built-in layout, each holding `LAYOUT` (or its variants, `LAYOUTS`); in this order in
+# help texts and tables.
 BUILTIN = ("single", "packed", "microbatch", "ddp", "fsdp2", "hsdp", "tp", "ep", "sp", "cp")
 
-LAYOUTS: dict[str, Layout] = {name: importlib.import_module(f"{__package__}.{name}").LAYOUT for name in BUILTIN}
+
+def _shipped() -> dict[str, Layout]:
+    found = {}
+    for module_name in BUILTIN:
+        module = importlib.import_module(f"{__package__}.{module_name}")
+        for layout in getattr(module, "LAYOUTS", (module.LAYOUT,)):
+            found[layout.name] = layout
+    return found
+
+
+LAYOUTS: dict[str, Layout] = _shipped()
 _SHIPPED = dict(LAYOUTS)
 
 
