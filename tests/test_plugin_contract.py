@@ -159,7 +159,7 @@ def test_generator_backends_stay_applied_under_packed_and_fsdp2_and_are_undone_a
 
 def test_a_backend_is_told_where_it_runs_in_process_and_on_every_rank(project: Project) -> None:
     reports = {**check("qwen3_moe", "where", "single", "packed", project=project),
-               **check("qwen3_moe", "where", "ddp", "fsdp2", "hsdp", "ep", project=project)}
+               **check("qwen3_moe", "where", "ddp", "fsdp2", "hsdp", "ep", "sp", project=project)}
     told = {layout: dict(item.split("=", 1) for item in r.skipped.split(" ")) for layout, r in reports.items()}
     assert {layout: (t["layout"], t["rank"], t["dp"], t["mesh"], t["distributed"]) for layout, t in told.items()} == {
         "single": ("single", "0/1", "0/1", "none", "False"),
@@ -168,6 +168,7 @@ def test_a_backend_is_told_where_it_runs_in_process_and_on_every_rank(project: P
         "fsdp2": ("fsdp2", "0/2", "0/2", "shard:2", "True"),
         "hsdp": ("hsdp", "0/2", "0/2", "replicate:2,shard:1", "True"),
         "ep": ("ep", "0/2", "0/2", "ep:2", "True"),
+        "sp": ("sp", "0/2", "0/2", "sp:2", "True"),
     }
     assert all(t["accessor"] == "True" and t["golden"] == "cpu/qwen3_moe/step-float32" for t in told.values())
     assert told["ep"]["sharded_before"] == "True"  # the ep layout hands an ordinary backend transformers' EP model
