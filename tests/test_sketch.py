@@ -436,7 +436,8 @@ def test_the_kernels_tile_and_column_split():
     pytest.importorskip("triton", reason="triton is not installed")
     from veosnap.numerics.sketch_triton import CONFIGS, Config, config_for, launch_plan  # noqa: PLC0415
 
-    assert config_for(torch.bfloat16, 64) is CONFIGS[(torch.bfloat16, None)]
+    assert config_for(torch.bfloat16, 64) is CONFIGS[(torch.bfloat16, 64)]  # measured on the H200
+    assert config_for(torch.bfloat16, 16) is CONFIGS[(torch.bfloat16, None)]  # not measured: the default
     config = Config(vec_bytes=16, s=4, levels=5)
     tile = launch_plan(8192, 2374, 64, 2, config, programs_wanted=264)  # bfloat16 logits at width 64
     assert (tile.q, tile.e, tile.block_r, tile.steps_per_program, tile.parts) == (8, 8, 16, 32, 19)

@@ -10,7 +10,9 @@ It may also:
   run a backward pass here (the check then compares the forward tensors and says why gradients were
   not checked; `forward_only(model, reason)` is the short form), `adapt_batch=fn` when it takes the
   golden's batch in a form of its own (the comparison stays on the golden's tokens),
-  `full_gradients=fn` when it shards parameters outside DTensor;
+  `full_gradients=fn` when it shards parameters outside DTensor, `notes=[...]` to say in the report
+  what it replaced (a generator may append to that list after its `yield`: what its kernels actually
+  ran, counted during the check);
 - be marked `@parallelizes` when it builds its own parallel model (its own FSDP2, EP, ...): every
   layout then hands it the plain reference and does not wrap what it returns;
 - raise `Unsupported(reason)` when it does not apply to this model or machine: the check is skipped;
@@ -20,8 +22,9 @@ It may also:
 
 SPEC is:
 
-- a registered name: `eager`, `sdpa`, `flex_attention`, `grouped_mm`, `batched_mm`, `compile`,
-  `liger`, or one added with `register` (`veosnap.register_backend`);
+- a registered name: `eager`, `sdpa`, `sdpa_<kernel>`, `flex_attention`, `flash_attention_<2|3|4>`,
+  `grouped_mm`, `batched_mm`, `compile`, the kernel libraries `fa4`, `fla`, `quack`, `liger` (`kernels/`),
+  or one added with `register` (`veosnap.register_backend`);
 - `path/to/file.py:function` or `package.module:function`;
 - the name of a `veosnap.backends` entry point;
 - several of these joined by `+` (`sdpa+grouped_mm`), applied left to right.
@@ -34,7 +37,7 @@ import importlib.util
 import inspect
 import sys
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import torch
@@ -42,6 +45,7 @@ from torch import nn
 
 from ..errors import Unsupported, VeosnapError
 from . import context, specs
+from .kernels.support import gpu_library
 
 if TYPE_CHECKING:
     from ..reference.inputs import Batch
@@ -83,12 +87,15 @@ class Candidate:
       shards outside DTensor (a framework's expert-parallel shards held as plain local tensors); every
       rank calls it, rank 0's answer is compared. Parameters it leaves out are read as usual
       (`DTensor.full_tensor()`, or the tensor itself).
+    - `notes` go into the check's report (what the backend replaced, what its kernels ran); a generator
+      backend may append to the list after its `yield`, when the check's passes have run.
     """
 
     model: nn.Module
     forward_only: str = ""
     adapt_batch: AdaptBatch | None = None
     full_gradients: FullGradients | None = None
+    notes: list[str] = field(default_factory=list)
 
 
 def forward_only(model: nn.Module, reason: str) -> Candidate:
@@ -202,8 +209,35 @@ def _gpu_with(module: str | None, what: str, missing: str = "") -> Callable[[], 
     return requires
 
 
-_flash_attn_requires = _gpu_with("flash_attn", "flash-attn", "it has no binary wheel; build it for your GPU")
-register("flash_attention_2", requires=_flash_attn_requires)(attention("flash_attention_2"))
+def _flash_attention(version: int, requires: Callable[[], str | None]) -> BackendFn:
+    """transformers' own `flash_attention_<version>` integration (16-bit only, as the kernels are)."""
+    switch = attention(f"flash_attention_{version}")
+
+    def apply(model: nn.Module) -> nn.Module:
+        reason = requires()
+        if reason:
+            raise Unsupported(reason)
+        dtype = next(model.parameters()).dtype
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise Unsupported(f"flash-attn {version} computes in float16/bfloat16 only, not {str(dtype)[6:]}")
+        return switch(model)
+
+    apply.__doc__ = f"transformers' `flash_attention_{version}` (flash-attn {version}'s own integration)."
+    return apply
+
+
+# flash-attn 2 and 3 publish no binary wheel: 2.8.3 is a source distribution whose sm90 build takes
+# longer than a lent GPU's 10-minute command, 3 is built from the repository's hopper/ directory.
+# A distribution is checked, not a module: flash-attn-4 also installs the `flash_attn` package.
+_FLASH_ATTENTION = {
+    2: gpu_library("flash-attn 2", "flash-attn", "no binary wheel on PyPI: 2.8.3 is a source distribution, "
+                   "built for the GPU at install (tens of minutes of nvcc for sm90)", capability=(8, 0)),
+    3: gpu_library("flash-attn 3", "flash-attn-3", "no wheel on PyPI: build hopper/ of Dao-AILab/flash-attention "
+                   "(tens of minutes of nvcc)", capability=(9, 0)),
+    4: gpu_library("flash-attn 4", "flash-attn-4", "pip install flash-attn-4", capability=(9, 0)),
+}
+for _version, _requires in _FLASH_ATTENTION.items():
+    register(f"flash_attention_{_version}", requires=_requires)(_flash_attention(_version, _requires))
 
 
 def _sdpa_kernel(kernel: str) -> BackendFn:
@@ -280,34 +314,6 @@ def compile_(model: nn.Module) -> Iterator[nn.Module]:
         torch._dynamo.reset()
 
 
-_liger_requires = _gpu_with("liger_kernel", "liger-kernel", "pip install liger-kernel")
-
-
-# Liger's fused linear cross-entropy never materializes the logits the golden compares, so the
-# plain fused cross-entropy stands in for it; every other patch is liger's default.
-LIGER_OPTIONS = {"fused_linear_cross_entropy": False, "cross_entropy": True}
-
-
-@register("liger", requires=_liger_requires)
-def liger(model: nn.Module) -> Iterator[nn.Module]:
-    """liger-kernel's patches for this model type (RMSNorm, RoPE, SwiGLU, cross-entropy); GPU only.
-
-    Liger patches transformers' modeling modules process-wide, not just this instance: they are
-    restored when the check is done so later checks in the same process run unpatched code.
-    """
-    reason = _liger_requires()
-    if reason:
-        raise Unsupported(reason)
-    from liger_kernel.transformers import monkey_patch
-
-    model_type = model.config.model_type
-    if model_type not in monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN:
-        raise Unsupported(f"liger-kernel has no patches for model type {model_type!r}")
-    with _restoring_modules(type(model).__module__, "transformers.loss.loss_utils", "torch.nn.functional"):
-        monkey_patch._apply_liger_kernel_to_instance(model=model, **LIGER_OPTIONS)
-        yield model
-
-
 @contextmanager
 def _restoring_modules(*module_names: str) -> Iterator[None]:
     """Within the block, module attributes and the classes they define may be patched; then restored."""
@@ -335,6 +341,9 @@ def _restoring_modules(*module_names: str) -> Iterator[None]:
 _MISSING = object()
 
 
+# Kernel libraries, one module each in kernels/: each registers its backend when imported.
+from .kernels import fa4, fla, liger, quack
+
 # --- resolving specs -------------------------------------------------------------------------------
 
 
@@ -360,7 +369,8 @@ class Backend:
         """
         ctx = ctx or context.in_process(model)
         reasons: list[str] = []
-        said: dict[str, tuple[str, object]] = {}  # what a step set -> (which step, the value)
+        chosen: dict[str, tuple[str, object]] = {}  # what a step set -> (which step, the value)
+        said: list[list[str]] = []  # each step's notes, read when every step has finished
         with context.told(ctx), ExitStack() as stack:
             for step in self.steps:
                 args = (model, ctx) if _wants_context(step) else (model,)
@@ -370,19 +380,23 @@ class Backend:
                     result = step(*args)
                 if isinstance(result, Candidate):
                     model = result.model
+                    said.append(result.notes)
                     if result.forward_only:
                         reasons.append(result.forward_only)
                     for what in ("adapt_batch", "full_gradients"):
                         value, name = getattr(result, what), getattr(step, "__name__", repr(step))
-                        if value is not None and what in said:
-                            raise VeosnapError(f"backend {self.spec!r}: both {said[what][0]!r} and {name!r} set "
+                        if value is not None and what in chosen:
+                            raise VeosnapError(f"backend {self.spec!r}: both {chosen[what][0]!r} and {name!r} set "
                                                f"{what}; one step may")
                         if value is not None:
-                            said[what] = (name, value)
+                            chosen[what] = (name, value)
                 elif result is not None:
                     model = result
-            value = {what: said[what][1] if what in said else None for what in ("adapt_batch", "full_gradients")}
-            yield Candidate(model, forward_only="; ".join(reasons), **value)  # type: ignore[arg-type]
+            value = {what: chosen[what][1] if what in chosen else None for what in ("adapt_batch", "full_gradients")}
+            combined = Candidate(model, forward_only="; ".join(reasons), **value)  # type: ignore[arg-type]
+            yield combined
+        for notes in said:  # the generators have finished: their counts are final
+            combined.notes.extend(notes)
 
 
 def resolve(spec: str) -> Backend:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
+import sys
 import warnings
 from typing import Callable
 
@@ -72,6 +74,7 @@ def build(
         except Exception as exc:  # noqa: BLE001 - a config transformers accepts but cannot instantiate
             raise VeosnapError(f"{toy.path}: transformers cannot build this model ({_cause(exc)})") from None
     weights.initialize(model, seed)
+    pin_torch_fallbacks(model)
     return model.to(device)
 
 
@@ -93,8 +96,71 @@ def upcast_copy(model: nn.Module, toy: ToyConfig, dtype: torch.dtype = torch.flo
         )
     state = {k: v.detach().to("cpu", dtype=dtype) if v.is_floating_point() else v for k, v in model.state_dict().items()}
     high.load_state_dict(state, strict=True)
+    pin_torch_fallbacks(high)
     # Parameters HF creates in float32 whatever the dtype (a DeepSeek-V3 router) go up too.
     return high.to(device=next(model.parameters()).device, dtype=dtype)
+
+
+def pin_torch_fallbacks(model: nn.Module) -> list[str]:
+    """Make `model`'s modeling code run its own torch functions, never a kernel package it found installed.
+
+    transformers 5 decorates some modeling functions with `use_kernel_func_from_hub_with_fallback`
+    (Qwen3.5 and Qwen3-Next: `torch_chunk_gated_delta_rule` picks flash-linear-attention, `causal_conv1d_fn`
+    the causal-conv1d package; the Mamba family mamba-ssm). The choice is made once, when the modeling
+    module is imported, and kept in the module-level function: on a machine with `fla` installed the
+    "eager reference" would silently run fla's Triton kernels. Each such function of the modules that
+    define `model`'s classes is set back to the torch function it wraps (process-wide and idempotent;
+    the `fla` backend swaps fla in for its check and restores this). Returns `module.function` for each
+    one pinned now.
+    """
+    pinned = []
+    for module_name in sorted({type(m).__module__ for m in model.modules()}):
+        module = sys.modules.get(module_name)
+        for name, value in list(vars(module).items()) if module is not None else []:
+            torch_function = _kernel_choice(value)
+            if torch_function is not None:
+                setattr(module, name, _torch_only(torch_function, name))
+                pinned.append(f"{module_name}.{name}")
+    return pinned
+
+
+def _kernel_choice(value: object) -> Callable | None:
+    """The torch function behind a transformers fallback wrapper that chose a kernel package, else None.
+
+    The wrapper may itself be wrapped (the `kernels` package's hub decorator): the `__wrapped__` chain
+    is followed to the function whose closure made the choice."""
+    if not callable(value) or getattr(value, "_veosnap_torch_only", False):
+        return None
+    for _ in range(8):  # a decorator chain is short; a cycle must not hang the build
+        wrapped = getattr(value, "__wrapped__", None)
+        if not callable(wrapped):
+            return None
+        try:
+            chosen = inspect.getclosurevars(value).nonlocals
+        except (TypeError, ValueError):
+            chosen = {}
+        if chosen.get("is_new_implementation") and chosen.get("torch_function") is wrapped:
+            return wrapped
+        value = wrapped
+    return None
+
+
+def _torch_only(torch_function: Callable, name: str) -> Callable:
+    """`torch_function`, refusing what only a kernel package can do: keep packed sequences apart.
+
+    transformers' wrapper raises the same way when the package is missing; the torch functions take
+    `**kwargs` and would silently run a packed row as one sequence.
+    """
+
+    def run(*args, **kwargs):
+        if kwargs.get("cu_seqlens") is not None or kwargs.get("seq_idx") is not None:
+            raise ValueError(f"{name}: the torch reference cannot keep packed sequences apart (cu_seqlens given)")
+        return torch_function(*args, **kwargs)
+
+    run.__wrapped__ = torch_function  # type: ignore[attr-defined]
+    run._veosnap_torch_only = True  # type: ignore[attr-defined]
+    run.__name__ = run.__qualname__ = getattr(torch_function, "__name__", name)
+    return run
 
 
 _LOWER_FLOATS = (torch.float32, torch.float16, torch.bfloat16)

@@ -76,6 +76,7 @@ def run(layout: Layout, backend: Backend, ctx: LayoutContext) -> LayoutResult | 
         result = runner.train() if ctx.hyper is not None else runner.step()
     if result is not None:
         result.forward_only = candidate.forward_only
+        result.notes.extend(candidate.notes)
     return result
 
 

@@ -25,6 +25,8 @@ def load_pretrained(ctx: LayoutContext, config: object) -> nn.Module:
     ctx.barrier()
     with warnings.catch_warnings(), models.quiet_transformers():
         warnings.simplefilter("ignore")
-        return transformers.AutoModelForCausalLM.from_pretrained(
+        model = transformers.AutoModelForCausalLM.from_pretrained(
             saved, dtype=models.dtype_from_name(ctx.golden.key.dtype), attn_implementation=models.REFERENCE_ATTN,
             experts_implementation=models.REFERENCE_EXPERTS, distributed_config=config)
+    models.pin_torch_fallbacks(model)
+    return model
