@@ -8,6 +8,7 @@ compared on the tokens the candidate routed as the golden.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -159,10 +160,14 @@ def structure_changes(golden: Golden, produced: Mapping[str, torch.Tensor], rout
     router weight in another dtype, a renamed parameter) is not a numerics failure.
     """
     lines = []
+    # What the golden's manifest says it leaves out on purpose (frozen parameters, unread routers) is the
+    # golden's structure too: a candidate that has it is not changed.
+    excused = {a.kind: set(a.names) for a in golden.manifest.absent}
     if parameters:
         gold, cand = _parameters(golden.tensors), _parameters(produced)
         lines += _named("parameters missing from the candidate", sorted(set(gold) - set(cand)))
-        lines += _named("parameters the golden does not have", sorted(set(cand) - set(gold)))
+        lines += _named("parameters the golden does not have",
+                        sorted(set(cand) - set(gold) - excused.get("frozen", set())))
         dtypes = [f"{p} {_dt(cand[p])}, golden {_dt(gold[p])}" for p in sorted(set(gold) & set(cand))
                   if cand[p].dtype != gold[p].dtype]
         shapes = [f"{p} {tuple(cand[p].shape)}, golden {tuple(gold[p].shape)}" for p in sorted(set(gold) & set(cand))
@@ -173,9 +178,13 @@ def structure_changes(golden: Golden, produced: Mapping[str, torch.Tensor], rout
     if gold_layers != cand_layers:
         lines.append(f"decoder layers: the candidate has {len(cand_layers)}, the golden {len(gold_layers)}")
     gold_moe, cand_moe = set(golden.route_layers()), set(route_layers)
+    gold_moe |= {int(m[1]) for block in excused.get("router_unread", ()) if (m := _LAYER.search(block))}
     lines += _named("MoE blocks missing from the candidate in layers", sorted(map(str, gold_moe - cand_moe)))
     lines += _named("MoE blocks the golden has no routes for in layers", sorted(map(str, cand_moe - gold_moe)))
     return lines
+
+
+_LAYER = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")  # the layer index in a module path ("model.layers.3.mlp")
 
 
 def _parameters(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

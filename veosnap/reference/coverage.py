@@ -44,7 +44,9 @@ class Produces:
 def produces(model: nn.Module) -> Produces:
     """What `model` (any device, meta included) produces in a step."""
     params = list(model.named_parameters())
-    routers = find_moe_layers(model)
+    # A block without a router whose logits give margins cannot be recorded (its routes can be read at its
+    # experts' inputs, but a golden needs margins to tell near-ties): it is one veosnap cannot read.
+    routers = [moe for moe in find_moe_layers(model) if moe.router is not None]
     read = {moe.router_name.rsplit(".", 1)[0] for moe in routers}
     blocks = [name for name, module in model.named_modules() if isinstance(getattr(module, "experts", None), nn.Module)]
     return Produces(trainable=tuple(n for n, p in params if p.requires_grad),
