@@ -73,7 +73,8 @@ def _candidates_print_to_stderr() -> Iterator[bool]:
     saved = os.dup(1)
     try:
         os.dup2(2, 1)
-        yield os.isatty(saved)
+        with guard.report_to(saved):  # a candidate ended past its timeout still leaves its ERROR block there
+            yield os.isatty(saved)
     finally:
         sys.stdout.flush()
         os.dup2(saved, 1)
