@@ -32,6 +32,17 @@ class Tokens:
 
 
 @dataclass(frozen=True)
+class WorstRow:
+    """One of a tensor's worst rows: its row error and, for token tensors, which token it is."""
+
+    row: int  # row index in the flattened tensor (row * width + position for token tensors)
+    error: float
+    batch: int | None = None
+    pos: int | None = None
+    token: int | None = None
+
+
+@dataclass(frozen=True)
 class TensorResult:
     """One tensor's verdict: its error against its bound, and where the worst of it is."""
 
@@ -43,6 +54,12 @@ class TensorResult:
     rows_over: int = 0
     rows: int = 0
     problem: str = ""  # non-finite values, wrong shape or dtype, missing tensor
+    worst_rows: tuple[WorstRow, ...] = ()  # the few worst rows, worst first
+
+    @property
+    def parsed(self) -> names.TensorName:
+        """The typed name: where the tensor sits in the model (`stage`, `group`, `layer`)."""
+        return names.parse(self.name)
 
     @property
     def ratio(self) -> float:
@@ -114,7 +131,8 @@ def compare_tensors(golden: Golden, produced: Mapping[str, torch.Tensor], tokens
             token_mask = token_mask & same_routes.get(parsed.layer, torch.ones_like(token_mask))
         err = row_error(name, cand, gold, token_mask if is_token_tensor(name) else None, tol.bound)
         results.append(TensorResult(name, err.error, tol.bound, tol.noise, where=_where(name, err, gold, tokens),
-                                    rows_over=err.rows_over, rows=err.rows))
+                                    rows_over=err.rows_over, rows=err.rows,
+                                    worst_rows=tuple(_worst_row(name, row, e, tokens) for row, e in err.worst_rows)))
     return results
 
 
@@ -131,6 +149,14 @@ def _problem(name: str, cand: torch.Tensor | None, gold: torch.Tensor) -> str:
 
 def _dt(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
+
+
+def _worst_row(name: str, row: int, error: float, tokens: Tokens) -> WorstRow:
+    if not is_token_tensor(name):
+        return WorstRow(row, error)
+    b, s = divmod(row, tokens.width)
+    token = int(tokens.ids[row]) if row < tokens.ids.numel() else -1
+    return WorstRow(row, error, b, s, token)
 
 
 def _where(name: str, err: RowError, gold: torch.Tensor, tokens: Tokens) -> str:
@@ -177,8 +203,9 @@ def structure_changes(golden: Golden, produced: Mapping[str, torch.Tensor], rout
     cand_layers = {p.layer for n in produced if isinstance(p := names.try_parse(n), names.LayerOutput)}
     if gold_layers != cand_layers:
         lines.append(f"decoder layers: the candidate has {len(cand_layers)}, the golden {len(gold_layers)}")
-    gold_moe, cand_moe = set(golden.route_layers()), set(route_layers)
-    gold_moe |= {int(m[1]) for block in excused.get("router_unread", ()) if (m := _LAYER.search(block))}
+    # Layers whose router the golden excuses as unread are neither asked for nor unexpected.
+    unread = {int(m[1]) for block in excused.get("router_unread", ()) if (m := _LAYER.search(block))}
+    gold_moe, cand_moe = set(golden.route_layers()) - unread, set(route_layers) - unread
     lines += _named("MoE blocks missing from the candidate in layers", sorted(map(str, gold_moe - cand_moe)))
     lines += _named("MoE blocks the golden has no routes for in layers", sorted(map(str, cand_moe - gold_moe)))
     return lines

@@ -51,6 +51,13 @@ class CheckReport:
     absent: dict[str, str] = field(default_factory=dict)  # tensors the candidate does not produce: not compared, why
     structure: list[str] = field(default_factory=list)  # how the model's structure differs from the golden's
     versions: list[VersionDrift] = field(default_factory=list)  # packages whose version differs from the golden's
+    # The command-line flags that select this check besides model, dtype, backend and layout (the
+    # project's directories and class where not the defaults, the scenario, --cross-class, --nproc), so
+    # a command a report advises runs as printed.
+    selection: list[str] = field(default_factory=list)
+    # The backend as a SPEC any process resolves, where `backend` names one registered in this process
+    # only (a conftest's register_backend): `path/to/file.py:fn`. Empty: `backend` itself.
+    portable_backend: str = ""
 
     @property
     def routes_passed(self) -> bool:
