@@ -127,15 +127,16 @@ def test_routes_that_cannot_be_read_in_the_train_scenario_are_said_too(project: 
 def test_a_moe_block_without_a_readable_router_is_an_absence_not_a_router_the_golden_must_hold() -> None:
     """Routes of a router-less block can be read at its experts' inputs when checking, but a golden needs the
     router's logits (margins): coverage counts it as unread, so the recorder says why its routes are absent."""
-    from veosnap.reference import coverage
+    from veosnap.reference import coverage, probes
 
     model = models.build(load_config(ROOT / "toy_configs", "qwen3_moe"), torch.float32)
-    assert coverage.produces(model).routers == (0, 1) and coverage.absences(model) == []
-    for layer in model.model.layers:
-        layer.mlp.gate = torch.nn.Identity()  # no [experts, hidden] weight beside the experts
     made = coverage.produces(model)
-    assert made.routers == () and made.unread == ("model.layers.0.mlp", "model.layers.1.mlp")
-    assert [a.kind for a in coverage.absences(model)] == ["router_unread"]
+    assert made.routers == {"model.layers.0.mlp.gate": 0, "model.layers.1.mlp.gate": 1} and made.unread == ()
+    for layer in model.model.layers:
+        layer.mlp.gate = torch.nn.Identity()  # no weight row per expert beside the experts
+    made = coverage.produces(model)
+    assert made.routers == {} and made.unread == ("model.layers.0.mlp", "model.layers.1.mlp")
+    assert [a.kind for a in coverage.absences(made, probes.found_unread(model))] == ["router_unread"]
 
 
 @pytest.mark.parametrize("model", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
