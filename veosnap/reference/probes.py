@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ..golden.names import layer_of
-from ..numerics.routes import margins
+from ..numerics.routes import GroupLimit, margins
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
@@ -257,19 +257,42 @@ def unread_routers(model: nn.Module) -> Iterator[dict[str, str]]:
             handle.remove()
 
 
-def selection_scores(router: nn.Module | MoeLayer, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The scores a router ranks experts by (float32), and their slope against the logits.
+@dataclass(frozen=True)
+class Selection:
+    """What a router ranks experts by: scores (float32), their slope against the logits, and its group
+    limit (None when every expert competes)."""
 
-    Softmax and plain top-k routers rank by logits (softmax is monotone; slope 1); sigmoid routers
-    with a score-correction bias (DeepSeek-V3) rank by sigmoid(logits) + bias.
+    scores: torch.Tensor
+    slope: torch.Tensor
+    group_limit: GroupLimit | None = None
+
+    def margins(self, chosen: torch.Tensor) -> torch.Tensor:
+        """Per token, in logit units: how far the choice `chosen` is from changing (see `routes.margins`)."""
+        return margins(self.scores, chosen, self.slope, self.group_limit)
+
+
+def selection(router: nn.Module | MoeLayer, logits: torch.Tensor) -> Selection:
+    """How `router` ranks experts, read from its attributes (the logits it returned, flattened).
+
+    Softmax and plain top-k routers rank by logits (softmax is monotone; slope 1; a router bias is
+    already in its logits); sigmoid routers with a score-correction bias (DeepSeek-V3) rank by
+    sigmoid(logits) + bias, within their kept groups when `n_group`/`topk_group` limit them.
     """
     logits = logits.detach().float()
     bias = router.attr("e_score_correction_bias") if isinstance(router, MoeLayer) \
         else getattr(router, "e_score_correction_bias", None)
-    if isinstance(bias, torch.Tensor):
-        sig = logits.sigmoid()
-        return sig + bias.detach().float().to(logits.device), sig * (1 - sig)
-    return logits, torch.ones_like(logits)
+    if not isinstance(bias, torch.Tensor):
+        return Selection(logits, torch.ones_like(logits))
+    sig = logits.sigmoid()
+    return Selection(sig + bias.detach().float().to(logits.device), sig * (1 - sig), group_limit(router))
+
+
+def group_limit(router: nn.Module | MoeLayer) -> GroupLimit | None:
+    """The router's group limit (`num_group` or `n_group` groups, `topk_group` kept), None without one."""
+    get = router.attr if isinstance(router, MoeLayer) else lambda name, default=None: getattr(router, name, default)
+    groups = int(get("num_group", get("n_group", 1)) or 1)
+    keep = int(get("topk_group", groups) or groups)
+    return GroupLimit(groups, keep) if 1 < groups and keep < groups else None
 
 
 @dataclass
@@ -349,8 +372,7 @@ def record_routes(model: nn.Module) -> Iterator[Routes]:
             chosen = indices.reshape(-1, indices.shape[-1])
             scored, logits[0] = logits[0], None
             if scored is not None and scored.reshape(-1, scored.shape[-1]).shape[0] == chosen.shape[0]:
-                scores, slope = selection_scores(moe, scored.reshape(-1, scored.shape[-1]))
-                margin = margins(scores, chosen, slope).cpu()
+                margin = selection(moe, scored.reshape(-1, scored.shape[-1])).margins(chosen).cpu()
             else:
                 why = "no router found" if moe.router is None else \
                     f"{moe.router_name} returned no [tokens, {moe.num_experts}] logits"
