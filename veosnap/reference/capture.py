@@ -2,13 +2,17 @@
 
 Uniform hook points only (see `probes`): the loss from the model's own forward with labels (so a
 framework's fused loss is checked too), the logits, each decoder layer's output, every parameter's
-gradient, and each MoE router's decision. `forward_backward` runs one batch (a layout may run several,
+gradient, and each MoE block's routes. `forward_backward` runs one batch (a layout may run several,
 each weighted by its share of the loss); `run_step` is the golden's own step: the whole batch, once.
 
 What is kept of each tensor is its `reduce.Reducer`'s choice: whole (a host copy), or a sketch made on
 the tensor's device in the hook that sees it (layer outputs, logits) or parameter by parameter after
 the backward (gradients), so a sketched tensor never goes to the host whole and no list of full
 gradient copies is ever held. The loss and the routes are always whole.
+
+What a candidate does not produce is said, not guessed: a model whose loss comes from hidden states
+and the LM head weight (a fused or chunked loss) has no logits, an MoE block whose routes cannot be
+read has none; `absent` names each such tensor and why, and a check reports it instead of comparing.
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ class Capture:
     # Sketched tensors: `GoldenSketch` (record), `CandidateSketch` (check, the float64 run), or a
     # `SketchProblem` (a candidate's tensor of another shape or dtype than the golden's).
     sketches: dict[str, object] = field(default_factory=dict)
+    absent: dict[str, str] = field(default_factory=dict)  # tensors the model did not produce, and why
+    notes: list[str] = field(default_factory=list)  # what a report must say about how it was captured
 
     def route_tensors(self) -> dict[str, torch.Tensor]:
         """Routes as named tensors: `routes.N.experts`, `routes.N.weights`, `routes.N.margin`."""
@@ -67,8 +73,9 @@ class Capture:
         return {layer: rec.experts for layer, rec in self.routes.items()}
 
     @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor], backward: bool = True) -> Capture:
-        """What `all_tensors` gave, back as a capture (sketches are carried separately)."""
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], backward: bool = True,
+                     absent: dict[str, str] | None = None) -> Capture:
+        """What `all_tensors` gave (and `absent` said), back as a capture (sketches are carried separately)."""
         routes, rest = {}, {}
         for name, t in tensors.items():
             parsed = names.try_parse(name)
@@ -78,7 +85,7 @@ class Capture:
                 rest[name] = t
         records = {layer: RouteRecord(layer, parts["experts"].long(), parts["weights"], parts["margin"])
                    for layer, parts in routes.items()}
-        return cls(tensors=rest, routes=records, backward=backward)
+        return cls(tensors=rest, routes=records, backward=backward, absent=dict(absent or {}))
 
 
 @dataclass
@@ -88,9 +95,17 @@ class Part:
     the pass was given)."""
 
     loss: torch.Tensor  # the loss, times the batch's share of the golden's predictions
-    logits: torch.Tensor | Rows | SketchProblem | None  # [rows, positions, vocab] when whole
+    logits: torch.Tensor | Rows | SketchProblem | None  # [rows, positions, vocab] when whole; None: see `absent`
     layers: dict[int, torch.Tensor | Rows | SketchProblem]  # decoder layer -> [rows, positions, hidden] when whole
     routes: dict[int, RouteRecord]  # MoE layer -> one route per token, row-major
+    absent: dict[str, str] = field(default_factory=dict)  # tensors this pass did not produce, and why
+    notes: list[str] = field(default_factory=list)  # e.g. MoE layers route replay could not force
+
+    @property
+    def unreadable(self) -> dict[int, str]:
+        """MoE layers whose routes could not be read, and why."""
+        return {parsed.layer: why for name, why in self.absent.items()
+                if isinstance(parsed := names.try_parse(name), names.Route) and parsed.part == "experts"}
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -140,8 +155,8 @@ def auxiliary_loss(model: nn.Module) -> str:
 
 def forward_backward(model: nn.Module, batch: Batch, *, inner: nn.Module | None = None, share: float = 1.0,
                      grad_scale: float = 1.0, own_loss: bool = False, backward: bool = True,
-                     forced: dict[int, torch.Tensor] | None = None, reducer: Reducer = WHOLE,
-                     positions: torch.Tensor | None = None) -> Part:
+                     forced: dict[int, torch.Tensor] | None = None, call: dict | None = None,
+                     reducer: Reducer = WHOLE, positions: torch.Tensor | None = None) -> Part:
     """Forward `batch` through `model` and backward its loss weighted by `share * grad_scale`.
 
     `inner` is the HF model inside `model` (a DDP wrapper, say), where the hooks go; `share` is the
@@ -149,28 +164,42 @@ def forward_backward(model: nn.Module, batch: Batch, *, inner: nn.Module | None 
     undoes a reducer's averaging over ranks. With `own_loss`, the model's cross-entropy is taken in the
     logits' precision (the float64 noise run; its other loss terms are its own); without `backward`,
     only the forward runs, under no_grad; with `forced`, the routers are forced onto those experts
-    (route replay). `reducer` keeps the token tensors (whole, or sketched in the hooks); `positions` is
-    the flat position in the golden's batch of each of this batch's token slots (None: this batch is
-    the golden's).
+    (route replay). `call` is the model's keyword arguments when a candidate adapted the batch to its
+    own form (default: the batch's own). `reducer` keeps the token tensors (whole, or sketched in the
+    hooks); `positions` is the flat position in the golden's batch of each of this batch's token slots
+    (None: this batch is the golden's).
     """
     inner = model if inner is None else inner
     batch = batch.to(next(inner.parameters()).device)
-    replay = replay_routes(inner, forced) if forced else nullcontext()
+    kwargs = batch.model_kwargs() if call is None else call
+    replay = replay_routes(inner, forced) if forced else nullcontext({})
 
     def keep(name: str, tensor: torch.Tensor) -> object:
         return reducer.keep_tokens(name, tensor, positions)
 
     precise = cross_entropy_in_logits_precision(inner) if own_loss else nullcontext()
     with record_layer_outputs(inner, keep) as layers, record_routes(inner) as routes, \
-            record_logits(inner, keep) as produced, replay, precise, torch.set_grad_enabled(backward):
-        output = model(**batch.model_kwargs(), use_cache=False)
-        logits = produced["logits"] if "logits" in produced else keep("logits", full(output.logits.detach()))
+            record_logits(inner, keep) as produced, replay as not_replayed, precise, torch.set_grad_enabled(backward):
+        output = model(**kwargs, use_cache=False)
+        logits = produced.get("logits")
+        if logits is None and getattr(output, "logits", None) is not None:
+            logits = keep("logits", full(output.logits.detach()))
         loss = output.loss
     weight = share * grad_scale
     if backward:
         (loss if weight == 1.0 else loss * weight).backward()
     reported = loss.detach().cpu() if share == 1.0 else (loss.detach().float() * share).cpu()
-    return Part(loss=reported, logits=logits, layers=dict(layers), routes=dict(routes))
+    absent = {str(names.Route(layer, part)): why for layer, why in routes.unreadable.items()
+              for part in ("experts", "weights")}
+    absent.update({str(names.Route(layer, "margin")): why for layer, why in routes.no_margin.items()})
+    if logits is None:
+        absent[str(names.LOGITS)] = NO_LOGITS
+    notes = [f"route replay could not force layer {layer} onto the golden's experts: {why}"
+             for layer, why in sorted(not_replayed.items())]
+    return Part(loss=reported, logits=logits, layers=dict(layers), routes=dict(routes), absent=absent, notes=notes)
+
+
+NO_LOGITS = "not produced by the candidate (its loss is computed without logits: a fused or chunked loss)"
 
 
 def gradients(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -256,8 +285,9 @@ def run_step(model: nn.Module, batch: Batch, *, own_loss: bool = False, backward
     model.train()
     model.zero_grad(set_to_none=True)
     part = forward_backward(model, batch, own_loss=own_loss, backward=backward, reducer=reducer)
-    capture = Capture(tensors={str(names.LOSS): part.loss}, routes=part.routes, backward=backward)
-    produced = {str(names.LOGITS): part.logits}
+    capture = Capture(tensors={str(names.LOSS): part.loss}, routes=part.routes, backward=backward,
+                      absent=dict(part.absent))
+    produced = {} if part.logits is None else {str(names.LOGITS): part.logits}
     produced.update({str(names.LayerOutput(index)): hidden for index, hidden in sorted(part.layers.items())})
     for name, kept in produced.items():
         if reducer.spec(name) is None:

@@ -34,13 +34,16 @@ def check_dict(report: CheckReport) -> dict:
         "error": report.error or None,
         "skipped": report.skipped or None,
         "worst": {"tensor": worst.name, "ratio": json_number(worst.ratio)} if worst else None,
+        "structure": report.structure,
+        "versions": [{"package": v.package, "golden": v.golden, "here": v.here} for v in report.versions],
+        "not_compared": dict(sorted(report.absent.items())),
         "first_divergence": report.first_divergence,
         "first_gradient_divergence": report.first_gradient_divergence,
         "route_replay": report.route_replay,
         "routes": [
             {"layer": r.layer, "tokens": r.tokens, "clear_flips": r.clear_flips, "near_tie_flips": r.near_tie_flips,
-             "passed": r.passed, "message": r.message(), "first_flipped_token": r.first_flipped_token,
-             "gained": list(r.gained), "lost": list(r.lost)}
+             "passed": r.passed, "readable": not r.unreadable, "message": r.message(),
+             "first_flipped_token": r.first_flipped_token, "gained": list(r.gained), "lost": list(r.lost)}
             for r in report.routes
         ],
         "notes": report.notes,

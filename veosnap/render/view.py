@@ -22,7 +22,7 @@ from ..numerics.compare import TensorResult
 from ..reference.coverage import routes_not_captured
 from ..runs.diff import DiffReport, FieldChange, GoldenDiff, TrailChange
 from ..runs.matrix import Cell, Matrix
-from ..runs.verdict import CheckReport
+from ..runs.verdict import CheckReport, drift_text
 
 SHOWN_ROWS = 12  # rows of a failed check's table: every failing tensor, then the closest passing ones
 SHOWN_PASSING = 3  # a passed check shows only its closest calls
@@ -83,7 +83,12 @@ def check_view(report: CheckReport, shown: int = SHOWN_ROWS) -> CheckView:
     if report.error:
         view.lines.append(f"error: {report.error}")
         return view
-    view.lines += [route.message() for route in report.routes if not route.passed or route.near_tie_flips]
+    if report.structure_line:
+        view.lines.append(report.structure_line)
+    elif report.versions:
+        view.lines.append(f"note: versions differ from the golden's provenance: {drift_text(report.versions)}")
+    view.lines += [route.message() for route in report.routes
+                   if not route.passed or route.near_tie_flips or route.unreadable]
     if report.route_replay:
         view.lines.append("routes differ: tensors below compared under route replay "
                           "(candidate forced onto the golden's experts)")
@@ -122,6 +127,9 @@ def next_step(report: CheckReport) -> str:
                       "--backend", report.portable_backend or report.backend, *layout, "--format", "json"])
     if report.error:
         return f"fix the backend error, then {cmd}"
+    if report.structure:
+        return (f"make the candidate's parameters, layers and MoE blocks match the golden's (or record the golden "
+                f"with these versions); full detail: {cmd}")
     if not report.routes_passed:
         return f"look at the router inputs of the first flipped layer; full detail: {cmd}"
     return f"{cmd}  (every tensor, worst rows; start from the first diverging layer)"

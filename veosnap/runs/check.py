@@ -30,13 +30,13 @@ from ..errors import Unsupported, VeosnapError, describe
 from ..golden import names
 from ..golden.codec import Golden
 from ..golden.key import GoldenKey
-from ..numerics.compare import compare_route_sets, compare_tensors, same_route_tokens
+from ..numerics.compare import compare_route_sets, compare_tensors, same_route_tokens, structure_changes
 from ..reference import coverage, hardware, limits, models
 from ..reference.capture import Capture
 from ..reference.determinism import deterministic, one_thread
 from ..reference.inputs import Batch
 from ..reference.zoo import Project, ToyConfig, load_checked
-from .verdict import CheckReport
+from .verdict import CheckReport, VersionDrift
 
 DEFAULT_TIMEOUT_S = torchrun.DEFAULT_TIMEOUT_S
 DEFAULT_NPROC = 2
@@ -105,11 +105,23 @@ def check_layouts(project: Project, key: GoldenKey, backend: Backend, layouts: S
                  *(["--nproc", str(nproc)] if spawned and nproc != DEFAULT_NPROC else []),
                  *(["--timeout", f"{timeout_s:g}"] if timeout_s != DEFAULT_TIMEOUT_S else [])]  # every layout
     portable = backends.portable(backend.spec) or ""
+    drift = version_drift(golden)
     for report in ordered:
         report.notes[:0] = cross_class_notes(key) + routes_not_captured_notes(golden)
         report.selection = list(selection)
         report.portable_backend = portable if portable != backend.spec else ""
+        report.versions = drift
     return ordered
+
+
+def version_drift(golden: Golden) -> list[VersionDrift]:
+    """The packages (torch, transformers) whose version here differs from the golden's provenance."""
+    import transformers
+
+    here = {"torch": torch.__version__, "transformers": transformers.__version__}
+    recorded = golden.manifest.provenance
+    return [VersionDrift(package, getattr(recorded, package), version) for package, version in here.items()
+            if getattr(recorded, package) != version]
 
 
 def _in_process(golden: Golden, batch: Batch, toy: ToyConfig, backend: Backend, layout: Layout,
@@ -146,6 +158,8 @@ def judge(golden: Golden, batch: Batch, result: LayoutResult, fields: dict[str, 
     """A layout's result against its golden, with the notes its report must carry."""
     report = compare(golden, batch, result.capture, result.replayed, **fields)
     report.notes.extend(result.notes)
+    for reason, which in _by_reason(report.absent).items():
+        report.notes.append(f"{', '.join(which)}: {reason}; not compared")
     if golden.key.scenario == "train" and not report.routes_passed:
         # Only the first step's routes are recorded, so later steps cannot be replayed onto the golden's.
         report.notes.append("routes differ in the first step: updates are compared without route replay")
@@ -162,12 +176,34 @@ def compare(golden: Golden, batch: Batch, capture: Capture, replayed: Capture | 
     tensors downstream of routing are judged from the replayed run so a kernel error is never mistaken
     for a routing flip, or the other way round."""
     tokens = batch.tokens()
-    routes = compare_route_sets(golden, capture.experts(), tokens)
+    unreadable = _unreadable(capture.absent)
+    routes = compare_route_sets(golden, capture.experts(), tokens, unreadable)
     source = replayed if replayed is not None else capture
+    absent = {**capture.absent, **source.absent}
     tensors = compare_tensors(golden, source.all_tensors(), tokens, gradients=source.backward,
-                              same_routes=same_route_tokens(golden, source.experts()), sketches=source.sketches)
+                              same_routes=same_route_tokens(golden, source.experts()), sketches=source.sketches,
+                              absent=absent)
+    # Parameters the golden holds as sketches are not in `tensors` on either side: a missing or extra
+    # one still fails, as the tensor comparison's "missing from the candidate".
+    structure = structure_changes(golden, source.tensors, {*capture.routes, *unreadable}, parameters=source.backward)
     return CheckReport(golden=str(golden.key), model=golden.key.model, dtype=golden.key.dtype, tensors=tensors,
-                       routes=routes, route_replay=replayed is not None, **report_fields)
+                       routes=routes, route_replay=replayed is not None, absent=absent, structure=structure,
+                       **report_fields)
+
+
+def _unreadable(absent: dict[str, str]) -> dict[int, str]:
+    """MoE layers whose routes the candidate could not give, and why."""
+    return {parsed.layer: why for name, why in absent.items()
+            if isinstance(parsed := names.try_parse(name), names.Route) and parsed.part == "experts"}
+
+
+def _by_reason(absent: dict[str, str]) -> dict[str, list[str]]:
+    """Absent tensors other than routes (their route line says it), grouped by why."""
+    grouped: dict[str, list[str]] = {}
+    for name, why in sorted(absent.items()):
+        if not isinstance(names.try_parse(name), names.Route):
+            grouped.setdefault(why, []).append(name)
+    return grouped
 
 
 def cross_class_notes(key: GoldenKey) -> list[str]:

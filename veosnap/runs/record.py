@@ -121,6 +121,8 @@ def build_golden(project: Project, key: GoldenKey, seed: int = 0, allow_near_tie
                 run = train.run_train(high, batch, hyper, own_loss=True)
                 truth, truth_steps = run.capture, run.step_routes
         del high
+    for name, why in sorted(reference.absent.items()):  # the reference must give every tensor a golden holds
+        raise VeosnapError(f"{key}: the reference's {name} cannot be captured: {why}")
     mask = batch.token_mask
     # A train golden holds the first step's routes, but every step must route clearly: a near-tie in a
     # later step would flip a candidate's routes there, and its updates with them.
@@ -259,6 +261,9 @@ def _check_routes(key: GoldenKey, reference: dict[int, RouteRecord], truth: dict
         return margins
     eps = TIE_EPSILON[key.dtype]
     for layer, value in margins.items():
+        if value != value:  # NaN: the margins of a router whose logits could not be read
+            raise VeosnapError(f"{key}: layer {layer}'s router margins are unknown (its logits could not be read "
+                               "at the router's output); a golden needs them to tell near-ties")
         if value < eps:
             raise VeosnapError(
                 f"{key}: router margin {fmt.num(value)} in layer {layer} is under the tie epsilon {eps:g}: a near-tie "

@@ -12,8 +12,9 @@ import json
 import os
 import signal
 import sys
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 from .. import __version__
 from ..candidates import backends, guard
@@ -76,6 +77,23 @@ def cmd_record(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+@contextmanager
+def _candidates_print_to_stderr() -> Iterator[bool]:
+    """Within the block file descriptor 1 is stderr, so what candidates print (print, logging handlers bound
+    to stdout, C extensions) cannot mix with the report; after it, stdout is stdout again. Yields whether
+    the real stdout is a terminal (the report's colours)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        with guard.report_to(saved):  # a candidate ended past its timeout still leaves its ERROR block there
+            yield os.isatty(saved)
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     if args.matrix:
         return cmd_matrix(args)
@@ -86,15 +104,16 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     guard.check_timeout(args.timeout)
     project = _project(args)
-    backend = backends.resolve(args.backend or "eager")
-    reports = [
-        report_
-        for model, dtype in _selection(args, project)
-        for report_ in check_layouts(project, GoldenKey(project.hardware_class, model, args.scenario, dtype), backend,
-                                     args.layout or ["single"], nproc=args.nproc, timeout_s=args.timeout,
-                                     cross_class=args.cross_class)
-    ]
-    out = render_json.checks(reports) if args.format == "json" else render_text.checks(reports, color=sys.stdout.isatty())
+    with _candidates_print_to_stderr() as terminal:
+        backend = backends.resolve(args.backend or "eager")  # importing a backend's file may print too
+        reports = [
+            report_
+            for model, dtype in _selection(args, project)
+            for report_ in check_layouts(project, GoldenKey(project.hardware_class, model, args.scenario, dtype),
+                                         backend, args.layout or ["single"], nproc=args.nproc, timeout_s=args.timeout,
+                                         cross_class=args.cross_class)
+        ]
+    out = render_json.checks(reports) if args.format == "json" else render_text.checks(reports, color=terminal)
     sys.stdout.write(out if out.endswith("\n") else out + "\n")
     if html_path is not None:
         from ..render import html as render_html
@@ -168,10 +187,11 @@ def cmd_matrix(args: argparse.Namespace) -> int:
         unavailable = {}
     # One line per cell on stderr, always: with stdout redirected (or in CI) nothing else shows for minutes.
     progress = _progress
-    result = matrix.run_matrix(project, models, dtypes, specs, layouts,
-                               check_cells=matrix.default_check(args.nproc, args.timeout), on_cell=progress,
-                               unavailable=unavailable, scenario=args.scenario)
-    out = render_json.matrix(result) if args.format == "json" else render_text.matrix(result, color=sys.stdout.isatty())
+    with _candidates_print_to_stderr() as terminal:
+        result = matrix.run_matrix(project, models, dtypes, specs, layouts,
+                                   check_cells=matrix.default_check(args.nproc, args.timeout), on_cell=progress,
+                                   unavailable=unavailable, scenario=args.scenario)
+    out = render_json.matrix(result) if args.format == "json" else render_text.matrix(result, color=terminal)
     sys.stdout.write(out if out.endswith("\n") else out + "\n")
     return EXIT_OK if result.passed else EXIT_FAILED
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .protocol import DataGroup, Layout, LayoutContext, Setup
+from .protocol import Layout, LayoutContext, Setup
 
 
 class DDP(Layout):
@@ -16,7 +16,7 @@ class DDP(Layout):
         from torch.nn.parallel import DistributedDataParallel
 
         ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-        return Setup(DistributedDataParallel(model, device_ids=ids), model, DataGroup(ctx.world, ctx.rank))
+        return Setup(DistributedDataParallel(model, device_ids=ids), model)
 
 
 LAYOUT = DDP()

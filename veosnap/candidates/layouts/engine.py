@@ -1,7 +1,9 @@
 """Run any layout on one rank (or in process): the part of a layout check every layout shares.
 
-`run` loads the model as the layout says, applies the backend (its patches stay until the run is
-done), sets the candidate up, and runs one step (or the train scenario's steps) of the layout's passes.
+`run` loads the model as the layout says, tells the backend where it runs (`context.Context`), applies
+it (its patches stay until the run is done), sets the candidate up (the layout wraps it, unless the
+backend parallelizes it itself), and runs one step (or the train scenario's steps) of the layout's
+passes, each in the candidate's own batch form when it adapts the batch (`Candidate.adapt_batch`).
 Each pass's loss is weighted by its share of the golden's predictions, and by the data group's size to
 undo a reducer's averaging, so the reduced gradient is exactly the full-batch mean gradient. When any
 real token went to other experts than the golden's, the step runs again forced onto the golden's
@@ -20,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 import torch
+from torch import nn
 
 from ...errors import Unsupported
 from ...golden import names
@@ -29,8 +32,9 @@ from ...reference.capture import Capture, Part, auxiliary_loss, forward_backward
 from ...reference.inputs import Batch
 from ...reference.probes import RouteRecord
 from ...reference.reduce import WHOLE, CandidateReducer, Reducer, Rows, assemble_rows
-from ..backends import Backend
-from .protocol import Layout, LayoutContext, Setup
+from .. import context
+from ..backends import Backend, Candidate
+from .protocol import DataGroup, Layout, LayoutContext, Setup
 
 
 @dataclass
@@ -49,16 +53,32 @@ class LayoutError(RuntimeError):
 
 def run(layout: Layout, backend: Backend, ctx: LayoutContext) -> LayoutResult | None:
     """Run `layout` with `backend` on this rank; the result on rank 0, None on the others."""
-    model = layout.load(ctx)
-    with backend.prepare(model) as candidate:
+    # A backend that parallelizes the model itself gets the plain reference, never one transformers sharded.
+    model = ctx.build(ctx.device) if backend.parallelizes else layout.load(ctx)
+    ctx = replace(ctx, mesh=layout.mesh(ctx))
+    data = layout.data(ctx)
+    where = told(layout, ctx, data)
+    with context.told(where), backend.prepare(model, where) as candidate:
         why = candidate.forward_only
         if why and not layout.checks_forward_only:
             raise Unsupported(f"{backend.spec} runs forward only here ({why}); layouts check gradients")
         if why and ctx.hyper is not None:
             raise Unsupported(f"runs forward only here ({why}); the train scenario needs gradients")
+        if candidate.full_gradients is not None and ctx.hyper is not None:
+            raise Unsupported("the train scenario reads full parameters, which full_gradients does not give")
         candidate.model.train()
         candidate.model.zero_grad(set_to_none=True)
-        runner = _Runner(layout, ctx, layout.wrap(candidate.model, ctx), backward=not candidate.forward_only)
+        if backend.parallelizes:
+            setup = Setup(candidate.model, _unwrapped(candidate.model), data,
+                          notes=[f"parallelized by the backend ({backend.spec}), not wrapped by the layout"])
+        else:
+            setup = layout.wrap(candidate.model, ctx)
+        if setup.data is None:
+            setup.data = data
+        elif setup.data != data:
+            raise LayoutError(f"layout {layout.name}: wrap() set up data share {setup.data} but data() told the "
+                              f"backend {data}; override data()")
+        runner = _Runner(layout, ctx, setup, candidate, where)
         result = runner.train() if ctx.hyper is not None else runner.step()
     if result is not None:
         result.forward_only = candidate.forward_only
@@ -66,16 +86,52 @@ def run(layout: Layout, backend: Backend, ctx: LayoutContext) -> LayoutResult | 
     return result
 
 
+def told(layout: Layout, ctx: LayoutContext, data: DataGroup) -> context.Context:
+    """What a backend is told about where it runs (`veosnap.context()`)."""
+    group = None
+    if ctx.world > 1:
+        import torch.distributed as dist
+
+        group = dist.group.WORLD
+    return context.Context(layout=layout.name, rank=ctx.rank, world=ctx.world, local_rank=ctx.local_rank,
+                           device=ctx.device, dp_world=data.size, dp_rank=data.rank, mesh=ctx.mesh, group=group,
+                           golden=ctx.golden.key)
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """The HF model inside a data-parallel wrapper a backend returned (hooks and gradients go there)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
 class _Runner:
     """One layout's passes on one rank, for a step or for the train scenario."""
 
-    def __init__(self, layout: Layout, ctx: LayoutContext, setup: Setup, backward: bool) -> None:
-        self.layout, self.ctx, self.setup, self.backward = layout, ctx, setup, backward
+    def __init__(self, layout: Layout, ctx: LayoutContext, setup: Setup, candidate: Candidate,
+                 where: context.Context) -> None:
+        self.layout, self.ctx, self.setup, self.candidate = layout, ctx, setup, candidate
+        self.backward = not candidate.forward_only
         self.shards = layout.shard(ctx, setup)
         self.total = ctx.batch.predictions
         # The golden's sketched tensors are reduced with its specs; everything else is kept whole.
         self.reducer: Reducer = CandidateReducer(ctx.golden.sketches, ctx.batch.token_mask) \
             if ctx.golden.sketches else WHOLE
+        # Each pass's model call, and the golden position of each of its output token slots (-1: none).
+        self.calls: list[dict | None] = []
+        self.positions: list[torch.Tensor] = []
+        for shard in self.shards:
+            if candidate.adapt_batch is None:
+                self.calls.append(None)
+                self.positions.append(shard.positions)
+                continue
+            adapted = candidate.adapt_batch(shard.batch.to(ctx.device), where)
+            local = torch.as_tensor(adapted.positions).reshape(-1).long().cpu()
+            if local.numel() and int(local.max()) >= shard.positions.numel():
+                raise LayoutError(f"adapt_batch gave position {int(local.max())} in a batch of "
+                                  f"{shard.positions.numel()} token slots")
+            self.calls.append(adapted.kwargs)
+            self.positions.append(torch.where(local >= 0, shard.positions[local.clamp(min=0)], -1))
         extra = auxiliary_loss(setup.inner)
         if extra and not self.whole_batch():
             raise Unsupported(f"the model's loss holds {extra}, which is not a sum over tokens: {layout.name} computes "
@@ -92,21 +148,32 @@ class _Runner:
         """One step: every pass's forward and backward, gradients accumulating from zero."""
         self.setup.inner.zero_grad(set_to_none=True)
         parts = []
-        for index, shard in enumerate(self.shards):
+        for index, (shard, call, positions) in enumerate(zip(self.shards, self.calls, self.positions)):
             with self.layout.accumulate(self.ctx, self.setup, index, len(self.shards)):
                 share = shard.batch.predictions / self.total if shard.weight is None else shard.weight
                 parts.append(forward_backward(
                     self.setup.model, shard.batch, inner=self.setup.inner, share=share,
-                    grad_scale=float(self.setup.data.size), backward=self.backward,
+                    grad_scale=float(self.setup.data.size), backward=self.backward, call=call,
                     # a padding slot (no golden position) may go anywhere: it is never compared
-                    forced={layer: experts[shard.positions.clamp(min=0)] for layer, experts in forced.items()}
+                    forced={layer: experts[positions.clamp(min=0)] for layer, experts in forced.items()}
                     if forced else None,
-                    reducer=self.reducer, positions=shard.positions))
+                    reducer=self.reducer, positions=positions))
         return parts
 
     def gradients(self) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
-        """The step's gradients, whole or reduced (every rank joins the gathers of shards)."""
-        return reduce_gradients(self.setup.inner, self.reducer) if self.backward else ({}, {})
+        """The step's gradients, whole or reduced (every rank joins the gathers of shards), the
+        candidate's own reader (`full_gradients`) taking precedence for what it returns."""
+        if not self.backward:
+            return {}, {}
+        whole, kept = reduce_gradients(self.setup.inner, self.reducer)
+        if self.candidate.full_gradients is not None:
+            for param_name, grad in self.candidate.full_gradients(self.setup.inner).items():
+                name = str(names.Grad(param_name))
+                if self.reducer.spec(name) is None:
+                    whole[name] = grad.detach().to("cpu", copy=True)
+                else:
+                    kept[name] = self.reducer.finish(name, self.reducer.keep_rows(name, grad.detach()))
+        return whole, kept
 
     def step(self) -> LayoutResult | None:
         parts = self.passes(None)
@@ -117,10 +184,15 @@ class _Runner:
             replayed_parts = self.passes(forced)
             replayed = self.gather(replayed_parts, self.gradients())
         capture = self.gather(parts, grads)
-        return None if capture is None else LayoutResult(capture, replayed, list(self.setup.notes))
+        if capture is None:
+            return None
+        notes = [*self.setup.notes, *capture.notes, *(replayed.notes if replayed else [])]
+        return LayoutResult(capture, replayed, list(dict.fromkeys(notes)))
 
     def train(self) -> LayoutResult | None:
         """The golden's optimizer steps, each step's forward and backward run as this layout's passes."""
+
+        unreadable: list[dict[str, str]] = []  # the first step's unreadable routes (a train golden holds its routes)
 
         def forward_backward_step() -> tuple[torch.Tensor, dict[int, RouteRecord]]:
             parts = self.passes(None)
@@ -128,30 +200,38 @@ class _Runner:
             gathered = self.gather([replace(p, logits=None, layers={}) for p in parts], ({}, {}))
             if gathered is None:
                 return sum(p.loss for p in parts), {}
+            if not unreadable:
+                unreadable.append({n: why for n, why in gathered.absent.items()
+                                   if isinstance(names.try_parse(n), names.Route)})
             return gathered.tensors[str(names.LOSS)], gathered.routes
 
         clip = lambda params, max_norm: self.layout.clip(params, max_norm, self.ctx)  # noqa: E731
         run = train.train(self.setup.inner, self.ctx.hyper, forward_backward_step, clip)
-        return LayoutResult(run.capture, notes=list(self.setup.notes)) if self.ctx.rank == 0 else None
+        if self.ctx.rank != 0:
+            return None
+        run.capture.absent = unreadable[0] if unreadable else {}
+        return LayoutResult(run.capture, notes=list(self.setup.notes))
 
     def routes_differ(self, parts: list[Part]) -> bool:
         """Whether any real token of this rank's passes went to other experts than the golden's."""
         golden = self.ctx.golden.experts()
         mask = self.ctx.batch.token_mask
-        for part, shard in zip(parts, self.shards):
+        for part, positions in zip(parts, self.positions):
+            at = positions.clamp(min=0)
             for layer, experts in golden.items():
+                if layer in part.unreadable:  # nothing to compare, and nothing to force: said in the report
+                    continue
                 rec = part.routes.get(layer)
-                expected = experts[shard.positions.clamp(min=0)]
+                expected = experts[at]
                 if rec is None or rec.experts.shape != expected.shape:
                     return True
-                real = (shard.positions >= 0) & mask[shard.positions.clamp(min=0)]
-                if flips(expected, rec.experts, real).any():
+                if flips(expected, rec.experts, mask[at] & (positions >= 0)).any():
                     return True
         return False
 
     def gather(self, parts: list[Part], grads: tuple[dict[str, torch.Tensor], dict[str, object]]) -> Capture | None:
         """On rank 0, the passes of every distinct data share assembled into the golden's positions."""
-        mine = list(zip(parts, (s.positions for s in self.shards)))
+        mine = list(zip(parts, self.positions))
         if self.setup.data.size == 1:  # every rank ran the whole batch: rank 0's passes are the run's
             return assemble(self.ctx, mine, grads, self.backward, self.reducer) if self.ctx.rank == 0 else None
         # Only small things cross between ranks: whole token rows of whole tensors, and per-row
@@ -185,7 +265,9 @@ def assemble(ctx: LayoutContext, pieces: list[tuple[Part, torch.Tensor]],
     tensors: dict[str, torch.Tensor] = {str(names.LOSS): sum(part.loss for part, _ in pieces)}
     sketches: dict[str, object] = dict(kept_grads)
     parts = [part for part, _ in pieces]
-    produced = {} if parts[0].logits is None else {names.LOGITS: [p.logits for p in parts]}
+    absent = {name: why for part in reversed(parts) for name, why in part.absent.items()}  # the first pass's reason
+    notes = list(dict.fromkeys(note for part in parts for note in part.notes))
+    produced = {names.LOGITS: [p.logits for p in parts]} if all(p.logits is not None for p in parts) else {}
     produced.update({names.LayerOutput(layer): [p.layers[layer] for p in parts] for layer in sorted(parts[0].layers)})
     for name, values in produced.items():
         if reducer.spec(str(name)) is not None:
@@ -197,11 +279,14 @@ def assemble(ctx: LayoutContext, pieces: list[tuple[Part, torch.Tensor]],
             tensors[str(name)] = _grid(batch, _scatter(ctx, name, values, pieces))
     routes = {}
     for layer in sorted(parts[0].routes):
+        if any(layer not in p.routes for p in parts):  # read in some passes only: not a route of every token
+            continue
         recs = [p.routes[layer] for p in parts]
         experts, weights, margin = (_scatter(ctx, names.Route(layer, part), [getattr(r, part) for r in recs], pieces)
                                     for part in ("experts", "weights", "margin"))
         routes[layer] = RouteRecord(layer, experts.long(), weights, margin)
-    return Capture(tensors={**tensors, **whole_grads}, routes=routes, backward=backward, sketches=sketches)
+    return Capture(tensors={**tensors, **whole_grads}, routes=routes, backward=backward, sketches=sketches,
+                   absent=absent, notes=notes)
 
 
 def _grid(batch: Batch, flat: torch.Tensor) -> torch.Tensor:
@@ -216,7 +301,7 @@ def _scatter(ctx: LayoutContext, name: names.TensorName, values: list[torch.Tens
     positions = torch.cat([positions for _, positions in pieces])
     if rows.shape[0] != positions.numel():
         raise LayoutError(f"{name}: the passes produced {rows.shape[0]} token rows for {positions.numel()} positions")
-    kept = positions >= 0  # slots a layout added (padding) stand for no golden position
+    kept = positions >= 0  # slots a layout or an adapted batch added (padding) stand for no golden position
     rows, positions = rows[kept], positions[kept]
     covered = _covered(ctx, name, positions)
     out = torch.zeros(ctx.batch.rows * ctx.batch.width, *rows.shape[1:], dtype=rows.dtype)

@@ -13,7 +13,7 @@ from torch import nn
 
 from ...errors import Unsupported
 from ...reference.probes import decoder_layers
-from .protocol import DataGroup, Layout, LayoutContext, Setup
+from .protocol import Layout, LayoutContext, Setup
 
 
 def shard_layers(model: nn.Module, mesh: object) -> None:
@@ -59,11 +59,14 @@ class FSDP2(Layout):
     description = "FSDP2 fully_shard per decoder layer and root, rows split across ranks"
     distributed = True
 
-    def wrap(self, model: nn.Module, ctx: LayoutContext) -> Setup:
+    def mesh(self, ctx: LayoutContext) -> object:
         from torch.distributed.device_mesh import init_device_mesh
 
-        shard_layers(model, init_device_mesh(ctx.device.type, (ctx.world,)))
-        return Setup(model, data=DataGroup(ctx.world, ctx.rank), notes=[f"fully_shard over {ctx.world} ranks"])
+        return init_device_mesh(ctx.device.type, (ctx.world,), mesh_dim_names=("shard",))
+
+    def wrap(self, model: nn.Module, ctx: LayoutContext) -> Setup:
+        shard_layers(model, ctx.mesh)
+        return Setup(model, notes=[f"fully_shard over {ctx.world} ranks"])
 
 
 LAYOUT = FSDP2()

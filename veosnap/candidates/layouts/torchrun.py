@@ -268,7 +268,8 @@ def write_result(path: Path, result: LayoutResult) -> None:
                 tensors.update({f"{SKETCH}{prefix}{name}.{part}": t.detach().cpu().contiguous().clone()
                                 for part, t in parts.items() if t is not None})
     meta = {"notes": result.notes, "forward_only": result.forward_only, "backward": result.capture.backward,
-            "sketches": sketches}
+            "sketches": sketches, "absent": result.capture.absent,
+            "replayed_absent": result.replayed.absent if result.replayed else {}}
     save_file(tensors, str(path), metadata={"veosnap": json.dumps(meta)})
 
 
@@ -305,10 +306,10 @@ def read_result(path: Path) -> LayoutResult:
     main = {n: t for n, t in tensors.items() if not n.startswith((REPLAYED, SKETCH))}
     replayed = {n[len(REPLAYED):]: t for n, t in tensors.items() if n.startswith(REPLAYED)}
     backward = meta["backward"]
-    capture = Capture.from_tensors(main, backward)
+    capture = Capture.from_tensors(main, backward, meta.get("absent"))
     capture.sketches = _read_sketches(meta["sketches"], tensors, "")
     again = None
     if replayed:
-        again = Capture.from_tensors(replayed, backward)
+        again = Capture.from_tensors(replayed, backward, meta.get("replayed_absent"))
         again.sketches = _read_sketches(meta["sketches"], tensors, REPLAYED)
     return LayoutResult(capture, again, notes=meta["notes"], forward_only=meta["forward_only"])

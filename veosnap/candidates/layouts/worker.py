@@ -52,6 +52,9 @@ from .protocol import LayoutContext  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
+    # A candidate may print what it likes: on a rank, as in the parent, stdout is stderr (the rank's log).
+    sys.stdout.flush()
+    os.dup2(2, 1)
     p = argparse.ArgumentParser(prog=f"python -m {torchrun.WORKER}")
     for flag in ("--goldens", "--configs", "--testdata", "--hardware-class", "--model", "--dtype", "--backend", "--out"):
         p.add_argument(flag, required=True)
@@ -77,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         golden, toy = load_checked(project, GoldenKey(args.hardware_class, args.model, args.scenario, args.dtype),
                                    cross_class=True)
         backend = backends.resolve(args.backend)
-        ctx = LayoutContext.checking(golden, toy, device, rank=rank, world=world, workdir=out)
+        ctx = LayoutContext.checking(golden, toy, device, rank=rank, world=world, local_rank=local, workdir=out)
         family = models.modeling_module(toy)
         models.skeleton(toy)  # pins the reference's torch fallbacks before the modules are snapshot
         for index, spec in enumerate(args.layout):
