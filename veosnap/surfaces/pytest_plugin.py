@@ -387,12 +387,19 @@ class VeosnapSession:
         project = self.project
         if not self._paths_cover(project.goldens):
             return None
-        # Only goldens this run could have used: its hardware class, and the scenarios and dtypes it checked.
+        # Only goldens this run could have used: its hardware class, the scenarios and dtypes it checked, and
+        # the zoo tiers its models belong to (a suite of toy checks does not own the real-shape goldens); a
+        # golden of a model the zoo no longer has is unused whatever the tier.
+        from ..reference.zoo import TIERS, list_models
+
         used = [GoldenKey.from_name(name) for name in self.outcome.used]
         kinds = {(key.scenario, key.dtype) for key in used}
+        tiers = {tier: set(list_models(project.configs, tier)) for tier in TIERS}
+        zoo = set().union(*tiers.values())
+        models = set().union(*(members for members in tiers.values() if any(k.model in members for k in used)))
         goldens = [(str(key), path) for key, path in store.scan(project.goldens).goldens
                    if key.hardware_class == project.hardware_class and (key.scenario, key.dtype) in kinds
-                   and str(key) not in self.outcome.used]
+                   and (key.model in models or key.model not in zoo) and str(key) not in self.outcome.used]
         unused = Unused(goldens=goldens)
         missed = sorted(self.outcome.items - self.outcome.reached)
         if missed and goldens:
