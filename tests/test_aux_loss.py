@@ -11,8 +11,8 @@ from pathlib import Path
 
 import faults
 import pytest
-from golden_repo import CLASS
 import torch
+from golden_repo import CLASS
 
 from veosnap.candidates import backends
 from veosnap.golden.key import GoldenKey

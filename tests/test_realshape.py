@@ -21,6 +21,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import realshape_faults
+from golden_repo import CLASS
 
 from veosnap.candidates import backends
 from veosnap.candidates.layouts.packed import pack
@@ -123,7 +124,7 @@ def test_packed_rows_must_not_be_padded(tmp_path, repo_project):
     shutil.copytree(ROOT / "toy_configs" / "llama", tmp_path / "llama")
     (tmp_path / "llama" / "veosnap.json").write_text(json.dumps(
         {"batch": {"source": "realshape.parquet", "rows": [[13], [10, 11]]}}))  # 17 tokens beside 129 + 1
-    project = Project(goldens=tmp_path / "g", configs=tmp_path, testdata=repo_project.testdata, hardware_class="cpu")
+    project = Project(goldens=tmp_path / "g", configs=tmp_path, testdata=repo_project.testdata, hardware_class=CLASS)
     with pytest.raises(VeosnapError, match="same number of tokens"):
         golden_batch(project, load_config(tmp_path, "llama"))
 
@@ -163,7 +164,7 @@ def narrow(tmp_path_factory) -> Project:
         (root / "configs" / name / "config.json").write_text(json.dumps(config))
         (root / "configs" / name / "veosnap.json").write_text(json.dumps({"tier": "real", "batch": batch}))
     project = Project(goldens=root / "goldens", configs=root / "configs", testdata=ROOT / "testdata",
-                      hardware_class="cpu")
+                      hardware_class=CLASS)
     for name in NARROW:
         record(project, name, "float32")
     return project
@@ -171,7 +172,7 @@ def narrow(tmp_path_factory) -> Project:
 
 def run(project: Project, model: str, fault: str, layout: str | None = None) -> CheckReport:
     backend = backends.resolve(f"{FAULTS_FILE}:{fault}")
-    key = GoldenKey("cpu", model, "step", "float32")
+    key = GoldenKey(CLASS, model, "step", "float32")
     if layout is None:
         report = check(project, key, backend)
     else:
@@ -218,14 +219,14 @@ def test_the_late_varlen_boundary_shows_on_a_sequence_after_the_16th(narrow):
     assert layer0.where.startswith("row 1 "), layer0.where  # row 1 holds the packed sequences
     # and the toy batch packed into one row (4 sequences) does not reach it
     assert run(Project.resolve(goldens=ROOT / "goldens", configs=ROOT / "toy_configs", testdata=ROOT / "testdata",
-                               hardware_class="cpu"), "llama", "varlen_boundary_late", layout="packed").passed
+                               hardware_class=CLASS), "llama", "varlen_boundary_late", layout="packed").passed
 
 
 @pytest.mark.heavy
 def test_the_narrow_moe_golden_has_experts_without_tokens(narrow):
     from veosnap.golden import store
 
-    gold = store.read(store.path_for(narrow.goldens, GoldenKey("cpu", "narrow-moe", "step", "float32")), narrow.goldens)
+    gold = store.read(store.path_for(narrow.goldens, GoldenKey(CLASS, "narrow-moe", "step", "float32")), narrow.goldens)
     for layer in (0, 1):
         used = gold.tensors[f"routes.{layer}.experts"].unique().numel()
         assert used <= 12 * 8 < 128, used
@@ -240,7 +241,7 @@ CPU_REAL = {"qwen3-real": ["tail_key_block_dropped", "loss_int16_vocab", "varlen
 @pytest.mark.heavy
 @pytest.mark.parametrize("model", sorted(CPU_REAL))
 def test_the_cpu_real_shape_golden_passes_the_reference_and_catches_its_planted_bugs(model, repo_project):
-    golden = repo_project.goldens / "cpu" / model / "step-float32.safetensors.zst"
+    golden = repo_project.goldens / CLASS / model / "step-float32.safetensors.zst"
     if not golden.is_file():
         pytest.skip(f"{golden} not recorded (veosnap record --model {model} --dtype float32)")
     (reference,) = check_layouts_single(repo_project, model, "eager")
@@ -257,4 +258,4 @@ def test_the_cpu_real_shape_golden_passes_the_reference_and_catches_its_planted_
 def check_layouts_single(project: Project, model: str, spec: str) -> list[CheckReport]:
     from veosnap.runs.check import check_layouts
 
-    return check_layouts(project, GoldenKey("cpu", model, "step", "float32"), backends.resolve(spec), ["single"])
+    return check_layouts(project, GoldenKey(CLASS, model, "step", "float32"), backends.resolve(spec), ["single"])
