@@ -85,6 +85,8 @@ def plan_units(project: Project, models: list[str], dtypes: list[str], specs: li
     its checks (the heaviest backend last)."""
     from realshape_memory import estimate
 
+    from veosnap.reference import limits, models as vmodels
+
     sizes = {m: estimate(project, m) for m in models}
     units = []
     for model in sorted(models, key=lambda m: (sizes[m]["parameters"], m)):
@@ -96,7 +98,11 @@ def plan_units(project: Project, models: list[str], dtypes: list[str], specs: li
             for i, spec in enumerate(specs + (["compile"] if model in compile_models else [])):
                 build = (CACHED_BUILD_S_PER_B if cached and i else BUILD_S_PER_B) * b
                 step = STEP_S_PER_BKT[dtype] * b * kt + (COMPILE_S if spec == "compile" else 0.0)
-                units.append(Unit("check", model, dtype, spec, gib=e["check_gib"], est_s=build + step))
+                gib = e["check_gib"]
+                if "batched_mm" in spec.split("+"):  # it copies each chosen expert's weights per token
+                    toy = load_config(project.configs, model)
+                    gib += limits.batched_mm_bytes(toy, e["rows"] * e["width"], vmodels.dtype_from_name(dtype)) / 2**30
+                units.append(Unit("check", model, dtype, spec, gib=gib, est_s=build + step))
     return units
 
 
@@ -115,6 +121,19 @@ def next_unit(pending: list[Unit], recorded: set[tuple[str, str]], running: list
         if used + unit.gib <= capacity_gib or not running:
             return unit
     return None
+
+
+def fitting(units: list[Unit], capacity_gib: float) -> tuple[list[Unit], list[tuple[Unit, str]]]:
+    """The checks that fit the GPU, and those that cannot, with the reason (batched_mm at real shapes:
+    its copies of the experts' weights take hundreds to thousands of GiB)."""
+    keep, declined = [], []
+    for u in units:
+        if u.kind == "check" and u.gib > capacity_gib:
+            declined.append((u, f"needs about {u.gib:,.0f} GiB (batched_mm copies each chosen expert's weights per "
+                                f"token), over the {capacity_gib:.0f} GiB here"))
+        else:
+            keep.append(u)
+    return keep, declined
 
 
 def simulate(units: list[Unit], jobs: int, capacity_gib: float, budget_s: float = math.inf) -> dict:
@@ -287,6 +306,8 @@ def _summaries(project: Project, done: dict, out: Path, models: list[str], dtype
             continue
         if "report" in r:
             cells.append(dataclasses.replace(matrix.Cell.from_report(r["report"], r["seconds"]), backend=unit.backend))
+        elif r.get("status") == "skip":
+            cells.append(matrix.Cell(unit.model, unit.dtype, unit.backend, matrix.SINGLE, "skip", reason=r["reason"]))
         else:
             cells.append(matrix.Cell(unit.model, unit.dtype, unit.backend, matrix.SINGLE, "error",
                                      reason=r.get("status", "")))
@@ -329,7 +350,7 @@ def phase_real(project: Project, out: Path, models: list[str], dtypes: list[str]
     from veosnap.render import text as render_text
     from veosnap.runs import verify
 
-    units = plan_units(project, models, dtypes, specs, compile_models, weight_cache)
+    units, too_large = fitting(plan_units(project, models, dtypes, specs, compile_models, weight_cache), capacity_gib)
     plan = simulate(units, jobs, capacity_gib, budget_s)
     print(f"{len(units)} units on {jobs} workers within {capacity_gib:.0f} GiB; estimated end "
           f"{plan['end_s']:.0f} s, not reached by the estimate: {len(plan['not_reached'])}", flush=True)
@@ -341,6 +362,7 @@ def phase_real(project: Project, out: Path, models: list[str], dtypes: list[str]
               f"{r.get('peak_gib', '')} GiB)", flush=True)
 
     done = run(project, units, jobs, capacity_gib, budget_s, weight_cache, on_done=progress)
+    done["results"] += [{"unit": u, "status": "skip", "reason": why} for u, why in too_large]
     goldens, single, compiled, data = _summaries(project, done, out, models, dtypes, specs)
     mine = {(g["model"], g["dtype"]) for g in goldens if g.get("status") == "recorded"}
     checked = [r for r in verify.verify([project.goldens]) if r.key and r.key.hardware_class == project.hardware_class
@@ -401,12 +423,14 @@ def main(argv: list[str] | None = None) -> int:
     cache = not args.no_weight_cache
     if args.plan:
         capacity = args.capacity_gib or 0.92 * 139.8
-        units = plan_units(project, models, dtypes, specs, compile_models, cache)
+        units, too_large = fitting(plan_units(project, models, dtypes, specs, compile_models, cache), capacity)
         plan = simulate(units, args.jobs, capacity, args.budget_s)
         serial = sum(u.est_s for u in units)
         print(f"| unit | GiB (est.) | start s | end s |\n|---|---|---|---|")
         for r in plan["started"]:
             print(f"| {r['unit']} | {r['gib']:.0f} | {r['start']:.0f} | {r['end']:.0f} |")
+        for u, why in too_large:
+            print(f"| {u.label} | {u.gib:,.0f} | declined: {why} | |")
         print(f"\n{len(units)} units, {serial:.0f} s one after another; on {args.jobs} workers within {capacity:.0f} GiB "
               f"the estimate ends at {plan['end_s']:.0f} s; not reached within --budget-s {args.budget_s:g}: "
               f"{len(plan['not_reached'])} ({', '.join(plan['not_reached'][:12])}{' ...' if len(plan['not_reached']) > 12 else ''})")

@@ -368,13 +368,13 @@ def fragility(project: Project, golden: Golden) -> list[str]:
 
 # The fragility check leaves batched_mm out where its copies of the experts' weights (`limits.batched_mm_bytes`)
 # exceed this: at real shapes (600 tokens x top-8 of 128 experts) they take 15-30 GB, three times the
-# recording itself; the toys gather a few MB. `veosnap check --backend batched_mm` still runs it.
+# recording itself; the toys gather under 50 MiB. `veosnap check --backend batched_mm` still runs it.
 BATCHED_MM_JUDGE_LIMIT = 2 << 30
 
 
 def batched_mm_too_large(project: Project, golden: Golden) -> bool:
     toy = load_config(project.configs, golden.manifest.key.model)
-    tokens = golden.tensors["input_ids"].numel()
+    tokens = golden.inputs()["input_ids"].numel()
     return limits.batched_mm_bytes(toy, tokens, models.dtype_from_name(golden.manifest.key.dtype)) \
         > BATCHED_MM_JUDGE_LIMIT
 
