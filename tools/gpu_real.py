@@ -224,7 +224,15 @@ def _peak_gib() -> float:
 
 
 def run_unit(project: Project, unit: Unit) -> dict:
-    """One unit, in a worker: a record's row and its judges' reports, or a check's report (pickled back)."""
+    """One unit, in a worker: a record's row and its judges' reports, or a check's report (pickled back).
+    The worker's cached GPU memory is given back after it, for the units of the other workers."""
+    try:
+        return _run_unit(project, unit)
+    finally:
+        _release()
+
+
+def _run_unit(project: Project, unit: Unit) -> dict:
     from veosnap.candidates import backends, pristine
     from veosnap.golden import store
     from veosnap.runs import record

@@ -11,7 +11,7 @@ allocated): parameters, the golden batch's rows, width and real tokens, and esti
   which `limits.check_memory` leaves out;
 - check: float32 weights and gradients, and the same activations in float32.
 
-Estimates, not measurements (the H200 run of `tools/gpu_session.py realshape` measures peaks). Prints
+Estimates, not measurements (`tools/gpu_real.py` reports each unit's peak on the H200). Prints
 a markdown table; `--json` for machines.
 
 `--measure` measures instead, on this machine (CPU: resident memory): it records each model's float32
