@@ -319,7 +319,9 @@ def run(project: Project, units: list[Unit], workers: dict[str, int], capacity_g
                 executor.shutdown(wait=False, cancel_futures=True)
             return {"results": results, "not_reached": [u.label for u in pending], "seconds": time.perf_counter() - start}
         for future in done:
-            unit = running.pop(future)
+            unit = running.pop(future, None)
+            if unit is None:  # a unit of a pool that broke, already reported
+                continue
             try:
                 out = future.result()
             except BrokenProcessPool as exc:  # a worker died (a CUDA fault, the OOM killer): its pool goes too
