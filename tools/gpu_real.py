@@ -1,7 +1,8 @@
 """The real-shape tier on one GPU in one device command: record its goldens and check them with every
 legitimate backend, several worker processes sharing the GPU.
 
-    python tools/gpu_real.py --out DIR [--jobs 4] [--budget-s 400] [--record-jobs 2] [--dtype D]... [--model M]... [--no-compile]
+    python tools/gpu_real.py --out DIR [--jobs 4] [--record-jobs 2] [--budget-s 400] [--stop-s 500]
+                             [--dtype D]... [--model M]... [--no-compile]
     python tools/gpu_real.py --plan [--jobs 4] ...   # no GPU needed: the estimated schedule, what fits
 
 Work comes in units: `record (model, dtype)` and `check (model, dtype, backend)`, the checks after their
@@ -29,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import multiprocessing
 import os
@@ -100,7 +100,8 @@ def plan_units(project: Project, models: list[str], dtypes: list[str], specs: li
         moe = e.get("moe", True)
         for dtype in dtypes:
             judges = [j for j in RECORD_JUDGES if moe or j not in ("grouped_mm", "batched_mm")]
-            judge_s = len(judges) * ((CACHED_BUILD_S_PER_B if cached else BUILD_S_PER_B) * b + STEP_S_PER_BKT[dtype] * b * kt)
+            per_judge = (CACHED_BUILD_S_PER_B if cached else BUILD_S_PER_B) * b + STEP_S_PER_BKT[dtype] * b * kt
+            judge_s = len(judges) * per_judge
             record_s = 2 * BUILD_S_PER_B * b + F64_S_PER_BKT * b * kt + judge_s
             units.append(Unit("record", model, dtype, gib=e["record_gib"], est_s=record_s))
             for i, spec in enumerate([s for s in specs if s not in RECORD_JUDGES]
@@ -317,7 +318,8 @@ def run(project: Project, units: list[Unit], workers: dict[str, int], capacity_g
                 for process in list(getattr(executor, "_processes", {}).values()):
                     process.kill()
                 executor.shutdown(wait=False, cancel_futures=True)
-            return {"results": results, "not_reached": [u.label for u in pending], "seconds": time.perf_counter() - start}
+            return {"results": results, "not_reached": [u.label for u in pending],
+                    "seconds": time.perf_counter() - start}
         for future in done:
             unit = running.pop(future, None)
             if unit is None:  # a unit of a pool that broke, already reported
@@ -346,7 +348,8 @@ def run(project: Project, units: list[Unit], workers: dict[str, int], capacity_g
     return {"results": results, "not_reached": [u.label for u in pending], "seconds": time.perf_counter() - start}
 
 
-def _summaries(project: Project, done: dict, out: Path, models: list[str], dtypes: list[str], specs: list[str]):  # noqa: ANN202
+def _summaries(project: Project, done: dict, out: Path, models: list[str], dtypes: list[str],  # noqa: ANN202
+               specs: list[str]):
     """The goldens' rows (fragile ones marked), and the matrices (single backends, compile)."""
     import gpu_session
 
@@ -415,7 +418,8 @@ def phase_real(project: Project, out: Path, models: list[str], dtypes: list[str]
     done["results"] += [{"unit": u, "status": "skip", "reason": why} for u, why in too_large]
     goldens, single, compiled, data = _summaries(project, done, out, models, dtypes, specs)
     mine = {(g["model"], g["dtype"]) for g in goldens if g.get("written")}
-    checked = [r for r in (verify.verify([project.goldens]) if mine else []) if r.key and r.key.hardware_class == project.hardware_class
+    checked = [r for r in (verify.verify([project.goldens]) if mine else [])
+               if r.key and r.key.hardware_class == project.hardware_class
                and (r.key.model, r.key.dtype) in mine and r.key.scenario == "step"]
     bad = [r.line() for r in checked if not r.ok]
     keep = [project.goldens / g["path"] for g in goldens if g.get("written")]
@@ -428,7 +432,8 @@ def phase_real(project: Project, out: Path, models: list[str], dtypes: list[str]
                      f"{g.get('peak_gib', '')} | {round(g['bytes'] / 1024) if 'bytes' in g else ''} | "
                      f"{g.get('min_margin', '')} | {', '.join(g.get('fragile', [])) or ''} |")
     text = "\n".join([*table, f"verified {len(checked)}: {len(bad)} bad", *bad, f"tars: {tars}",
-                      f"not reached: {done['not_reached']}", f"{done['seconds']:.0f} s on {jobs} workers ({workers})", "",
+                      f"not reached: {done['not_reached']}",
+                      f"{done['seconds']:.0f} s on {jobs} workers ({workers})", "",
                       render_text.matrix(single), gpu_session._worst_table(single),
                       *([render_text.matrix(compiled), gpu_session._worst_table(compiled)] if compiled.cells else [])])
     units_rows = [{"unit": r["unit"].label, **{k: v for k, v in r.items() if k not in ("unit", "report", "judges")},
@@ -488,9 +493,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {r['unit']} | {r['gib']:.0f} | {r['start']:.0f} | {r['end']:.0f} |")
         for u, why in too_large:
             print(f"| {u.label} | {u.gib:,.0f} | declined: {why} | |")
-        print(f"\n{len(units)} units, {serial:.0f} s one after another; on {args.jobs} workers ({args.record_jobs} recording) within {capacity:.0f} GiB "
+        print(f"\n{len(units)} units, {serial:.0f} s one after another; on {args.jobs} workers "
+              f"({args.record_jobs} recording) within {capacity:.0f} GiB "
               f"the estimate ends at {plan['end_s']:.0f} s; not reached within --budget-s {args.budget_s:g}: "
-              f"{len(plan['not_reached'])} ({', '.join(plan['not_reached'][:12])}{' ...' if len(plan['not_reached']) > 12 else ''})")
+              f"{len(plan['not_reached'])} ({', '.join(plan['not_reached'][:12])}"
+              f"{' ...' if len(plan['not_reached']) > 12 else ''})")
         return 0
     if not torch.cuda.is_available():
         print("gpu_real: skipped, no CUDA device here (it records and checks the cuda real-shape goldens; "
