@@ -516,4 +516,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run as the module `gpu_real` (tools/ is on the path, also in the spawned workers), so what the workers
+    # unpickle (units, their function) is `gpu_real.*`, never this script's `__main__.*`.
+    import gpu_real
+
+    sys.exit(gpu_real.main())
