@@ -250,12 +250,20 @@ def _check_tensor_set(golden: Golden, source: object) -> None:
             raise GoldenError(source, f"tensor {name!r} is not part of a golden (extra or hand-added)")
     if set(golden.manifest.min_margin) != route_layers:
         raise GoldenError(source, "manifest router margins do not match the MoE layers in the payload")
-    shape = golden.tensors["inputs.input_ids"].shape
-    for field in (f for f in names.INPUT_FIELDS.values() if f.token_grid and f"inputs.{f.name}" in present):
-        t = golden.tensors[f"inputs.{field.name}"]
+    check_inputs(golden.input_tensors(), golden.manifest, source)
+
+
+def check_inputs(inputs: dict[str, torch.Tensor], manifest: Manifest, source: object) -> None:
+    """The stored batch (`inputs.<field>` tensors) is well formed and the one the manifest describes."""
+    for required in (f"inputs.{f.name}" for f in names.INPUT_FIELDS.values() if f.required):
+        if required not in inputs:
+            raise GoldenError(source, f"tensor {required!r} is missing")
+    shape = inputs["inputs.input_ids"].shape
+    for field in (f for f in names.INPUT_FIELDS.values() if f.token_grid and f"inputs.{f.name}" in inputs):
+        t = inputs[f"inputs.{field.name}"]
         if t.dtype != torch.int64 or t.ndim != 2 or t.shape != shape:
             raise GoldenError(source, f"tensor 'inputs.{field.name}' is {_describe(t)}, expected int64 {list(shape)} (2-D)")
-    if tensors_hash(golden.input_tensors()) != golden.manifest.inputs_hash:
+    if tensors_hash(inputs) != manifest.inputs_hash:
         raise GoldenError(source, "inputs hash mismatch: the stored batch is not the one the manifest describes")
 
 

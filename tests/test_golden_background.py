@@ -1,0 +1,132 @@
+"""A check reads its golden's manifest and batch first and decodes the rest on a thread
+(`veosnap.golden.background`): the same golden, and the same one-line errors, as the one reader."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import zstandard
+from golden_repo import CLASS, committed_golden
+from safetensors.torch import save as st_save
+
+from veosnap.errors import GoldenError
+from veosnap.golden import background, codec, store
+from veosnap.surfaces.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def copy_golden(tmp_path: Path, model: str = "llama", dtype: str = "float32") -> tuple[Path, Path]:
+    """A goldens directory holding a copy of this class's committed golden (the test skips without one)."""
+    source = committed_golden(model, dtype)
+    root = tmp_path / "goldens"
+    path = root / source.relative_to(REPO / "goldens")
+    path.parent.mkdir(parents=True)
+    shutil.copyfile(source, path)
+    return root, path
+
+
+def edited_logits(path: Path) -> None:
+    """Rewrite the golden with its logits changed and its hashes left as recorded: the head (manifest,
+    inputs) is sound, the payload is not."""
+    g = codec.decode(path.read_bytes(), path)
+    g.tensors["logits"] = g.tensors["logits"] * 1.001
+    raw = st_save(g.tensors, metadata={codec.METADATA_KEY: g.manifest.to_json()})
+    path.write_bytes(zstandard.ZstdCompressor(level=1, write_checksum=True, write_content_size=True).compress(raw))
+
+
+def reader_error(path: Path, root: Path) -> str:
+    with pytest.raises(GoldenError) as exc:
+        store.read(path, root)
+    return str(exc.value)
+
+
+@pytest.mark.parametrize(("model", "dtype"), [("llama", "float32"), ("qwen3_moe", "bfloat16")])
+def test_a_pending_golden_is_the_golden_the_reader_gives(tmp_path, model, dtype):
+    root, path = copy_golden(tmp_path, model, dtype)
+    pending = background.read(path, root)
+    assert isinstance(pending, background.PendingGolden)
+    full = store.read(path, root)
+    # Answered from the head, before the decode is waited for.
+    assert pending.key == full.key and pending.manifest == full.manifest and pending.path == path
+    assert pending.route_layers() == full.route_layers() and pending.is_moe == full.is_moe
+    assert pending.inputs().keys() == full.inputs().keys()
+    for name, tensor in full.inputs().items():
+        assert tensor.dtype == pending.inputs()[name].dtype and tensor.equal(pending.inputs()[name])
+    # The rest from the thread.
+    assert pending.tensors.keys() == full.tensors.keys()
+    assert all(pending.tensors[name].equal(t) for name, t in full.tensors.items())
+    assert pending.result().manifest == full.manifest
+
+
+def test_a_payload_edited_after_recording_is_refused_when_its_tensors_are_first_used(tmp_path):
+    root, path = copy_golden(tmp_path)
+    edited_logits(path)
+    expected = reader_error(path, root)
+    assert "payload hash mismatch" in expected
+    pending = background.read(path, root)  # the head is sound: refused where the tensors are used
+    assert isinstance(pending, background.PendingGolden)
+    for use in (lambda: pending.tensors, lambda: pending.sketches, pending.result):
+        with pytest.raises(GoldenError) as exc:
+            use()
+        assert str(exc.value) == expected
+
+
+@pytest.mark.parametrize("keep", [0.02, 0.5, 0.99])
+def test_a_truncated_golden_gives_the_readers_error(tmp_path, keep):
+    root, path = copy_golden(tmp_path)
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
+    expected = reader_error(path, root)
+    with pytest.raises(GoldenError) as exc:
+        background.read(path, root).tensors  # noqa: B018 - the use that waits for the decode
+    assert str(exc.value) == expected
+
+
+def test_a_corrupt_head_falls_back_to_the_readers_error(tmp_path):
+    root, path = copy_golden(tmp_path)
+    data = bytearray(path.read_bytes())
+    data[40] ^= 0xFF  # inside the first block: the manifest's bytes
+    path.write_bytes(bytes(data))
+    expected = reader_error(path, root)
+    with pytest.raises(GoldenError) as exc:
+        background.read(path, root)  # nothing to start from: the full decode's error, at once
+    assert str(exc.value) == expected
+
+
+def test_any_failure_in_the_thread_is_one_golden_error_naming_the_file(tmp_path, monkeypatch):
+    root, path = copy_golden(tmp_path)
+
+    def broken(data, where, root=None):  # noqa: ANN001, ANN202
+        raise MemoryError("no room")
+
+    monkeypatch.setattr(store, "decode_at", broken)
+    pending = background.read(path, root)
+    with pytest.raises(GoldenError) as exc:
+        pending.result()
+    assert str(exc.value).startswith(f"{path}: cannot be decoded (MemoryError: no room")
+
+
+def test_the_callers_advice_is_added_to_errors_from_the_thread(tmp_path):
+    root, path = copy_golden(tmp_path)
+    edited_logits(path)
+
+    def advise(exc: GoldenError) -> GoldenError:
+        return GoldenError(exc.path, exc.problem, "re-record it with `advice`")
+
+    with pytest.raises(GoldenError) as exc:
+        background.read(path, root, advise).result()
+    assert str(exc.value).endswith("; re-record it with `advice`")
+
+
+@pytest.mark.parametrize("layout", ["single", "ep"])
+def test_check_refuses_a_golden_edited_after_recording_even_when_no_layout_runs(tmp_path, capsys, layout):
+    # `ep` declines a dense model: nothing waits for the decode but the check itself before it reports.
+    root, path = copy_golden(tmp_path)
+    edited_logits(path)
+    code = main(["check", "--goldens", str(root), "--hardware-class", CLASS, "--model", "llama",
+                 "--dtype", "float32", "--layout", layout])
+    out, err = capsys.readouterr()
+    assert (code, err) == (2, f"veosnap: error: {reader_error(path, root)}\n")
