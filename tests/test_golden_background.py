@@ -130,3 +130,19 @@ def test_check_refuses_a_golden_edited_after_recording_even_when_no_layout_runs(
                  "--dtype", "float32", "--layout", layout])
     out, err = capsys.readouterr()
     assert (code, err) == (2, f"veosnap: error: {reader_error(path, root)}\n")
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen3_moe"])
+def test_a_check_first_waits_for_the_decode_after_the_model_is_built(tmp_path, capsys, monkeypatch, model):
+    # The overlap is the point: config, limits, coverage and the layout's accept use only the head.
+    from veosnap.golden.background import _Decode
+    from veosnap.reference import models
+
+    root, _ = copy_golden(tmp_path, model)
+    events: list[str] = []
+    build, result = models.build, _Decode.result
+    monkeypatch.setattr(models, "build", lambda *a, **k: events.append("build") or build(*a, **k))
+    monkeypatch.setattr(_Decode, "result", lambda self: events.append("wait") or result(self))
+    code = main(["check", "--goldens", str(root), "--hardware-class", CLASS, "--model", model, "--dtype", "float32"])
+    assert code == 0, capsys.readouterr()
+    assert events[0] == "build" and "wait" in events

@@ -35,6 +35,7 @@ from . import names, store
 from .codec import METADATA_KEY, Golden, check_inputs
 from .limits import MAX_HEADER, check_limits
 from .manifest import Manifest
+from .sketches import split_name
 
 # safetensors dtypes an input tensor may have (the token grids are int64; anything else waits for the decode).
 _DTYPES = {"I64": torch.int64, "I32": torch.int32, "F32": torch.float32, "BF16": torch.bfloat16,
@@ -95,6 +96,10 @@ class PendingGolden(Golden):
 
     def inputs(self) -> dict[str, torch.Tensor]:
         return {names.parse(name).field: t for name, t in self._inputs.items()}
+
+    def held_names(self) -> set[str]:
+        sketched = set() if self.manifest.sketch is None else set(self.manifest.sketch.tensors)
+        return {name for name in self._stored if split_name(name) is None} | sketched
 
     def route_layers(self) -> list[int]:
         return sorted(parsed.layer for name in self._stored

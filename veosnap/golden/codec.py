@@ -63,6 +63,10 @@ class Golden:
         """Tensors a check compares numerically (inputs, route ids and margins are not), whole or sketched."""
         return sorted(self.manifest.tolerance)
 
+    def held_names(self) -> set[str]:
+        """The names of the tensors the golden holds, whole or sketched."""
+        return set(self.tensors) | set(self.sketches)
+
     def stored_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor the file holds: the whole ones and each sketched tensor's parts (`N#sketch`, ...)."""
         stored = dict(self.tensors)
