@@ -43,7 +43,8 @@ def reader_error(path: Path, root: Path) -> str:
     return str(exc.value)
 
 
-@pytest.mark.parametrize(("model", "dtype"), [("llama", "float32"), ("qwen3_moe", "bfloat16")])
+@pytest.mark.parametrize(("model", "dtype"), [("llama", "float32"), ("qwen3_moe", "bfloat16"),
+                                               ("qwen3_moe-real-small", "float32")])  # the last one sketched
 def test_a_pending_golden_is_the_golden_the_reader_gives(tmp_path, model, dtype):
     root, path = copy_golden(tmp_path, model, dtype)
     pending = background.read(path, root)
@@ -52,12 +53,18 @@ def test_a_pending_golden_is_the_golden_the_reader_gives(tmp_path, model, dtype)
     # Answered from the head, before the decode is waited for.
     assert pending.key == full.key and pending.manifest == full.manifest and pending.path == path
     assert pending.route_layers() == full.route_layers() and pending.is_moe == full.is_moe
+    assert pending.held_names() == full.held_names()
     assert pending.inputs().keys() == full.inputs().keys()
     for name, tensor in full.inputs().items():
         assert tensor.dtype == pending.inputs()[name].dtype and tensor.equal(pending.inputs()[name])
     # The rest from the thread.
     assert pending.tensors.keys() == full.tensors.keys()
     assert all(pending.tensors[name].equal(t) for name, t in full.tensors.items())
+    assert pending.sketches.keys() == full.sketches.keys()
+    for name, sketch in full.sketches.items():
+        ours = pending.sketches[name]
+        assert ours.entry == sketch.entry and all(
+            t.equal(ours.tensors(name)[part]) for part, t in sketch.tensors(name).items())
     assert pending.result().manifest == full.manifest
 
 
@@ -146,3 +153,23 @@ def test_a_check_first_waits_for_the_decode_after_the_model_is_built(tmp_path, c
     code = main(["check", "--goldens", str(root), "--hardware-class", CLASS, "--model", model, "--dtype", "float32"])
     assert code == 0, capsys.readouterr()
     assert events[0] == "build" and "wait" in events
+
+
+@pytest.mark.parametrize("edit", ["missing", "extra", "extra_route"])
+def test_a_tensor_set_the_reader_refuses_is_refused_with_its_error_at_once(tmp_path, edit):
+    # Hashes consistent, names wrong: the head's name checks send it to the reader before coverage or any
+    # other check could say something else about it.
+    import torch
+
+    root, path = copy_golden(tmp_path)
+    g = codec.decode(path.read_bytes(), path)
+    if edit == "missing":
+        g.tensors.pop(sorted(n for n in g.tensors if n.startswith("grad."))[0])
+    else:
+        name = "grad.model.extra.weight" if edit == "extra" else "routes.0.experts"
+        g.tensors[name] = torch.zeros(2, dtype=torch.int32)
+    path.write_bytes(codec.encode(g))
+    expected = reader_error(path, root)
+    with pytest.raises(GoldenError) as exc:
+        background.read(path, root)
+    assert str(exc.value) == expected

@@ -10,8 +10,9 @@ decode runs while the model is built and the candidate runs. The result is a `Pe
 thread on first use (`result()` waits explicitly).
 
 Nothing is trusted early that the reader has not checked: the head's manifest passes `Manifest.from_json`
-(its own hash) and the path's key, and its inputs the reader's input checks (`codec.check_inputs`,
-which include the manifest's inputs hash). Any problem with the head, of any kind, is not reported
+(its own hash) and the path's key, the stored tensor names the reader's checks on names
+(`codec.check_stored_names`: no tensor missing or extra, sketch parts as listed), and its inputs the
+reader's input checks (`codec.check_inputs`, which include the manifest's inputs hash). Any problem with the head, of any kind, is not reported
 from the head: the caller gets the full decode (waited for), so every error is the reader's own
 one-line `GoldenError` naming the file. A failure in the thread surfaces on the waiting thread: a
 `GoldenError` as it is (through `advise`, which lets the caller add its project's fix), any other
@@ -32,7 +33,7 @@ import zstandard
 
 from ..errors import GoldenError, describe
 from . import names, store
-from .codec import METADATA_KEY, Golden, check_inputs
+from .codec import METADATA_KEY, Golden, check_inputs, check_stored_names
 from .limits import MAX_HEADER, check_limits
 from .manifest import Manifest
 from .sketches import split_name
@@ -152,6 +153,7 @@ def _head(data: bytes, path: Path, root: Path | None) -> Head | None:
             tensor = torch.frombuffer(bytearray(body[start:end]), dtype=_DTYPES[info["dtype"]]) if end > start \
                 else torch.empty(0, dtype=_DTYPES[info["dtype"]])
             inputs[name] = tensor.reshape(info["shape"])
+        check_stored_names(manifest, set(entries), path)
         check_inputs(inputs, manifest, path)
         return manifest, inputs, frozenset(entries)
     except Exception:  # noqa: BLE001 - the head is a shortcut: the full decode names any problem
