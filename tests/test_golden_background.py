@@ -173,3 +173,19 @@ def test_a_tensor_set_the_reader_refuses_is_refused_with_its_error_at_once(tmp_p
     with pytest.raises(GoldenError) as exc:
         background.read(path, root)
     assert str(exc.value) == expected
+
+
+def test_a_corrupt_golden_is_refused_as_corrupt_whatever_else_the_check_finds_first(tmp_path, capsys):
+    # Its config changed too: the serial reader refused the payload before looking at the config.
+    import json
+
+    root, path = copy_golden(tmp_path)
+    edited_logits(path)
+    configs = tmp_path / "toy_configs"
+    shutil.copytree(REPO / "toy_configs" / "llama", configs / "llama")
+    config = json.loads((configs / "llama" / "config.json").read_text())
+    config["rms_norm_eps"] = 1e-5 if config.get("rms_norm_eps") != 1e-5 else 1e-6
+    (configs / "llama" / "config.json").write_text(json.dumps(config))
+    code = main(["check", "--goldens", str(root), "--configs", str(configs), "--hardware-class", CLASS,
+                 "--model", "llama", "--dtype", "float32"])
+    assert (code, capsys.readouterr().err) == (2, f"veosnap: error: {reader_error(path, root)}\n")

@@ -25,13 +25,14 @@ from __future__ import annotations
 import json
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import zstandard
 
-from ..errors import GoldenError, describe
+from ..errors import GoldenError, VeosnapError, describe
 from . import names, store
 from .codec import METADATA_KEY, Golden, check_inputs, check_stored_names
 from .limits import MAX_HEADER, check_limits
@@ -105,6 +106,19 @@ class PendingGolden(Golden):
     def route_layers(self) -> list[int]:
         return sorted(parsed.layer for name in self._stored
                       if isinstance(parsed := names.try_parse(name), names.Route) and parsed.part == "experts")
+
+
+@contextmanager
+def errors_after(golden: Golden) -> Iterator[None]:
+    """Inside: a `VeosnapError` raised while `golden` may still be decoding waits for the decode, and
+    the decode's own error, if any, is raised instead (a corrupt golden is refused as corrupt, as the
+    serial reader would have refused it first, whatever else was found meanwhile)."""
+    try:
+        yield
+    except VeosnapError:
+        if isinstance(golden, PendingGolden):
+            golden.result()
+        raise
 
 
 def read(path: Path, root: Path | None = None,

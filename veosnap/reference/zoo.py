@@ -332,16 +332,17 @@ def load_checked(project: Project, key: GoldenKey, cross_class: bool = False,
     see `load_golden`.
     """
     gold = gold if gold is not None else load_golden(project, key, background)
-    here = hardware.detect()
-    if key.hardware_class != here and not cross_class:
-        raise VeosnapError(
-            f"{gold.path}: a {key.hardware_class} golden cannot check a candidate running on {here}; "
-            f"use the {here} goldens, or pass --cross-class to measure how far the two classes are apart"
-        )
-    toy = load_config(project.configs, key.model)
-    if toy.hash != gold.manifest.config_hash:
-        # refresh, not record: the golden changes with an approval trail, reviewed in the diff
-        refresh = project.recording_command("refresh", key, "--reason", "config changed: <why>")
-        raise GoldenError(gold.path, f"recorded from another config than {toy.path} (config hash differs); "
-                          f"if the change is intended, re-record it with `{refresh}`")
+    with golden_background.errors_after(gold):
+        here = hardware.detect()
+        if key.hardware_class != here and not cross_class:
+            raise VeosnapError(
+                f"{gold.path}: a {key.hardware_class} golden cannot check a candidate running on {here}; "
+                f"use the {here} goldens, or pass --cross-class to measure how far the two classes are apart"
+            )
+        toy = load_config(project.configs, key.model)
+        if toy.hash != gold.manifest.config_hash:
+            # refresh, not record: the golden changes with an approval trail, reviewed in the diff
+            refresh = project.recording_command("refresh", key, "--reason", "config changed: <why>")
+            raise GoldenError(gold.path, f"recorded from another config than {toy.path} (config hash differs); "
+                              f"if the change is intended, re-record it with `{refresh}`")
     return gold, toy
