@@ -89,3 +89,71 @@ def test_without_cuda_it_says_why_and_exits_0(tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("skip: repro_fa4 needs a CUDA GPU")
     assert not list(tmp_path.iterdir())
+
+
+FAKE_CUTE = '''
+"""A torch stand-in for flash_attn.cute with the two faults the reproduction looks for: the query
+gradient off by half, and a 0-d tensor max_seqlen refused as CuTe refuses it."""
+import torch
+
+def _attend(q, k, v, lens, scale, causal):
+    outs, start = [], 0
+    for n in lens:
+        sl = slice(start, start + n)
+        g = q.shape[1] // k.shape[1]
+        qq, kk, vv = (t[sl].transpose(0, 1) for t in (q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)))
+        s = qq @ kk.transpose(-1, -2) * scale
+        if causal:
+            s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        outs.append((s.softmax(-1) @ vv).transpose(0, 1))
+        start += n
+    return torch.cat(outs)
+
+class _HalfGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+    @staticmethod
+    def backward(ctx, g):
+        return g * 1.5
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                           softmax_scale=None, causal=False, window_size=(None, None)):
+    if torch.is_tensor(max_seqlen_q):
+        raise ValueError(f"Expected IntTuple, whose leaves are integers, but got {max_seqlen_q}")
+    lens = [int(n) for n in cu_seqlens_q.diff()]
+    q = _HalfGrad.apply(q) if q.shape[-1] % 32 else q
+    return _attend(q, k, v, lens, softmax_scale, causal), None
+
+def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(None, None)):
+    b, n = q.shape[:2]
+    out = _attend(*(t.reshape(b * n, *t.shape[2:]) for t in (q, k, v)), [n] * b, softmax_scale, causal)
+    return out.reshape(b, n, *out.shape[1:]), None
+'''
+
+
+def test_the_whole_script_on_a_stand_in_package_finds_both_faults(tmp_path):
+    """main() end to end on the CPU: a stand-in flash_attn.cute (wrong dq at head dims not a multiple of
+    32, a tensor max_seqlen refused) makes the table say WRONG dq / ok and name the ValueError."""
+    (tmp_path / "site" / "flash_attn" / "cute").mkdir(parents=True)
+    (tmp_path / "site" / "flash_attn" / "__init__.py").write_text("")
+    (tmp_path / "site" / "flash_attn" / "cute" / "__init__.py").write_text(FAKE_CUTE)
+    env = {**os.environ, "REPRO_FA4_DEVICE": "cpu", "PYTHONPATH": str(tmp_path / "site")}
+    result = subprocess.run([sys.executable, str(ROOT / "tools" / "repro_fa4.py"), "--out", str(tmp_path / "out"),
+                             "--budget", "60"], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = {r["case"]: r for r in __import__("json").loads((tmp_path / "out" / "repro_fa4.json").read_text())["rows"]}
+    assert rows["toy llama/qwen/mixtral: hd16, GQA 4:2"]["status"] == "WRONG dq"
+    assert rows["toy deepseek_v3: hd24 (v 16 padded to 24), MHA"]["status"] == "WRONG dq"  # 24 % 32: the stand-in's rule
+    assert rows["toy hd16 GQA, zero-padded to 32 (workaround)"]["status"] == "ok"
+    assert rows["hd64 GQA 16:4, varlen 512+384+128"]["status"] == "ok"
+    assert rows["fa4 varlen, max_seqlen=int"]["status"] == "ok"
+    tensor = rows["fa4 varlen, max_seqlen=0-d CUDA tensor"]
+    assert tensor["status"] == "ERROR in forward"
+    assert tensor["note"].startswith("ValueError: Expected IntTuple, whose leaves are integers, but got 32 "
+                                     "(innermost flash_attn frame: flash_attn/cute/__init__.py:")
+    # transformers 5.24 itself hands the stand-in a 0-d tensor for packed sequences: the ValueError's cause
+    hf = rows["transformers _flash_attention_forward(flash_attention_4), packed position_ids"]
+    assert hf["status"] == "ERROR in forward" and hf["note"].startswith("ValueError: Expected IntTuple")
+    assert "| toy hd16 without GQA (4:4) | q4 kv4 d16 32+29+23+17 causal | 16/32 ! |" in result.stdout
+    assert (tmp_path / "out" / "repro_fa4.md").read_text().startswith("fa4 repro: flash-attn-4 (not installed)")
