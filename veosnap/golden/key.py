@@ -9,7 +9,9 @@ from pathlib import Path
 from ..errors import VeosnapError
 
 SUFFIX = ".safetensors.zst"
-SCENARIOS = ("step", "train")
+# What a golden's step runs (defined in `reference.scenarios`): the text batch once or over a few optimizer
+# steps, or a multimodal batch once.
+SCENARIOS = ("step", "train", "vision", "audio", "frozen_vision")
 DTYPE_NAMES = ("float32", "bfloat16")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 

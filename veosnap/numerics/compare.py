@@ -75,8 +75,9 @@ def same_route_tokens(golden: Golden, experts: Mapping[int, torch.Tensor]) -> di
 
 
 def compare_tensors(golden: Golden, produced: Mapping[str, torch.Tensor], tokens: Tokens, *, gradients: bool = True,
-                    same_routes: Mapping[int, torch.Tensor] | None = None) -> list[TensorResult]:
-    """Every toleranced tensor of the golden against `produced`, by row error.
+                    same_routes: Mapping[int, torch.Tensor] | None = None,
+                    skip: set[str] | frozenset[str] = frozenset()) -> list[TensorResult]:
+    """Every toleranced tensor of the golden (but those in `skip`) against `produced`, by row error.
 
     `gradients=False`: a forward-only candidate, whose gradients are not compared (the report says so).
     `same_routes`: per MoE layer, the tokens whose route weights are comparable (see `same_route_tokens`).
@@ -84,7 +85,7 @@ def compare_tensors(golden: Golden, produced: Mapping[str, torch.Tensor], tokens
     results = []
     for name in golden.compared_names():
         parsed = names.parse(name)
-        if isinstance(parsed, names.Grad) and not gradients:
+        if (isinstance(parsed, names.Grad) and not gradients) or name in skip:
             continue
         tol = golden.manifest.tolerance[name]
         gold = golden.tensors[name]

@@ -1,8 +1,8 @@
 """One forward and backward of a model on a batch, and every tensor a golden holds.
 
 Uniform hook points only (see `probes`): the loss from the model's own forward with labels (so a
-framework's fused loss is checked too), the logits, each decoder layer's output, every parameter's
-gradient, and each MoE router's decision. `forward_backward` runs one batch (a layout may run several,
+framework's fused loss is checked too), the logits, each decoder layer's output, each encoder block's
+and projection's output (multimodal batches), every parameter's gradient, and each MoE router's decision. `forward_backward` runs one batch (a layout may run several,
 each weighted by its share of the loss); `run_step` is the golden's own step: the whole batch, once.
 """
 
@@ -17,7 +17,15 @@ from torch import nn
 
 from ..golden import names
 from .inputs import IGNORE_INDEX, Batch
-from .probes import RouteRecord, full, record_layer_outputs, record_logits, record_routes, replay_routes
+from .probes import (
+    RouteRecord,
+    full,
+    record_encoder_outputs,
+    record_layer_outputs,
+    record_logits,
+    record_routes,
+    replay_routes,
+)
 
 
 @dataclass
@@ -68,6 +76,9 @@ class Part:
     logits: torch.Tensor  # [rows, positions, vocab]
     layers: dict[int, torch.Tensor]  # decoder layer -> [rows, positions, hidden]
     routes: dict[int, RouteRecord]  # MoE layer -> one route per token, row-major
+    # golden name -> media kind -> [rows of the batch's media of that kind, ...]: encoder outputs (see
+    # `by_media_kind`); a golden holds each name's kinds concatenated in `Media.KINDS` order
+    encoders: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -96,7 +107,7 @@ def forward_backward(model: nn.Module, batch: Batch, *, inner: nn.Module | None 
     batch = batch.to(next(inner.parameters()).device)
     replay = replay_routes(inner, forced) if forced else nullcontext()
     with record_layer_outputs(inner) as layers, record_routes(inner) as routes, record_logits(inner) as produced, \
-            replay, torch.set_grad_enabled(backward):
+            record_encoder_outputs(inner) as encoded, replay, torch.set_grad_enabled(backward):
         output = model(**batch.model_kwargs(with_labels=not own_loss), use_cache=False)
         logits = produced["logits"] if "logits" in produced else full(output.logits.detach()).to("cpu", copy=True)
         loss = causal_lm_loss(output.logits, batch.labels) if own_loss else output.loss
@@ -104,7 +115,26 @@ def forward_backward(model: nn.Module, batch: Batch, *, inner: nn.Module | None 
     if backward:
         (loss if weight == 1.0 else loss * weight).backward()
     reported = loss.detach().cpu() if share == 1.0 else (loss.detach().float() * share).cpu()
-    return Part(loss=reported, logits=logits, layers=dict(layers), routes=dict(routes))
+    return Part(loss=reported, logits=logits, layers=dict(layers), routes=dict(routes),
+                encoders=by_media_kind(encoded, batch))
+
+
+def by_media_kind(encoded: dict[str, list[torch.Tensor]], batch: Batch) -> dict[str, dict[str, torch.Tensor]]:
+    """Each encoder hook point's calls, by the media kind each call ran: a tower runs once per kind its batch
+    holds, in `Media.KINDS` order (a vision tower: the images, then the videos). Calls of an encoder the
+    batch has no media for (a dummy forward that keeps ranks in step) are dropped."""
+    kinds = batch.media.kinds if batch.media is not None else []
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for name, calls in encoded.items():
+        encoder = names.parse(name).encoder  # type: ignore[attr-defined]
+        mine = [kind for kind in kinds if batch.media.ENCODER[kind] == encoder]
+        if not mine:
+            continue
+        if len(calls) != len(mine):  # not one call per kind: kept whole, under the first
+            out[name] = {mine[0]: torch.cat(calls)}
+            continue
+        out[name] = dict(zip(mine, calls))
+    return out
 
 
 def gradients(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -130,6 +160,7 @@ def run_step(model: nn.Module, batch: Batch, *, own_loss: bool = False, backward
     part = forward_backward(model, batch, own_loss=own_loss, backward=backward)
     tensors = {str(names.LOSS): part.loss, str(names.LOGITS): part.logits}
     tensors.update({str(names.LayerOutput(index)): hidden for index, hidden in sorted(part.layers.items())})
+    tensors.update({name: torch.cat(list(calls.values())) for name, calls in part.encoders.items()})
     if backward:
         tensors.update(gradients(model))
     return Capture(tensors=tensors, routes=part.routes, backward=backward)

@@ -1,9 +1,15 @@
-"""Hooks on a model: its decoder layers' outputs, its logits, and its MoE routers' decisions.
+"""Hooks on a model: its decoder layers' outputs, its encoders' outputs, its logits, and its MoE routers'
+decisions.
 
-Uniform hook points only, no per-model code. Transformers 5 gives every MoE block a router returning
-`(logits, weights, indices)` and an experts module taking `(hidden_states, top_k_index,
-top_k_weights)`, so routes are recorded at the router's output, and replayed (forced onto given
-experts) there too. Expert ids are sorted per token before storing or comparing.
+Uniform hook points only, no per-model code. The decoder layers are those of the language model
+transformers names with `get_decoder()` (a vision-language model's `model.language_model.layers`, a
+causal LM's `model.layers`). An encoder is a submodule under one of transformers' encoder attribute names
+(`golden.names.ENCODER_ATTRIBUTES`: `visual`, `audio_tower`, ...) holding a list of blocks; its projection
+into the language model is its `merger` (vision) or last `proj*` Linear (audio), its DeepStack mergers any
+other module list named `*merger*`. Transformers 5 gives every MoE block a router returning `(logits,
+weights, indices)` and an experts module taking `(hidden_states, top_k_index, top_k_weights)`, so routes
+are recorded at the router's output, and replayed (forced onto given experts) there too. Expert ids are
+sorted per token before storing or comparing.
 """
 
 from __future__ import annotations
@@ -15,7 +21,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from ..golden.names import layer_of
+from ..golden import names
+from ..golden.names import ENCODER_ATTRIBUTES, layer_of
 from ..numerics.routes import margins
 
 
@@ -61,15 +68,95 @@ def _gather_strided(tensor: torch.Tensor) -> torch.Tensor | None:
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The model's stack of decoder layers (`model.model.layers` in every zoo family)."""
-    inner = getattr(model, "model", model)
-    layers = getattr(inner, "layers", None)
-    if isinstance(layers, nn.ModuleList):
-        return layers
+    """The language model's stack of decoder layers (`get_decoder().layers`; a multimodal model's encoders
+    have layer lists of their own, which are not it)."""
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    for inner in (decoder, getattr(model, "model", None), model):
+        layers = getattr(inner, "layers", None)
+        if isinstance(layers, nn.ModuleList):
+            return layers
     for name, module in model.named_modules():
-        if name.endswith("layers") and isinstance(module, nn.ModuleList):
+        if name.endswith("layers") and isinstance(module, nn.ModuleList) and names.encoder_of(name) is None:
             return module
     raise TypeError(f"{type(model).__name__}: no decoder layer list found")
+
+
+# --- encoders ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Encoder:
+    """One encoder of a multimodal model (a vision tower, an audio tower) and its hook points."""
+
+    kind: str  # "vision" or "audio"
+    path: str  # module path (`model.visual`)
+    module: nn.Module
+    blocks: nn.ModuleList
+    projection: nn.Module | None  # writes the encoder's features into the language model's stream
+    projection_part: str  # how its output is named: "merger" (vision) or "proj" (audio)
+    deepstack: nn.ModuleList | None  # mergers of intermediate blocks' features (Qwen3-VL's DeepStack)
+
+
+_BLOCK_LISTS = ("blocks", "layers")
+
+
+def find_encoders(model: nn.Module) -> list[Encoder]:
+    """Every encoder of `model`, in `names.ENCODERS` order (none for a text model)."""
+    found = {}
+    for path, module in model.named_modules():
+        kind = ENCODER_ATTRIBUTES.get(path.rsplit(".", 1)[-1])
+        if kind is None or kind in found:
+            continue
+        blocks = next((b for b in (getattr(module, n, None) for n in _BLOCK_LISTS) if isinstance(b, nn.ModuleList)),
+                      None)
+        if blocks is None:
+            continue
+        if kind == "vision":
+            projection, part = getattr(module, "merger", None), "merger"
+        else:  # the last `proj*` Linear of the tower (`proj`, or `proj2` after `proj1`)
+            linears = [child for name, child in module.named_children()
+                       if name.startswith("proj") and isinstance(child, nn.Linear)]
+            projection, part = (linears[-1] if linears else None), "proj"
+        deepstack = next((child for name, child in module.named_children()
+                          if "merger" in name and isinstance(child, nn.ModuleList)), None)
+        found[kind] = Encoder(kind, path, module, blocks, projection if isinstance(projection, nn.Module) else None,
+                              part, deepstack)
+    return [found[kind] for kind in names.ENCODERS if kind in found]
+
+
+def encoder_hook_points(model: nn.Module) -> list[tuple[names.EncoderOutput, nn.Module]]:
+    """Each encoder tensor a golden holds, with the module whose output it is, in forward order."""
+    points = []
+    for encoder in find_encoders(model):
+        points += [(names.EncoderOutput(encoder.kind, str(i)), block) for i, block in enumerate(encoder.blocks)]
+        if encoder.deepstack is not None:
+            points += [(names.EncoderOutput(encoder.kind, f"deepstack.{i}"), merger)
+                       for i, merger in enumerate(encoder.deepstack)]
+        if encoder.projection is not None:
+            points.append((names.EncoderOutput(encoder.kind, encoder.projection_part), encoder.projection))
+    return points
+
+
+@contextmanager
+def record_encoder_outputs(model: nn.Module) -> Iterator[dict[str, list[torch.Tensor]]]:
+    """Within the block, each encoder hook point's outputs are recorded by golden name, one entry per call
+    (a tower runs once for a batch's images and once more for its videos)."""
+    outputs: dict[str, list[torch.Tensor]] = {}
+    handles = []
+    for name, module in encoder_hook_points(model):
+
+        def hook(_module: nn.Module, _inputs: tuple, output: object, name: str = str(name)) -> None:
+            hidden = output[0] if isinstance(output, (tuple, list)) else output
+            hidden = getattr(hidden, "last_hidden_state", hidden)
+            outputs.setdefault(name, []).append(full(hidden.detach()).to("cpu", copy=True))
+
+        handles.append(module.register_forward_hook(hook))
+    try:
+        yield outputs
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 @contextmanager
@@ -155,15 +242,34 @@ def find_moe_layers(model: nn.Module) -> list[MoeLayer]:
 def selection_scores(router: nn.Module, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The scores a router ranks experts by (float32), and their slope against the logits.
 
-    Softmax and plain top-k routers rank by logits (softmax is monotone; slope 1); sigmoid routers
-    with a score-correction bias (DeepSeek-V3) rank by sigmoid(logits) + bias.
+    Softmax and plain top-k routers rank by logits (softmax is monotone; slope 1); a router with its own
+    score function (DeepSeek-V4's `score_fn`, sqrt-softplus) ranks by it, plus its score-correction bias
+    (slope by autograd); sigmoid routers with a score-correction bias (DeepSeek-V3) by sigmoid(logits) + bias.
     """
     logits = logits.detach().float()
     bias = getattr(router, "e_score_correction_bias", None)
+    offset = bias.detach().float().to(logits.device) if isinstance(bias, torch.Tensor) else 0.0
+    score_fn = getattr(router, "score_fn", None)
+    if callable(score_fn):
+        with torch.enable_grad():
+            x = logits.clone().requires_grad_(True)
+            scores = score_fn(x)
+            (slope,) = torch.autograd.grad(scores.sum(), x)
+        return scores.detach() + offset, slope
     if isinstance(bias, torch.Tensor):
         sig = logits.sigmoid()
-        return sig + bias.detach().float().to(logits.device), sig * (1 - sig)
+        return sig + offset, sig * (1 - sig)
     return logits, torch.ones_like(logits)
+
+
+# A router that picks its experts from a table by token id (DeepSeek-V4's hash layers, `tid2eid`) makes no
+# decision that a small numerical difference could flip: its margin is the largest float32.
+NO_TIE_MARGIN = float(torch.finfo(torch.float32).max)
+
+
+def is_table_router(router: nn.Module) -> bool:
+    """Whether `router` picks experts by token id from a table (`tid2eid`) rather than by score."""
+    return isinstance(getattr(router, "tid2eid", None), torch.Tensor)
 
 
 @dataclass
@@ -192,12 +298,17 @@ def record_routes(model: nn.Module) -> Iterator[dict[int, RouteRecord]]:
         def hook(module: nn.Module, _inputs: tuple, output: tuple, layer: int = moe.layer) -> None:
             logits, weights, indices = output[0], output[1], output[2]
             experts, sorted_weights = sort_route(indices.detach(), weights.detach())
-            scores, slope = selection_scores(module, logits.reshape(-1, logits.shape[-1]))
+            flat = indices.reshape(-1, indices.shape[-1])
+            if is_table_router(module):
+                margin = torch.full((flat.shape[0],), NO_TIE_MARGIN)
+            else:
+                scores, slope = selection_scores(module, logits.reshape(-1, logits.shape[-1]))
+                margin = margins(scores, flat, slope).cpu()
             records[layer] = RouteRecord(
                 layer=layer,
                 experts=experts.reshape(-1, experts.shape[-1]).cpu(),
                 weights=sorted_weights.reshape(-1, experts.shape[-1]).cpu(),
-                margin=margins(scores, indices.reshape(-1, indices.shape[-1]), slope).cpu(),
+                margin=margin,
             )
 
         handles.append(moe.router.register_forward_hook(hook))
@@ -211,13 +322,19 @@ def record_routes(model: nn.Module) -> Iterator[dict[int, RouteRecord]]:
 def reweigh(router: nn.Module, logits: torch.Tensor, indices: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """The routing weights `router` would give experts `indices`, from its own logits.
 
-    Three router families cover the zoo: sigmoid with score-correction bias (DeepSeek-V3: gather,
-    normalize, scale), softmax over the chosen logits (GPT-OSS, whose router has a bias), and softmax
+    Four router families cover the zoo: a score function of its own (DeepSeek-V4's sqrt-softplus, hash
+    routers included: gather, normalize, scale), sigmoid with score-correction bias (DeepSeek-V3: the
+    same with sigmoid), softmax over the chosen logits (GPT-OSS, whose router has a bias), and softmax
     over all experts then gather (Qwen-MoE, Mixtral; renormalized when `norm_topk_prob`).
     """
     logits = logits.reshape(-1, logits.shape[-1])
     idx = indices.long()
-    if isinstance(getattr(router, "e_score_correction_bias", None), torch.Tensor):
+    score_fn = getattr(router, "score_fn", None)
+    if callable(score_fn):
+        w = score_fn(logits).gather(1, idx)
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        w = w * getattr(router, "routed_scaling_factor", 1.0)
+    elif isinstance(getattr(router, "e_score_correction_bias", None), torch.Tensor):
         w = logits.float().sigmoid().gather(1, idx)
         if getattr(router, "norm_topk_prob", True):
             w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)

@@ -25,12 +25,13 @@ from ..errors import Unsupported, VeosnapError, describe
 from ..golden import names
 from ..golden.codec import Golden
 from ..golden.key import GoldenKey
-from ..numerics.compare import compare_route_sets, compare_tensors, same_route_tokens
-from ..reference import hardware
+from ..numerics.compare import TensorResult, compare_route_sets, compare_tensors, same_route_tokens
+from ..reference import hardware, scenarios
 from ..reference.capture import Capture
 from ..reference.determinism import deterministic
 from ..reference.inputs import Batch
-from ..reference.zoo import Project, ToyConfig, load_checked
+from ..reference.scenarios import Scenario
+from ..reference.zoo import Project, ToyConfig, load_checked, load_config
 from .verdict import CheckReport
 
 DEFAULT_TIMEOUT_S = torchrun.DEFAULT_TIMEOUT_S
@@ -53,6 +54,12 @@ def check_layouts(project: Project, key: GoldenKey, backend: Backend, layouts: S
     hardware class than this machine's are refused unless `cross_class`, which measures the gap.
     """
     chosen = [(spec, registry.resolve(spec)) for spec in layouts]
+    scenario = scenarios.get(key.scenario)
+    try:
+        scenario.accept(load_config(project.configs, key.model).config)
+    except Unsupported as exc:  # a scenario the model cannot run (no encoder for it) is a skip, not an error
+        return [CheckReport(golden=str(key), model=key.model, dtype=key.dtype, backend=backend.spec, layout=spec,
+                            skipped=str(exc)) for spec, _ in chosen]
     golden, toy = load_checked(project, key, cross_class, gold)
     batch = Batch.from_golden(golden)
     reports: dict[int, CheckReport] = {}
@@ -67,7 +74,7 @@ def check_layouts(project: Project, key: GoldenKey, backend: Backend, layouts: S
         if layout.distributed:
             spawned.append(index)
         else:
-            reports[index] = _in_process(golden, batch, toy, backend, layout, fields)
+            reports[index] = _in_process(golden, batch, toy, backend, layout, fields, scenario)
     if spawned:
         _check_nproc(batch, nproc)
         for index in spawned:
@@ -75,7 +82,7 @@ def check_layouts(project: Project, key: GoldenKey, backend: Backend, layouts: S
         outcomes = torchrun.run(project, key, backend.spec, [chosen[index][0] for index in spawned], nproc, timeout_s)
         for index, outcome in zip(spawned, outcomes):
             fields = {"backend": backend.spec, "layout": chosen[index][0]}
-            reports[index] = (judge(golden, batch, outcome.result, fields) if outcome.result is not None
+            reports[index] = (judge(golden, batch, outcome.result, fields, scenario) if outcome.result is not None
                               else _report(golden, fields, skipped=outcome.skipped, error=outcome.error))
     ordered = [reports[index] for index in range(len(chosen))]
     for report in ordered:
@@ -84,9 +91,9 @@ def check_layouts(project: Project, key: GoldenKey, backend: Backend, layouts: S
 
 
 def _in_process(golden: Golden, batch: Batch, toy: ToyConfig, backend: Backend, layout: Layout,
-                fields: dict[str, str]) -> CheckReport:
+                fields: dict[str, str], scenario: Scenario) -> CheckReport:
     """Run a layout here, on this machine's device; its failure or decline becomes its report."""
-    ctx = LayoutContext.checking(golden, toy, hardware.device_for(hardware.detect()))
+    ctx = LayoutContext.checking(golden, toy, hardware.device_for(hardware.detect()), scenario)
     try:
         # Fixed threads and deterministic algorithms: checking twice gives the same report, even for
         # kernels whose reductions otherwise vary from run to run (batched_mm on CPU does).
@@ -98,12 +105,18 @@ def _in_process(golden: Golden, batch: Batch, toy: ToyConfig, backend: Backend, 
         return _report(golden, fields, skipped=str(exc))
     except Exception as exc:  # noqa: BLE001 - the candidate's own failure is a result, not a crash
         return _report(golden, fields, error=describe(exc))
-    return judge(golden, batch, result, fields)
+    return judge(golden, batch, result, fields, scenario)
 
 
-def judge(golden: Golden, batch: Batch, result: LayoutResult, fields: dict[str, str]) -> CheckReport:
-    """A layout's result against its golden, with the notes its report must carry."""
-    report = compare(golden, batch, result.capture, result.replayed, **fields)
+def judge(golden: Golden, batch: Batch, result: LayoutResult, fields: dict[str, str],
+          scenario: Scenario | None = None) -> CheckReport:
+    """A layout's result against its golden (for `scenario`, when it is not the golden's own), with the notes
+    its report must carry."""
+    frozen = scenario.frozen if scenario is not None else ()
+    report = compare(golden, batch, result.capture, result.replayed, frozen=frozen, **fields)
+    if scenario is not None and scenario.name != golden.key.scenario:
+        report.notes.append(f"scenario {scenario.name}: the {' and '.join(frozen) or 'same'} encoder frozen, checked "
+                            f"against the {golden.key.scenario} golden without its gradients")
     report.notes.extend(result.notes)
     if golden.key.scenario == "train" and not report.routes_passed:
         # Only the first step's routes are recorded, so later steps cannot be replayed onto the golden's.
@@ -116,17 +129,38 @@ def judge(golden: Golden, batch: Batch, result: LayoutResult, fields: dict[str, 
 
 
 def compare(golden: Golden, batch: Batch, capture: Capture, replayed: Capture | None = None,
-            **report_fields: str) -> CheckReport:
+            frozen: tuple[str, ...] = (), **report_fields: str) -> CheckReport:
     """Routes first; then every tensor. With `replayed` (the candidate re-run on the golden's routes),
     tensors downstream of routing are judged from the replayed run so a kernel error is never mistaken
-    for a routing flip, or the other way round."""
+    for a routing flip, or the other way round. The gradients of the `frozen` encoders' parameters are not
+    compared, and a candidate that produced one fails on it."""
     tokens = batch.tokens()
     routes = compare_route_sets(golden, capture.experts(), tokens)
     source = replayed if replayed is not None else capture
-    tensors = compare_tensors(golden, source.all_tensors(), tokens, gradients=source.backward,
-                              same_routes=same_route_tokens(golden, source.experts()))
+    produced = source.all_tensors()
+    tensors = compare_tensors(golden, produced, tokens, gradients=source.backward,
+                              same_routes=same_route_tokens(golden, source.experts()),
+                              skip=frozen_gradients(golden.compared_names(), frozen))
+    tensors += frozen_gradients_produced(golden, produced, frozen)
     return CheckReport(golden=str(golden.key), model=golden.key.model, dtype=golden.key.dtype, tensors=tensors,
                        routes=routes, route_replay=replayed is not None, **report_fields)
+
+
+def frozen_gradients(names_: list[str], frozen: tuple[str, ...]) -> set[str]:
+    """The gradient names among `names_` of parameters inside the `frozen` encoders."""
+    return {name for name in names_ if isinstance(parsed := names.try_parse(name), names.Grad)
+            and parsed.encoder in frozen}
+
+
+def frozen_gradients_produced(golden: Golden, produced: dict, frozen: tuple[str, ...]) -> list[TensorResult]:
+    """A failed result for each gradient the candidate produced for a frozen encoder's parameter."""
+    results = []
+    for name in sorted(frozen_gradients(list(produced), frozen)):
+        tol = golden.manifest.tolerance.get(name)
+        results.append(TensorResult(name, float("inf"), tol.bound if tol else 1.0, tol.noise if tol else 0.0,
+                                    problem=f"a gradient for a frozen parameter (the scenario freezes the "
+                                            f"{names.parse(name).encoder} encoder: it must not train)"))
+    return results
 
 
 def cross_class_notes(key: GoldenKey) -> list[str]:

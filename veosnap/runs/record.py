@@ -18,11 +18,12 @@ from ..golden.manifest import BatchSpec, Manifest, Provenance, Reference
 from ..numerics import fmt
 from ..numerics.routes import flips
 from ..numerics.tolerance import ALPHA, FLOOR, TIE_EPSILON, noise, pooled_noises, tolerance_for
-from ..reference import hardware, inputs, models, train
+from ..errors import Unsupported
+from ..reference import hardware, inputs, models, scenarios, train
 from ..reference.capture import run_step
 from ..reference.determinism import deterministic
 from ..reference.probes import RouteRecord
-from ..reference.zoo import Project, load_config
+from ..reference.zoo import Project, ToyConfig, load_config
 
 
 @dataclass(frozen=True)
@@ -47,15 +48,20 @@ def build_golden(project: Project, key: GoldenKey, seed: int = 0, allow_near_tie
             "goldens are only recorded on the hardware they describe"
         )
     toy = load_config(project.configs, key.model)
+    scenario = scenarios.get(key.scenario)
+    try:
+        scenario.accept(toy.config)
+    except Unsupported as exc:
+        raise VeosnapError(f"{key}: {exc}") from None
     dtype = models.dtype_from_name(key.dtype)
     device = hardware.device_for(key.hardware_class)
-    sequence_ids = inputs.DEFAULT_SEQUENCES
-    batch = inputs.padded(inputs.load_sequences(project.testdata, sequence_ids))
-    hyper = train.DEFAULT_HYPER if key.scenario == train.SCENARIO else None
+    batch, spec = scenario_batch(project, toy, scenario)
+    hyper = train.DEFAULT_HYPER if scenario.train else None
     with deterministic() as settings:
         torch.manual_seed(seed)
-        model = models.build(toy, dtype, device, seed)
-        high = models.upcast_copy(model, toy, torch.float64)  # before training moves the weights
+        model = scenario.freeze(models.build(toy, dtype, device, seed))
+        batch = inputs.with_rope_positions(batch, model)
+        high = scenario.freeze(models.upcast_copy(model, toy, torch.float64))  # before training moves the weights
         if hyper is None:
             reference = run_step(model, batch)
             reference_steps = [reference.routes]
@@ -99,8 +105,7 @@ def build_golden(project: Project, key: GoldenKey, seed: int = 0, allow_near_tie
             attn_implementation=models.REFERENCE_ATTN,
             experts_implementation=models.REFERENCE_EXPERTS,
             seed=seed,
-            batch=BatchSpec(layout="padded", padding_side="left", sequences=tuple(sequence_ids),
-                            source=inputs.SEQUENCES_FILE),
+            batch=spec,
             noise_run="float64",
             train=hyper,
         ),
@@ -119,6 +124,19 @@ def build_golden(project: Project, key: GoldenKey, seed: int = 0, allow_near_tie
         min_margin=dict(min_margin),
     )
     return Golden(manifest=manifest, tensors=tensors)
+
+
+def scenario_batch(project: Project, toy: ToyConfig, scenario: scenarios.Scenario) -> tuple[inputs.Batch, BatchSpec]:
+    """The padded batch a golden of `scenario` holds for the model of `toy` (3-D positions still to add), and
+    how it was made."""
+    side = inputs.padding_side(toy.config)
+    texts = tuple(row.text for row in scenario.rows if row.sample is None)
+    if not scenario.multimodal:
+        batch = inputs.padded(inputs.load_sequences(project.testdata, texts), side)
+        return batch, BatchSpec(layout="padded", padding_side=side, sequences=texts, source=inputs.SEQUENCES_FILE)
+    batch, family = inputs.multimodal_batch(project.testdata, list(scenario.rows), models.hf_config(toy), side)
+    return batch, BatchSpec(layout="padded", padding_side=side, sequences=texts, source=inputs.MEDIA_SEQUENCES_FILE,
+                            rows=tuple(str(row) for row in scenario.rows), media_family=family)
 
 
 def _check_routes(key: GoldenKey, reference: dict[int, RouteRecord], truth: dict[int, RouteRecord],

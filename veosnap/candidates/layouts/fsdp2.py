@@ -17,10 +17,25 @@ from .protocol import DataGroup, Layout, LayoutContext, Setup
 
 
 def shard_layers(model: nn.Module, mesh: object) -> None:
-    """`fully_shard` each decoder layer, then the root, on `mesh` (in place)."""
-    for layer in decoder_layers(model):
-        shard_uniform(layer, mesh)
+    """`fully_shard` each block the model names as unsplittable (its `_no_split_modules`: the decoder layers,
+    and a multimodal model's encoder blocks and encoders), innermost first, then the root, on `mesh` (in
+    place). Frameworks wrap by the same list; a model without one has its decoder layers sharded."""
+    for block in shard_units(model):
+        shard_uniform(block, mesh)
     shard_uniform(model, mesh)
+
+
+def shard_units(model: nn.Module) -> list[nn.Module]:
+    """The modules `shard_layers` shards before the root, innermost first (a block before the encoder that
+    holds it)."""
+    unsplit = set(getattr(model, "_no_split_modules", None) or ())
+    units = [m for m in model.modules() if m is not model and type(m).__name__ in unsplit]
+    if not units:
+        return list(decoder_layers(model))
+    depth = {id(m): 0 for m in units}
+    for module in units:  # how many other units a unit holds: 0 for a block, more for an encoder
+        depth[id(module)] = sum(1 for inner in module.modules() if inner is not module and id(inner) in depth)
+    return sorted(units, key=lambda m: depth[id(m)])
 
 
 def shard_uniform(module: nn.Module, mesh: object) -> None:

@@ -38,6 +38,7 @@ from ...golden.codec import Golden
 from ...golden.manifest import TrainHyper
 from ...reference import models
 from ...reference.inputs import Batch
+from ...reference.scenarios import Scenario
 from ...reference.train import clip_global
 from ...reference.zoo import ToyConfig
 
@@ -57,9 +58,13 @@ class LayoutContext:
     hyper: TrainHyper | None = None  # the train scenario's steps; None for `step`
 
     @classmethod
-    def checking(cls, golden: Golden, toy: ToyConfig, device: torch.device, **place: object) -> LayoutContext:
-        """The context of a check against `golden`, the model built from `toy`; `place`: rank, world, workdir."""
+    def checking(cls, golden: Golden, toy: ToyConfig, device: torch.device, scenario: Scenario | None = None,
+                 **place: object) -> LayoutContext:
+        """The context of a check against `golden`, the model built from `toy` (with the encoders `scenario`
+        freezes frozen); `place`: rank, world, workdir."""
         build = models.builder(toy, golden.key.dtype, golden.manifest.reference.seed)
+        if scenario is not None and scenario.frozen:
+            build = _frozen(build, scenario)
         return cls(golden, Batch.from_golden(golden), device, build, hyper=golden.manifest.reference.train, **place)
 
     @property
@@ -91,6 +96,10 @@ class LayoutContext:
             import torch.distributed as dist
 
             dist.barrier()
+
+
+def _frozen(build: Callable[[torch.device], nn.Module], scenario: Scenario) -> Callable[[torch.device], nn.Module]:
+    return lambda device: scenario.freeze(build(device))
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from ...errors import Unsupported, describe
 from ...golden.key import GoldenKey
+from ...reference import scenarios
 from ...reference.zoo import Project, load_checked
 from .. import backends
 from . import engine, registry, torchrun
@@ -66,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         golden, toy = load_checked(project, GoldenKey(args.hardware_class, args.model, args.scenario, args.dtype),
                                    cross_class=True)
         backend = backends.resolve(args.backend)
-        ctx = LayoutContext.checking(golden, toy, device, rank=rank, world=world, workdir=out)
+        ctx = LayoutContext.checking(golden, toy, device, scenarios.get(args.scenario), rank=rank, world=world,
+                                     workdir=out)
         for index, spec in enumerate(args.layout):
             try:
                 result = engine.run(registry.resolve(spec), backend, ctx)

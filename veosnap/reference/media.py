@@ -21,7 +21,8 @@ and Whisper's extractor pads every clip to 30 s. A golden stores the tensors thi
 rule only has to be deterministic; `tools/try_new_models.py` compares it with the HF processors
 constructed locally (identical patch order; values equal where no resize happens).
 
-This module lives in tools/ until the integration task moves it into the package (reference/inputs).
+`reference.inputs` builds a golden's multimodal batch with it; `tools/make_multimodal_testdata.py` writes
+the test data's token sequences with its placeholder counts.
 """
 
 from __future__ import annotations
