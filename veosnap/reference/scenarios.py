@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..errors import Unsupported, VeosnapError
+from ..golden.key import CHECKED_AGAINST
 from .inputs import Row
 from .probes import find_encoders
 
@@ -49,12 +50,11 @@ class Scenario:
     needs: frozenset[str] = frozenset()  # encoders the model must have (`vision`, `audio`)
     frozen: tuple[str, ...] = ()  # encoders whose parameters do not train
     train: bool = False
-    golden: str | None = None  # the scenario whose golden this one is checked against (None: its own)
 
     @property
     def recorded(self) -> str:
-        """The scenario whose golden file holds this scenario's reference."""
-        return self.golden or self.name
+        """The scenario whose golden file holds this scenario's reference (`golden.key.CHECKED_AGAINST`)."""
+        return CHECKED_AGAINST.get(self.name, self.name)
 
     @property
     def multimodal(self) -> bool:
@@ -104,7 +104,7 @@ _ALL = (
              "with an image and a clip, one with an image only",
              _rows("audio_chirp", "image_audio", "audio_long", "image_tiny"), needs=frozenset({"audio"})),
     Scenario("frozen_vision", "the vision batch with the vision encoder frozen (no gradient for it), checked "
-             "against the vision golden", _VISION, needs=frozenset({"vision"}), frozen=("vision",), golden="vision"),
+             "against the vision golden", _VISION, needs=frozenset({"vision"}), frozen=("vision",)),
 )
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in _ALL}  # golden.key.SCENARIOS names them, in this order
 

@@ -9,7 +9,7 @@ after `pip install`, or the repository root for an editable install).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import GoldenError, MissingGoldenError, VeosnapError
@@ -108,18 +108,9 @@ class Project:
         return list_models(self.configs)
 
 
-def golden_key(key: GoldenKey) -> GoldenKey:
-    """The key of the golden file that holds `key`'s reference (a scenario may be checked against another's
-    golden: `frozen_vision` against `vision`; see `reference.scenarios`)."""
-    from .scenarios import SCENARIOS
-
-    scenario = SCENARIOS.get(key.scenario)
-    return key if scenario is None or scenario.golden is None else replace(key, scenario=scenario.golden)
-
-
 def load_golden(project: Project, key: GoldenKey) -> Golden:
     """The golden for `key`, validated; a clear error when it (or its whole hardware class) is missing."""
-    key = golden_key(key)
+    key = key.recorded  # a scenario checked against another's golden (`frozen_vision`: `vision`)
     path = store.path_for(project.goldens, key)
     if not path.is_file():
         classes = sorted(p.name for p in project.goldens.iterdir() if p.is_dir()) if project.goldens.is_dir() else []

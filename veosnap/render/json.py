@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 
+from ..golden import names
 from ..numerics.fmt import json_number
 from ..runs.diff import DiffReport, FieldChange, GoldenDiff
 from ..runs.matrix import Matrix
@@ -38,10 +39,22 @@ def check_dict(report: CheckReport) -> dict:
         "notes": report.notes,
         "tensors": [
             {"name": t.name, "error": json_number(t.error), "bound": t.bound, "noise": t.noise,
-             "ratio": json_number(t.ratio), "passed": t.passed, "where": t.where, "problem": t.problem or None}
+             "ratio": json_number(t.ratio), "passed": t.passed, "where": t.where, "problem": t.problem or None,
+             **_encoder_place(t.name)}
             for t in report.ranked()
         ],
     }
+
+
+def _encoder_place(name: str) -> dict:
+    """An encoder tensor's place: its encoder (`vision`, `audio`) and block (None: a merger or projection);
+    nothing for the language model's tensors."""
+    parsed = names.try_parse(name)
+    if isinstance(parsed, names.EncoderOutput):
+        return {"encoder": parsed.encoder, "block": parsed.block}
+    if isinstance(parsed, names.Grad) and parsed.encoder is not None:
+        return {"encoder": parsed.encoder}
+    return {}
 
 
 def checks(reports: list[CheckReport]) -> str:

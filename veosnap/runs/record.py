@@ -40,6 +40,9 @@ def build_golden(project: Project, key: GoldenKey, seed: int = 0, allow_near_tie
     """Run the reference (and its float64 twin) for `key` and assemble the golden in memory."""
     if key.scenario not in SCENARIOS:
         raise VeosnapError(f"unknown scenario {key.scenario!r} (known: {', '.join(SCENARIOS)})")
+    if key.recorded != key:
+        raise VeosnapError(f"{key}: scenario {key.scenario} has no golden of its own; it is checked against "
+                           f"{key.recorded} (record that)")
     if key.dtype not in DTYPE_NAMES:
         raise VeosnapError(f"unknown dtype {key.dtype!r} for a golden (expected one of: {', '.join(DTYPE_NAMES)})")
     if key.hardware_class != hardware.detect():
@@ -160,8 +163,9 @@ def _check_routes(key: GoldenKey, reference: dict[int, RouteRecord], truth: dict
 
 def record(project: Project, model: str, dtype: str, scenario: str = "step", seed: int = 0,
            allow_near_ties: bool = False) -> RecordOutcome:
-    """Record one golden into the project's goldens directory; leaves an identical file untouched."""
-    key = GoldenKey(project.hardware_class, model, scenario, dtype)
+    """Record one golden into the project's goldens directory; leaves an identical file untouched. A scenario
+    checked against another's golden (`frozen_vision`) records that one."""
+    key = GoldenKey(project.hardware_class, model, scenario, dtype).recorded
     new = build_golden(project, key, seed=seed, allow_near_ties=allow_near_ties)
     path = store.path_for(project.goldens, key)
     data = codec.encode(new)

@@ -71,7 +71,7 @@ def refresh(project: Project, model: str, dtype: str, reason: str, force: bool =
             f"cannot refresh hardware class {project.hardware_class} on this machine ({here}): goldens are "
             f"re-recorded only on the hardware they describe; run `veosnap refresh` on a {project.hardware_class} machine"
         )
-    key = GoldenKey(project.hardware_class, model, scenario, dtype)
+    key = GoldenKey(project.hardware_class, model, scenario, dtype).recorded
     path = store.path_for(project.goldens, key)
     old = _read_old(path, project.goldens, force)
     if seed is None:  # keep the weights the old golden was recorded with

@@ -40,16 +40,34 @@ def _selection(args: argparse.Namespace, project: Project) -> list[tuple[str, st
     return [(m, d) for m in models for d in dtypes]
 
 
+def _scenarios(args: argparse.Namespace, project: Project, model: str, recording: bool = False) -> list[str]:
+    """The scenarios to run for `model`: those named (`all`: every one the model can run; a scenario the
+    model cannot run is left out unless the model was named too, so its report says why)."""
+    from ..reference import scenarios
+    from ..reference.zoo import load_config
+
+    named = args.scenario or ["step"]
+    config = load_config(project.configs, model).config
+    if "all" in named:
+        chosen = [s.name for s in scenarios.applicable(config)]
+    else:
+        chosen = [name for name in named if args.model or scenarios.get(name).applies(config)]
+    if recording:  # a scenario checked against another's golden records that one, once
+        chosen = [GoldenKey("cpu", model, name).recorded.scenario for name in chosen]
+    return list(dict.fromkeys(chosen))
+
+
 def cmd_record(args: argparse.Namespace) -> int:
     from ..runs.record import record
 
     project = _project(args)
     for model, dtype in _selection(args, project):
-        outcome = record(project, model, dtype, scenario=args.scenario, seed=args.seed,
-                         allow_near_ties=args.allow_near_ties)
-        margin = "" if outcome.min_margin is None else f"  min router margin {fmt.num(outcome.min_margin)}"
-        state = "wrote" if outcome.written else "unchanged"
-        print(f"{state:9s} {outcome.path}{margin}")
+        for scenario in _scenarios(args, project, model, recording=True):
+            outcome = record(project, model, dtype, scenario=scenario, seed=args.seed,
+                             allow_near_ties=args.allow_near_ties)
+            margin = "" if outcome.min_margin is None else f"  min router margin {fmt.num(outcome.min_margin)}"
+            state = "wrote" if outcome.written else "unchanged"
+            print(f"{state:9s} {outcome.path}{margin}")
     return EXIT_OK
 
 
@@ -65,7 +83,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     reports = [
         report_
         for model, dtype in _selection(args, project)
-        for report_ in check_layouts(project, GoldenKey(project.hardware_class, model, args.scenario, dtype), backend,
+        for scenario in _scenarios(args, project, model)
+        for report_ in check_layouts(project, GoldenKey(project.hardware_class, model, scenario, dtype), backend,
                                      args.layout or ["single"], nproc=args.nproc, timeout_s=args.timeout,
                                      cross_class=args.cross_class)
     ]
@@ -127,10 +146,17 @@ def cmd_matrix(args: argparse.Namespace) -> int:
     progress = _progress if sys.stderr.isatty() else None
     result = matrix.run_matrix(project, models, dtypes, specs, layouts,
                                check_cells=matrix.default_check(args.nproc), on_cell=progress,
-                               unavailable=unavailable, scenario=args.scenario)
+                               unavailable=unavailable, scenario=_one_scenario(args))
     out = render_json.matrix(result) if args.format == "json" else render_text.matrix(result, color=sys.stdout.isatty())
     sys.stdout.write(out if out.endswith("\n") else out + "\n")
     return EXIT_OK if result.passed else EXIT_FAILED
+
+
+def _one_scenario(args: argparse.Namespace) -> str:
+    named = args.scenario or ["step"]
+    if len(named) > 1 or named[0] == "all":
+        raise VeosnapError("--matrix checks one scenario: give one --scenario")
+    return named[0]
 
 
 def _list_option(value: str | None, flag: str) -> list[str]:
@@ -178,9 +204,13 @@ def _selectors(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", action="append", choices=DTYPE_NAMES, help="repeatable; default: both")
 
 
-def _scenario(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--scenario", choices=SCENARIOS, default="step",
-                   help="step: one forward and backward; train: a few AdamW steps with clipping (default step)")
+def _scenario(p: argparse.ArgumentParser, repeatable: bool = True) -> None:
+    p.add_argument("--scenario", action="append" if repeatable else "store",
+                   choices=[*SCENARIOS, "all"] if repeatable else SCENARIOS, default=None if repeatable else "step",
+                   help="step: one forward and backward of the text batch; train: a few AdamW steps with clipping; "
+                        "vision, audio: one step of a multimodal batch; frozen_vision: vision with the vision "
+                        "encoder frozen" + ("; all: every one a model can run (repeatable; default step)"
+                                            if repeatable else " (default step)"))
 
 
 def build_parser() -> argparse.ArgumentParser:

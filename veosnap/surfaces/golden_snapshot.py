@@ -71,8 +71,8 @@ class CandidateCheck:
 
         gold = codec.decode(stored, path)
         gold.path = path
-        if gold.key != self.key:
-            raise GoldenError(path, f"manifest key {gold.key} disagrees with its path ({self.key})")
+        if gold.key != self.key.recorded:
+            raise GoldenError(path, f"manifest key {gold.key} disagrees with its path ({self.key.recorded})")
         self.report = check(self.project, self.key, self.backend, self.layout or "single", gold=gold)
         return self.report.passed
 
@@ -165,7 +165,7 @@ class GoldenExtension(AbstractSyrupyExtension):
         return bool(serialized_data.matches(snapshot_data, Path(self.get_location_for(serialized_data))))
 
     def get_location_for(self, data: Recording | CandidateCheck) -> str:
-        return str(self.goldens / data.key.relpath)
+        return str(self.goldens / data.key.recorded.relpath)
 
     def diff_lines(self, serialized_data: Any, snapshot_data: Any) -> Iterator[str]:
         yield from serialized_data.diff_lines(snapshot_data or None)

@@ -11,9 +11,13 @@ from collections import Counter
 
 from torch import nn
 
+import torch
+
 from ...errors import Unsupported
+from ...golden.codec import Golden
+from ...reference.inputs import Batch
 from ...reference.probes import decoder_layers
-from .protocol import DataGroup, Layout, LayoutContext, Setup
+from .protocol import DataGroup, Layout, LayoutContext, Setup, Shard, shard_rows
 
 
 def shard_layers(model: nn.Module, mesh: object) -> None:
@@ -81,4 +85,32 @@ class FSDP2(Layout):
         return Setup(model, data=DataGroup(ctx.world, ctx.rank), notes=[f"fully_shard over {ctx.world} ranks"])
 
 
+class AsymmetricFSDP2(FSDP2):
+    """FSDP2 with the rows split by what they hold: rank 0 the text-only rows, the other ranks the rows with
+    media. A rank whose batch has no media does not run the encoders, so their FSDP units' collectives wait
+    for it: a framework must run its encoders on every rank (a dummy input on a text-only batch, scaled to
+    zero in the loss). The eager reference does not: its check fails, within the time limit, naming the
+    ranks and where each one was."""
+
+    name = "fsdp2_asym"
+    description = "FSDP2, rank 0 holding the text-only rows, the others the rows with media"
+
+    def accept(self, golden: Golden, nproc: int) -> None:
+        batch = Batch.from_golden(golden)
+        with_media = batch.media.rows_with() if batch.media is not None else set()
+        if not with_media or len(with_media) == batch.rows:
+            raise Unsupported("needs a batch with rows with and without media (scenarios vision and audio)")
+        if nproc - 1 > len(with_media):
+            raise Unsupported(f"{nproc - 1} ranks for {len(with_media)} rows with media: one at least each")
+
+    def shard(self, ctx: LayoutContext, setup: Setup) -> list[Shard]:
+        with_media = sorted(ctx.batch.media.rows_with())
+        if ctx.rank == 0:
+            rows = torch.tensor([r for r in range(ctx.batch.rows) if r not in with_media])
+        else:
+            rows = torch.tensor(with_media)[shard_rows(len(with_media), ctx.world - 1, ctx.rank - 1)]
+        return [Shard.rows(ctx.batch, rows)]
+
+
 LAYOUT = FSDP2()
+LAYOUTS = (LAYOUT, AsymmetricFSDP2())

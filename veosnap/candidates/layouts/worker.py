@@ -16,12 +16,16 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from ...errors import Unsupported, describe
 from ...golden.key import GoldenKey
 from ...reference import scenarios
+from ...reference.probes import decoder_layers, find_encoders
 from ...reference.zoo import Project, load_checked
 from .. import backends
 from . import engine, registry, torchrun
@@ -38,6 +42,42 @@ def _die_with_parent() -> None:
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
         except OSError:
             pass
+
+
+def _reporting_progress(build: Callable[[torch.device], nn.Module], path: Path) -> Callable[[torch.device], nn.Module]:
+    """`build`, the model it makes writing to `path` which block this rank last entered, forward or backward:
+    when a rank waits for ever in a collective its peers never joined (an encoder that ran on one rank
+    only), the parent says where each rank was."""
+
+    def built(device: torch.device) -> nn.Module:
+        model = build(device)
+        paths = {id(m): n for n, m in model.named_modules()}
+        blocks = [*((paths[id(b)], b) for e in find_encoders(model) for b in e.blocks),
+                  *((f"decoder layer {i}", layer) for i, layer in enumerate(decoder_layers(model)))]
+
+        def install(_model: nn.Module, _args: tuple) -> None:
+            # At the first forward, after the layout wrapped the model: prepended, these run before the
+            # hooks a wrapper put on the blocks (FSDP2 gathers a block's parameters in one).
+            handle.remove()
+            for name, block in blocks:
+                block.register_forward_pre_hook(lambda _m, _a, name=name: _say(path, f"forward of {name}"),
+                                                prepend=True)
+                block.register_forward_hook(lambda _m, _a, out, name=name: _on_backward(out, path, name))
+
+        handle = model.register_forward_pre_hook(install)
+        return model
+
+    return built
+
+
+def _say(path: Path, where: str) -> None:
+    path.write_text(where, encoding="utf-8")
+
+
+def _on_backward(output: object, path: Path, name: str) -> None:
+    hidden = output[0] if isinstance(output, (tuple, list)) else output
+    if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+        hidden.register_hook(lambda grad: _say(path, f"backward of {name}"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         backend = backends.resolve(args.backend)
         ctx = LayoutContext.checking(golden, toy, device, scenarios.get(args.scenario), rank=rank, world=world,
                                      workdir=out)
+        ctx.build = _reporting_progress(ctx.build, out / f"{torchrun.PROGRESS}{rank}.txt")
         for index, spec in enumerate(args.layout):
             try:
                 result = engine.run(registry.resolve(spec), backend, ctx)
