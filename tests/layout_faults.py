@@ -8,7 +8,7 @@ Multi-process ones are resolved again by every torchrun rank, from this file.
 
 from __future__ import annotations
 
-import os
+import ctypes
 import time
 from contextlib import contextmanager
 from dataclasses import replace
@@ -84,7 +84,16 @@ class NoRestart(Planted):
 class Die(Planted):
     def load(self, ctx: LayoutContext) -> nn.Module:
         if ctx.last:
-            os._exit(17)
+            # A crash: the process ends in C, where no Python guard sees it (os._exit would be caught as the
+            # candidate's own error); torchrun reports the status.
+            ctypes.CDLL(None)._exit(17)
+        return self.base.load(ctx)
+
+
+class Raise(Planted):
+    def load(self, ctx: LayoutContext) -> nn.Module:
+        if ctx.last:
+            raise RuntimeError("the last rank's sampler broke")
         return self.base.load(ctx)
 
 
@@ -166,7 +175,8 @@ class BoundaryOffByOne(Planted):
 ddp_sum_grads = SumGrads("ddp", "gradients summed instead of averaged across data-parallel ranks")
 fsdp2_swap_shard = SwapShard("fsdp2", "the last rank trains on the first rank's rows instead of its own")
 packed_no_restart = NoRestart("packed", "a packed batch whose position ids run on instead of restarting per sequence")
-hsdp_die = Die("hsdp", "the last rank exits with status 17 before its step")
+hsdp_die = Die("hsdp", "the last rank crashes with status 17 before its step")
+ddp_last_rank_raises = Raise("ddp", "the last rank raises before its step (torchrun then stops the others)")
 ddp_hang = Hang("ddp", "the last rank sleeps before its step (hangs the others in their first collective)")
 # train scenario only: bugs that leave every gradient right and the next parameters wrong
 microbatch_clip_micro = ClipMicro("microbatch", "gradients clipped after every micro-batch, not once after accumulation")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from veosnap.candidates import backends
+from veosnap.candidates import backends, pristine
 from veosnap.golden.key import GoldenKey
 from veosnap.reference.zoo import Project
 from veosnap.runs.check import check
@@ -105,10 +105,12 @@ def test_liger_patches_are_undone_even_when_process_wide() -> None:
     import transformers.models.llama.modeling_llama as modeling
 
     before_fn, before_forward = modeling.apply_rotary_pos_emb, modeling.LlamaRMSNorm.forward
-    with backends._restoring_modules(modeling.__name__):
+    with pristine.kept(modeling.__name__, watched=False) as left:  # what liger's backend runs inside
         modeling.apply_rotary_pos_emb = None
         modeling.LlamaRMSNorm.forward = None
-        modeling.added_by_patch = True
+        modeling.added_by_patch = lambda: None
+    assert left == [f"{modeling.__name__}.added_by_patch", f"{modeling.__name__}.apply_rotary_pos_emb",
+                    f"{modeling.__name__}.LlamaRMSNorm.forward"]
     assert modeling.apply_rotary_pos_emb is before_fn
     assert modeling.LlamaRMSNorm.forward is before_forward
     assert not hasattr(modeling, "added_by_patch")

@@ -336,7 +336,8 @@ def test_a_symlink_out_of_the_goldens_directory_is_not_followed(capsys, goldens,
 
 def test_show_a_directory(capsys, goldens):
     code, out, err = run_cli(capsys, "show", str(goldens))
-    assert (code, out, err) == (2, "", f"veosnap: error: {goldens}: cannot read (Is a directory)\n")
+    assert (code, out, err) == (2, "", f"veosnap: error: {goldens}: not a regular file (directory); "
+                                       "a golden is a regular file\n")
 
 
 def test_show_a_missing_file(capsys, tmp_path):

@@ -8,6 +8,7 @@ import json
 import pytest
 from golden_repo import REPO
 
+from veosnap.errors import GoldenError
 from veosnap.golden import codec, names, store
 from veosnap.golden.manifest import Manifest, TrainHyper
 
@@ -47,24 +48,30 @@ def test_anything_else_is_not_a_golden_tensor(text):
 
 
 def committed() -> list:
-    return store.list_goldens(REPO / "goldens")
+    """Every committed golden that reads. The cuda-sm90 ones predate the manifest hash and are refused for
+    exactly that until they are re-recorded on the H200; the cpu ones must all read."""
+    readable = []
+    for key, path in store.list_goldens(REPO / "goldens"):
+        try:
+            readable.append((key, path, store.read(path)))
+        except GoldenError as exc:
+            assert key.hardware_class != "cpu" and exc.cause.startswith("no manifest hash: "), exc
+    assert sum(key.hardware_class == "cpu" for key, _, _ in readable) == 28
+    return readable
 
 
 def test_every_tensor_of_every_committed_golden_has_a_name():
-    for key, path in committed():
-        for name in store.read(path).tensors:
+    for key, _, golden in committed():
+        for name in golden.tensors:
             assert str(names.parse(name)) == name, (key, name)
 
 
 def test_committed_goldens_encode_to_their_own_bytes():
     """The typed manifest reproduces every field: a golden read and written again is byte-identical."""
-    for key, path in committed():
-        data = path.read_bytes()
-        g = codec.decode(data, path)
-        if g.manifest.manifest_hash:
-            assert codec.encode(g) == data, key
-        else:  # the cuda-sm90 goldens predate the manifest hash: they read, and keep every field
-            assert json.loads(Manifest.from_json(g.manifest.to_json(), key).to_json()) == json.loads(g.manifest.to_json())
+    for key, path, golden in committed():
+        assert codec.encode(golden) == path.read_bytes(), key
+        assert json.loads(Manifest.from_json(golden.manifest.to_json(), key).to_json()) == \
+            json.loads(golden.manifest.to_json())
 
 
 def test_the_manifest_is_typed():

@@ -26,6 +26,7 @@ DOC = REPO / "docs" / "pytest-plugin.md"
 MODELS = ("llama", "qwen3_moe")
 LLAMA = Path("goldens/cpu/llama/step-float32.safetensors.zst")
 QWEN3_MOE = Path("goldens/cpu/qwen3_moe/step-float32.safetensors.zst")
+QWEN2 = Path("goldens/cpu/qwen2/step-float32.safetensors.zst")
 PLANTED_BUG = ("running_sum = running_sum * rescale + ", "running_sum = running_sum + ")
 
 
@@ -71,7 +72,7 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run = pytest_in(project, "--snapshot-update")
     assert run.ret == 0, run.output
     assert "3 passed" in run.output
-    assert "2 golden(s) recorded from the HF eager reference: 2 written, 0 unchanged." in run.output
+    assert "2 golden(s) recorded from the HF eager reference in a fresh process: 2 written, 0 unchanged." in run.output
     assert (project / LLAMA).is_file() and (project / QWEN3_MOE).is_file()
     return project
 
@@ -97,7 +98,7 @@ def test_readme_example_passes(project: Path) -> None:
 def test_snapshot_update_on_an_unchanged_tree_leaves_the_goldens_byte_identical(project: Path) -> None:
     run = pytest_in(project, "--snapshot-update")
     assert run.ret == 0, run.output
-    assert "2 golden(s) recorded from the HF eager reference: 0 written, 2 unchanged." in run.output
+    assert "2 golden(s) recorded from the HF eager reference in a fresh process: 0 written, 2 unchanged." in run.output
     assert "3 candidate check(s) ran under --snapshot-update" in run.output
     assert git(project, "status", "--porcelain") == ""
 
@@ -158,40 +159,51 @@ def test_a_layout_checked_through_the_fixture_fails_on_a_planted_layout_bug(proj
     assert "first diverging layer: layer 0 (layers.0.output" in run.output
 
 
-def test_unused_goldens_fail_a_full_run_are_kept_by_partial_runs_and_deleted_by_snapshot_update(project: Path) -> None:
-    unused = project / "goldens" / "cpu" / "llama" / "step-bfloat16.safetensors.zst"
-    shutil.copy(project / LLAMA, unused)  # no test checks llama in bfloat16
+def unused_golden(project: Path) -> Path:
+    """A golden no test checks, of a class, scenario and dtype the tests use (so it may be deleted)."""
+    unused = project / QWEN2
+    unused.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(REPO / QWEN2, unused)
+    return unused
+
+
+def test_unused_goldens_fail_a_full_run_are_kept_by_partial_runs_and_deleted_only_on_request(project: Path) -> None:
+    unused = unused_golden(project)
 
     run = pytest_in(project)
     assert run.ret == 1, run.output
     assert "3 passed" in run.output
     assert "1 golden(s) unused." in run.output
-    assert "Unused cpu/llama/step-bfloat16" in run.output
+    assert "Unused cpu/qwen2/step-float32" in run.output
 
     for partial in (["-k", "grouped"], ["tests/test_kernels.py"]):
-        run = pytest_in(project, "--snapshot-update", *partial)
+        run = pytest_in(project, "--snapshot-update", "--veosnap-delete-unused", *partial)
         assert run.ret == 0, run.output
         assert "unused" not in run.output.lower(), run.output
         assert unused.is_file()
 
     run = pytest_in(project, "--snapshot-update")
     assert run.ret == 0, run.output
+    assert "1 golden(s) unused (kept: pass --veosnap-delete-unused with --snapshot-update" in run.output
+    assert unused.is_file()
+
+    run = pytest_in(project, "--snapshot-update", "--veosnap-delete-unused")
+    assert run.ret == 0, run.output
     assert "1 unused golden(s) deleted." in run.output
-    assert "Deleted cpu/llama/step-bfloat16" in run.output
+    assert "Deleted cpu/qwen2/step-float32" in run.output
     assert not unused.exists()
     assert git(project, "status", "--porcelain") == ""
 
 
 def test_a_veosnap_test_skipped_before_its_check_keeps_unused_goldens(project: Path) -> None:
-    unused = project / "goldens" / "cpu" / "llama" / "step-bfloat16.safetensors.zst"
-    shutil.copy(project / LLAMA, unused)
+    unused = unused_golden(project)
     (project / "tests" / "test_gpu.py").write_text(
         "import pytest\n\n\n"
         "@pytest.mark.skip(reason='needs a GPU')\n"
         "def test_on_gpu(veosnap_check):\n"
-        "    veosnap_check('llama', dtype='bfloat16')\n"
+        "    veosnap_check('qwen2', dtype='float32')\n"
     )
-    run = pytest_in(project, "--snapshot-update")
+    run = pytest_in(project, "--snapshot-update", "--veosnap-delete-unused")
     assert run.ret == 0, run.output
     assert "1 golden(s) look unused, but 1 selected veosnap test(s) did not reach their check" in run.output
     assert unused.is_file()
@@ -206,13 +218,12 @@ def test_a_hardware_class_without_goldens_skips_with_the_reason(recorded: Path) 
 
 def test_under_xdist_only_the_unused_golden_is_deleted(project: Path) -> None:
     pytest.importorskip("xdist")
-    unused = project / "goldens" / "cpu" / "llama" / "step-bfloat16.safetensors.zst"
-    shutil.copy(project / LLAMA, unused)
+    unused = unused_golden(project)
 
-    run = pytest_in(project, "-n", "2", "--snapshot-update")
+    run = pytest_in(project, "-n", "2", "--snapshot-update", "--veosnap-delete-unused")
     assert run.ret == 0, run.output
     assert "3 passed" in run.output
     assert run.output.count("Deleted cpu/") == 1, run.output
-    assert "Deleted cpu/llama/step-bfloat16" in run.output
+    assert "Deleted cpu/qwen2/step-float32" in run.output
     assert not unused.exists()
     assert git(project, "status", "--porcelain") == ""

@@ -66,7 +66,8 @@ def phase_record(project: Project, out: Path) -> None:
             rows.append({"model": model, "dtype": dtype, "seconds": round(time.perf_counter() - t, 2),
                          "min_margin": outcome.min_margin, "bytes": outcome.path.stat().st_size})
             print(f"recorded {outcome.key} in {rows[-1]['seconds']} s, min margin {outcome.min_margin}", flush=True)
-    results = verify.verify([project.goldens / project.hardware_class])
+    # verify takes goldens roots (<class>/<model>/<file> under them): the root, then this class's results
+    results = [r for r in verify.verify([project.goldens]) if r.key and r.key.hardware_class == project.hardware_class]
     bad = [r.line() for r in results if not r.ok]
     print(f"verified {len(results)} goldens: {len(bad)} bad", *bad, sep="\n", flush=True)
     save(out, "record.json", {"env": environment(), "goldens": rows, "verify_bad": bad})

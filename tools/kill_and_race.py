@@ -9,6 +9,12 @@ already imported torch and transformers, so a kill costs a fork instead of a ~4 
 `kill --mode record` kills at random moments of whole recordings (model build, runs, encode, write);
 `kill --mode write` kills children that only rewrite the golden, so most kills land inside the write.
 After every kill the golden must read (`store.read`) and be byte-identical to one recorded version.
+
+Two kills in three land at random moments; the third, in turn, at a staged moment whatever the speed of
+the machine: inside a write (the temp file written and fsynced, not yet renamed) or right after one (the
+new version in place). The child stops there and says so through a pipe, and is killed only then, so
+`staged_mid_write` kills each leave a temp file and `staged_after_write` kills each change the golden,
+on a busy machine as on an idle one.
 """
 
 from __future__ import annotations
@@ -93,8 +99,28 @@ def versions(work_dir: Path, seeds: tuple[int, ...]) -> tuple[dict[bytes, int], 
     return {golden_path(work_dir / f"seed-{seed}").read_bytes(): seed for seed in seeds}, min(times)
 
 
+STAGES = ("random", "mid-write", "after-write")
+
+
+def staged(stage: str, notify: int) -> None:
+    """In the child: stop at `stage` of the next golden write (`mid-write`: temp file fsynced, before the
+    rename; `after-write`: right after it), say so through `notify`, and wait there to be killed."""
+    real_replace = os.replace
+
+    def replace(src, dst, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if stage == "mid-write":
+            os.write(notify, b"m")
+            signal.pause()
+        real_replace(src, dst, *args, **kwargs)
+        if stage == "after-write":
+            os.write(notify, b"a")
+            signal.pause()
+
+    os.replace = replace
+
+
 def kill(work_dir: Path, kills: int, mode: str, rng: random.Random) -> dict:
-    """SIGKILL a recorder `kills` times at random moments; after each, judge the golden on disk."""
+    """SIGKILL a recorder `kills` times, at random or staged moments; after each, judge the golden on disk."""
     seeds = (1, 2)
     known, record_seconds = versions(work_dir / "versions", seeds)
     by_seed = {seed: data for data, seed in known.items()}
@@ -107,12 +133,18 @@ def kill(work_dir: Path, kills: int, mode: str, rng: random.Random) -> dict:
     window = 2.5 * record_seconds if mode == "record" else 10 * max(write_seconds, 1e-3)
 
     stats = {"mode": mode, "kills": 0, "readable": 0, "whole_version": 0, "changed": 0, "temps_left": 0,
-             "listed_once": 0, "window_s": round(window, 3), "errors": []}
+             "listed_once": 0, "staged_mid_write": 0, "staged_after_write": 0, "changed_by_staged": 0,
+             "temps_left_by_staged": 0, "window_s": round(window, 3), "errors": []}
     current = 1
-    for _ in range(kills):
+    for index in range(kills):
         first = 2 if current == 1 else 1  # start with the other version, so every write changes the file
+        stage = STAGES[index % len(STAGES)]
+        notify_r, notify_w = os.pipe()
 
-        def churn(first: int = first) -> None:
+        def churn(first: int = first, stage: str = stage) -> None:
+            os.close(notify_r)
+            if stage != "random":
+                staged(stage, notify_w)
             turn = first
             while True:
                 if mode == "record":
@@ -123,21 +155,29 @@ def kill(work_dir: Path, kills: int, mode: str, rng: random.Random) -> dict:
 
         temps_before = set(store.temp_files(path))
         pid = fork(churn)
-        time.sleep(rng.uniform(0, window))
+        os.close(notify_w)
+        if stage == "random":
+            time.sleep(rng.uniform(0, window))
+        elif os.read(notify_r, 1):  # blocks until the child stands at its stage: no timing involved
+            stats["staged_" + stage.replace("-", "_")] += 1
+        os.close(notify_r)
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
         stats["kills"] += 1
         data = path.read_bytes()
+        left = len(set(store.temp_files(path)) - temps_before)
         if data in known:
             stats["whole_version"] += 1
             stats["changed"] += known[data] != current
+            stats["changed_by_staged"] += stage == "after-write" and known[data] != current
             current = known[data]
+        stats["temps_left_by_staged"] += stage == "mid-write" and left > 0
         try:
             store.read(path, root=goldens)
             stats["readable"] += 1
         except GoldenError as exc:
             stats["errors"].append(str(exc))
-        stats["temps_left"] += len(set(store.temp_files(path)) - temps_before)
+        stats["temps_left"] += left
         stats["listed_once"] += [p for _, p in store.list_goldens(goldens)] == [path]
     stats["lost"] = stats["kills"] - min(stats["readable"], stats["whole_version"])
     return stats

@@ -40,11 +40,12 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'veosnap' has no attribute {name!r}")
 
 
-def _key(project: Project | None, model: str, dtype: str, scenario: str) -> tuple[Project, GoldenKey]:
+def _key(project: Project | None, model: str, dtype: str, scenario: str,
+         recording: bool = False) -> tuple[Project, GoldenKey]:
     from .golden.key import GoldenKey
     from .reference.zoo import Project
 
-    project = project or Project.resolve()
+    project = project or (Project.for_recording() if recording else Project.resolve())
     return project, GoldenKey(project.hardware_class, model, scenario, dtype)
 
 
@@ -52,12 +53,13 @@ def record(model: str, dtype: str = "float32", scenario: str = "step", *, projec
            seed: int = 0, allow_near_ties: bool = False) -> RecordOutcome:
     """Record the golden of `model` in `dtype` for `scenario` on this machine (as `veosnap record` does).
 
-    `project` says where the goldens, configs and test data are (default: `Project.resolve()`, the
-    current directory's, else veosnap's bundled zoo). An identical golden is left untouched.
+    `project` says where the goldens, configs and test data are (default: `Project.for_recording()`:
+    `./goldens`, created if need be; configs and test data the current directory's, else veosnap's
+    bundled zoo). An identical golden is left untouched; a golden with an approval trail keeps it.
     """
     from .runs.record import record as record_one
 
-    project, key = _key(project, model, dtype, scenario)
+    project, key = _key(project, model, dtype, scenario, recording=True)
     return record_one(project, key.model, key.dtype, scenario=key.scenario, seed=seed, allow_near_ties=allow_near_ties)
 
 

@@ -25,10 +25,8 @@ SPEC is:
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import inspect
-import sys
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -37,7 +35,7 @@ import torch
 from torch import nn
 
 from ..errors import Unsupported, VeosnapError
-from . import specs
+from . import pristine, specs
 from .kernels.support import gpu_library
 
 BackendFn = Callable[[nn.Module], object]
@@ -250,29 +248,14 @@ def compile_(model: nn.Module) -> Iterator[nn.Module]:
 
 @contextmanager
 def _restoring_modules(*module_names: str) -> Iterator[None]:
-    """Within the block, module attributes and the classes they define may be patched; then restored."""
-    saved = []
-    for name in module_names:
-        module = sys.modules.get(name) or importlib.import_module(name)
-        saved.append((module, dict(vars(module))))
-        for value in list(vars(module).values()):
-            if isinstance(value, type) and value.__module__ == name:
-                saved.append((value, {k: v for k, v in vars(value).items() if k != "__dict__"}))
-    try:
+    """Within the block, module attributes and the classes they define may be patched; then restored.
+
+    `pristine.kept` on just these modules (and transformers' registries): what every check does after
+    its candidate anyway, done here by a backend that patches on purpose, so its own patches are undone
+    as part of it and not reported as left behind.
+    """
+    with pristine.kept(*module_names, watched=False):
         yield
-    finally:
-        for owner, attrs in reversed(saved):
-            for key in [k for k in vars(owner) if k not in attrs]:
-                delattr(owner, key)
-            for key, value in attrs.items():
-                if vars(owner).get(key, _MISSING) is not value:
-                    try:
-                        setattr(owner, key, value)
-                    except (AttributeError, TypeError):  # read-only slots of builtin types
-                        pass
-
-
-_MISSING = object()
 
 
 # Kernel libraries, one module each in kernels/: each registers its backend when imported.

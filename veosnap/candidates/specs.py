@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import VeosnapError
+from . import guard
 
 
 def load(spec: str, what: str, registry: dict[str, Any], group: str, accept: Callable[[object], bool],
@@ -48,9 +49,12 @@ def load(spec: str, what: str, registry: dict[str, Any], group: str, accept: Cal
 
 def _import(module_name: str, spec: str, what: str) -> object:
     try:
-        return importlib.import_module(module_name)
+        with guard.running():  # importing the user's module runs its code: it may not end the process either
+            return importlib.import_module(module_name)
     except ImportError as exc:
         raise VeosnapError(f"{what} {spec!r}: cannot import {module_name} ({exc})") from None
+    except guard.CandidateError as exc:
+        raise VeosnapError(f"{what} {spec!r}: error while importing {module_name} ({exc})") from None
     except Exception as exc:  # noqa: BLE001 - the user's module failed while importing
         cause = f"{type(exc).__name__}: {exc}"
         raise VeosnapError(f"{what} {spec!r}: error while importing {module_name} ({cause})") from None
@@ -70,7 +74,11 @@ def _load_file(path_text: str, what: str) -> object:
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     try:
-        spec.loader.exec_module(module)
+        with guard.running():  # importing the user's file runs its code: it may not end the process either
+            spec.loader.exec_module(module)
+    except guard.CandidateError as exc:
+        del sys.modules[name]
+        raise VeosnapError(f"{path}: error while importing {what} file ({exc})") from None
     except Exception as exc:  # noqa: BLE001 - the user's file, reported in one line
         del sys.modules[name]
         raise VeosnapError(f"{path}: error while importing {what} file ({type(exc).__name__}: {exc})") from None

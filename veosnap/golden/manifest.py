@@ -99,6 +99,23 @@ class Approval:
     previous_payload_hash: str | None  # None: the refresh created the golden
 
 
+# Why a golden may leave out tensors the model produces (see `Absence`), by kind.
+ABSENCE_KINDS = {
+    "frozen": "parameters that do not train: no gradient and no update (names: parameter names)",
+    "forward_only": "the reference ran forward only: no gradients (names: none)",
+    "router_unread": "a router veosnap cannot read: no routes (names: the MoE block's module path)",
+}
+
+
+@dataclass(frozen=True)
+class Absence:
+    """Tensors a golden leaves out on purpose, and why; a check asks for everything else the model produces."""
+
+    kind: str  # one of ABSENCE_KINDS
+    names: tuple[str, ...]
+    reason: str
+
+
 @dataclass
 class Manifest:
     """Everything about a golden besides its tensors."""
@@ -118,8 +135,10 @@ class Manifest:
     approvals: list[Approval] = field(default_factory=list)
     schema_version: int = SCHEMA_VERSION
     # SHA-256 of this manifest's JSON with this field empty, so a hand-edited bound or seed is caught
-    # like a hand-edited tensor. Goldens written before it have none and are read without the check.
+    # like a hand-edited tensor. Required: a golden without one is refused (it cannot be trusted).
     manifest_hash: str = ""
+    absent: list[Absence] = field(default_factory=list)  # left out of the JSON when empty
+
 
     def own_hash(self) -> str:
         """What `manifest_hash` should be for the manifest as it stands."""
@@ -130,7 +149,10 @@ class Manifest:
         data.update(key=asdict(self.key), reference=json_object(self.reference), provenance=json_object(self.provenance),
                     tolerance={name: [t.noise, t.bound] for name, t in sorted(self.tolerance.items())},
                     min_margin={str(layer): value for layer, value in self.min_margin.items()},
-                    approvals=[asdict(a) for a in self.approvals])
+                    approvals=[asdict(a) for a in self.approvals],
+                    absent=[{"kind": a.kind, "names": list(a.names), "reason": a.reason} for a in self.absent])
+        if not self.absent:
+            del data["absent"]  # goldens that leave nothing out keep the bytes they always had
         return json.dumps(data, sort_keys=True, separators=(",", ":"), allow_nan=False)
 
     @classmethod
@@ -151,9 +173,21 @@ class Manifest:
             raise GoldenError(source, f"malformed manifest ({type(exc).__name__}: {exc})") from None
         if config_hash(manifest.config) != manifest.config_hash:
             raise GoldenError(source, "manifest config hash does not match its config (corrupt or edited)")
-        if manifest.manifest_hash and manifest.manifest_hash != manifest.own_hash():
-            raise GoldenError(source, "manifest hash mismatch: the manifest was edited after recording (corrupt or edited)")
+        if not manifest.manifest_hash:
+            raise GoldenError(source, "no manifest hash: its bounds and trail cannot be trusted (written before "
+                                      "veosnap hashed its manifests, or the hash was removed); "
+                                      f"{rerecord(manifest.key)}")
+        if manifest.manifest_hash != manifest.own_hash():
+            raise GoldenError(source, "manifest hash mismatch: the manifest was edited after recording "
+                                      "(corrupt or edited)")
         return manifest
+
+
+def rerecord(key: GoldenKey) -> str:
+    """How to replace a golden that cannot be trusted (a clause of an error message)."""
+    scenario = "" if key.scenario == "step" else f" --scenario {key.scenario}"
+    return (f"re-record it on {key.hardware_class} hardware with `veosnap refresh --force --reason \"...\" "
+            f"--model {key.model} --dtype {key.dtype}{scenario}`")
 
 
 def json_object(section: object) -> dict[str, Any]:
@@ -174,8 +208,9 @@ _MANIFEST_TYPES: dict[str, type | tuple[type, ...]] = {
     "key": dict, "config": dict, "config_hash": str, "inputs_hash": str, "reference": dict, "provenance": dict,
     "tolerance": dict, "alpha": _NUMBER, "floor": _NUMBER, "tie_epsilon": _NUMBER,
     "min_margin": dict, "payload_hash": str, "approvals": list, "schema_version": int, "manifest_hash": str,
+    "absent": list,
 }
-_OPTIONAL = {"payload_hash", "approvals", "manifest_hash"}
+_OPTIONAL = {"payload_hash", "approvals", "manifest_hash", "absent"}
 
 
 def _finite_non_negative(value: object) -> bool:
@@ -264,7 +299,33 @@ def _provenance(value: object, where: str) -> Provenance:
 def _approval(value: object, where: str) -> Approval:
     if not isinstance(value, dict):
         raise TypeError("an approval is not an object")
-    return _section(Approval, value, where, {"reason": str, "previous_payload_hash": _optional_str})
+    approval = _section(Approval, value, where, {"reason": str, "previous_payload_hash": _optional_str})
+    if not approval.reason.strip():
+        raise ValueError(f"{where} has an empty reason (every refresh states one)")
+    return approval
+
+
+def _approvals(values: list) -> list[Approval]:
+    trail = [_approval(a, f"approvals[{i}]") for i, a in enumerate(values)]
+    for i, approval in enumerate(trail[1:], 1):
+        if approval.previous_payload_hash is None:  # only the refresh that created a golden replaced nothing
+            raise ValueError(f"approvals[{i}] says it created the golden, but it is not the first approval")
+    return trail
+
+
+def _absence(value: object, where: str) -> Absence:
+    absence = _section(Absence, value, where, {"kind": str, "names": _str_list, "reason": str})
+    if absence.kind not in ABSENCE_KINDS:
+        raise ValueError(f"{where}.kind {absence.kind!r} is not one of {', '.join(ABSENCE_KINDS)}")
+    if not absence.reason.strip():
+        raise ValueError(f"{where} has an empty reason (an absence says why)")
+    return absence
+
+
+def _str_list(value: object, where: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise TypeError(f"field {where!r} is not a list of strings")
+    return tuple(value)
 
 
 def _parse(data: dict) -> Manifest:
@@ -301,6 +362,7 @@ def _parse(data: dict) -> Manifest:
         provenance=_provenance(data["provenance"], "provenance"), tolerance=tolerance, alpha=data["alpha"],
         floor=data["floor"], tie_epsilon=data["tie_epsilon"], min_margin=min_margin,
         payload_hash=data.get("payload_hash", ""),
-        approvals=[_approval(a, f"approvals[{i}]") for i, a in enumerate(data.get("approvals", []))],
+        approvals=_approvals(data.get("approvals", [])),
         schema_version=data["schema_version"], manifest_hash=data.get("manifest_hash", ""),
+        absent=[_absence(a, f"absent[{i}]") for i, a in enumerate(data.get("absent", []))],
     )

@@ -1,15 +1,28 @@
-"""Where goldens live, and reading and writing them safely.
+"""Where goldens live, and reading and writing them safely: the one reader and the one writer of golden files.
 
-A goldens directory holds `<class>/<model>/<scenario>-<dtype>.safetensors.zst`. Writes are atomic
-(temp file, fsync, rename), so a crash leaves the previous golden whole; reads are capped, and a
-golden read under a goldens directory must lie inside it and carry the key its path names.
+A goldens directory holds `<class>/<model>/<scenario>-<dtype>.safetensors.zst`. Every command (check,
+verify, diff, show, ls, the pytest plugin) reads through `read` (or `load` for the bytes), which:
+
+- never reads anything but a regular file (a FIFO, a device, a socket or a directory named like a golden
+  is refused without blocking: opened with O_NONBLOCK, then fstat), and no more than the size cap;
+- takes the key from the path as given (under `root`, or its last three parts), never from where a symlink
+  leads: a symlink to another golden (cpu -> cuda-sm90, step -> train) is refused naming both, and under a
+  goldens root nothing resolving outside it is read;
+- checks the manifest's key against that key.
+
+`scan` lists a root's goldens and reports (never reads) what is named like a golden but is not one.
+Writes are atomic (temp file, fsync, rename), so a crash leaves the previous golden whole, and a write
+under a goldens root never goes through a directory symlinked out of it.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import GoldenError, VeosnapError
@@ -22,20 +35,33 @@ except ImportError:  # Windows: no stale-temp cleanup, writes are still atomic
     fcntl = None  # type: ignore[assignment]
 
 STALE_TMP_SECONDS = 60
+_KINDS = {stat.S_IFIFO: "FIFO", stat.S_IFCHR: "character device", stat.S_IFBLK: "block device",
+          stat.S_IFSOCK: "socket", stat.S_IFDIR: "directory", stat.S_IFLNK: "symlink"}
 
 
-def write(golden: Golden, path: Path) -> None:
+def not_regular(mode: int) -> str:
+    """Why a file of this mode is never read as a golden ('' for a regular file)."""
+    if stat.S_ISREG(mode):
+        return ""
+    return f"not a regular file ({_KINDS.get(stat.S_IFMT(mode), 'special file')}); a golden is a regular file"
+
+
+def write(golden: Golden, path: Path, root: Path | None = None) -> None:
     """Write a golden atomically: a reader sees the old file or the new one, never a torn one."""
-    write_bytes(encode(golden), path)
+    write_bytes(encode(golden), path, root)
 
 
-def write_bytes(data: bytes, path: Path) -> None:
+def write_bytes(data: bytes, path: Path, root: Path | None = None) -> None:
     """Atomically replace `path` with `data` (temp file in the same directory, fsync, rename).
 
+    With `root` (the goldens directory), `path` must lie under it and no directory between them may be a
+    symlink: nothing is ever written through a link out of the goldens directory, or into another model's.
     The temp file is locked while it is written, so the next writer can tell a temp file left by a
     killed writer (unlocked, old) from one still being written, and removes only the former.
     """
     path = Path(path)
+    if root is not None:
+        check_writable(path, Path(root))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         _remove_stale_temps(path)
@@ -66,6 +92,40 @@ def write_bytes(data: bytes, path: Path) -> None:
         raise
 
 
+def check_writable(path: Path, root: Path) -> None:
+    """Refuse to write `path` unless it lies under `root` with no directory between them a symlink."""
+    try:
+        rel = path.parent.relative_to(root)
+    except ValueError:
+        raise GoldenError(path, f"not under the goldens directory {root}") from None
+    here = root
+    for part in rel.parts:
+        here = here / part
+        if here.is_symlink():
+            target = here.resolve()
+            where = (f"outside the goldens directory {root}" if not _inside(target, root)
+                     else "another directory of the goldens directory")
+            raise GoldenError(path, f"cannot write through {here.relative_to(root)}, a symlink to {target} {where}")
+
+
+def _inside(path: Path, root: Path) -> bool:
+    try:
+        path.resolve().relative_to(Path(root).resolve())
+        return True
+    except ValueError:
+        return False
+
+
+def remove(path: Path, root: Path) -> None:
+    """Delete a golden under `root` (never through a directory symlinked out of it)."""
+    check_writable(Path(path), Path(root))
+    Path(path).unlink(missing_ok=True)
+    try:
+        Path(path).parent.rmdir()  # the model's directory, once it holds no golden
+    except OSError:
+        pass
+
+
 def temp_files(path: Path) -> list[Path]:
     """Temp files of writes to `path` (in progress, or left by a killed writer)."""
     return sorted(Path(path).parent.glob(f".{Path(path).name}.*.tmp"))
@@ -89,34 +149,104 @@ def _remove_stale_temps(path: Path) -> None:
             continue  # another writer removed it first, or it is not ours to touch
 
 
-def read(path: Path, root: Path | None = None) -> Golden:
-    """Read and validate a golden file; if `root` is given, it must lie inside root (symlinks
-    resolved, checked before reading) and its key must match its path under root."""
-    path = Path(path)
-    expected = _key_from_path(path, root) if root is not None else None
+def read_file(path: Path, cap: int = MAX_COMPRESSED) -> bytes:
+    """A regular file's bytes, at most `cap` + 1 of them; anything else is refused without blocking.
+
+    Opened with O_NONBLOCK (a FIFO without a writer does not hang the open) and checked with fstat on
+    the open descriptor, so what is read is what was checked.
+    """
     try:
-        with open(path, "rb") as fh:
-            data = fh.read(MAX_COMPRESSED + 1)  # read no more than the cap, however large the file
+        if stat.S_ISSOCK(os.stat(path).st_mode):  # opening a socket fails with an unhelpful ENXIO
+            raise GoldenError(path, not_regular(stat.S_IFSOCK))
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         raise GoldenError(path, "no such file") from None
     except OSError as exc:
+        cause = not_regular(stat.S_IFSOCK) if exc.errno == errno.ENXIO else f"cannot read ({exc.strerror or exc})"
+        raise GoldenError(path, cause) from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise GoldenError(path, not_regular(info.st_mode))
+        if info.st_size > cap:
+            raise GoldenError(path, f"file is over the {cap} byte cap")
+        chunks, size = [], 0
+        while size <= cap:
+            chunk = os.read(fd, min(1 << 20, cap + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        return b"".join(chunks)
+    except OSError as exc:
         raise GoldenError(path, f"cannot read ({exc.strerror or exc})") from None
-    golden = decode(data, path)
-    golden.path = path
+    finally:
+        os.close(fd)
+
+
+def key_of(path: Path, root: Path | None = None) -> GoldenKey | None:
+    """The key a path names, as given (symlinks not followed): under `root`, else its last three parts;
+    None when it names none."""
+    path = Path(path)
+    try:
+        if root is not None:
+            return GoldenKey.from_relpath(Path(os.path.normpath(path)).relative_to(os.path.normpath(root)))
+        return GoldenKey.from_relpath(Path(*path.parts[-3:])) if len(path.parts) >= 3 else None
+    except (ValueError, VeosnapError):
+        return None
+
+
+def problem(path: Path, root: Path | None = None) -> str:
+    """Why the file at `path` is not the golden its path names, before reading it ('' when nothing is wrong).
+
+    Under `root`: it must name a key there and resolve inside it, to the file of that same key. Anywhere:
+    a symlink leading to a file named as another golden is refused.
+    """
+    path = Path(path)
+    expected = key_of(path, root)
+    target = path.resolve()
+    linked = "is a symlink to" if path.is_symlink() else "resolves to"
+    if root is not None:
+        if expected is None:
+            return f"not a golden path under {root} (<class>/<model>/<scenario>-<dtype>{SUFFIX})"
+        if not _inside(target, root):
+            return f"resolves to {target}, outside the goldens directory {root}"
+        landed = key_of(target, Path(root).resolve())
+    else:
+        landed = key_of(target)
+        if expected is None or landed is None:
+            return ""
+    if landed != expected:
+        named = f" ({landed})" if landed is not None else ""
+        return f"{linked} {target}{named}, another golden than its path names ({expected})"
+    return ""
+
+
+def load(path: Path, root: Path | None = None) -> bytes:
+    """The bytes of the golden at `path` (see `problem`), refusing anything that is not one without reading it."""
+    why = problem(path, root)
+    if why:
+        raise GoldenError(path, why)
+    return read_file(path)
+
+
+def check_key(golden: Golden, expected: GoldenKey | None, source: object) -> Golden:
+    """`golden`, if its manifest's key is the one its place names."""
     if expected is not None and golden.key != expected:
-        raise GoldenError(path, f"manifest key {golden.key} disagrees with its path ({expected})")
+        raise GoldenError(source, f"manifest key {golden.key} disagrees with its path ({expected})")
     return golden
 
 
-def _key_from_path(path: Path, root: Path) -> GoldenKey:
-    try:
-        relpath = path.resolve().relative_to(Path(root).resolve())
-    except ValueError:  # a symlink out of the goldens directory
-        raise GoldenError(path, f"resolves to {path.resolve()}, outside the goldens directory {root}") from None
-    try:
-        return GoldenKey.from_relpath(relpath)
-    except VeosnapError:
-        raise GoldenError(path, f"not a golden path under {root} (<class>/<model>/<scenario>-<dtype>{SUFFIX})") from None
+def decode_at(data: bytes, path: Path, root: Path | None = None) -> Golden:
+    """Golden bytes read from `path`, decoded, with the manifest's key checked against the path's."""
+    golden = check_key(decode(data, path), key_of(path, root), path)
+    golden.path = Path(path)
+    return golden
+
+
+def read(path: Path, root: Path | None = None) -> Golden:
+    """Read and validate the golden at `path`: the one reader (see the module docstring)."""
+    return decode_at(load(path, root), path, root)
 
 
 def path_for(root: Path, key: GoldenKey) -> Path:
@@ -124,13 +254,69 @@ def path_for(root: Path, key: GoldenKey) -> Path:
     return Path(root) / key.relpath
 
 
-def list_goldens(root: Path) -> list[tuple[GoldenKey, Path]]:
-    """Every golden file under `root`, by key."""
+@dataclass(frozen=True)
+class Entry:
+    """A file named like a golden under a goldens root; `problem` says why it is not one ('' when it is)."""
+
+    key: GoldenKey
+    path: Path
+    problem: str = ""
+
+
+@dataclass(frozen=True)
+class Scan:
+    """What a goldens root holds: goldens, and entries named like goldens that are not (never read)."""
+
+    entries: list[Entry]
+
+    @property
+    def goldens(self) -> list[tuple[GoldenKey, Path]]:
+        return [(e.key, e.path) for e in self.entries if not e.problem]
+
+    @property
+    def skipped(self) -> list[tuple[Path, str]]:
+        return [(e.path, e.problem) for e in self.entries if e.problem]
+
+
+def _listdir(path: Path, strict: bool) -> list[os.DirEntry]:
+    try:
+        with os.scandir(path) as it:
+            return sorted((e for e in it if not e.name.startswith(".")), key=lambda e: e.name)
+    except OSError as exc:
+        if strict:
+            raise VeosnapError(f"{path}: cannot read ({exc.strerror or exc})") from None
+        return []
+
+
+def scan(root: Path, strict: bool = False) -> Scan:
+    """Every file named `<class>/<model>/<scenario>-<dtype>.safetensors.zst` under `root`, without reading any.
+
+    A golden is a regular file whose path resolves inside `root` to itself (no link to another key or out
+    of the root). With `strict`, an unreadable root is an error instead of an empty scan.
+    """
     root = Path(root)
-    found = []
-    for path in sorted(root.glob(f"*/*/*{SUFFIX}")):
-        try:
-            found.append((GoldenKey.from_relpath(path.relative_to(root)), path))
-        except VeosnapError:
+    entries = []
+    for cls in _listdir(root, strict):
+        if not cls.is_dir():
             continue
-    return found
+        for model in _listdir(root / cls.name, False):
+            if not model.is_dir():
+                continue
+            for file in _listdir(root / cls.name / model.name, False):
+                path = root / cls.name / model.name / file.name
+                key = key_of(path, root)
+                if key is None:
+                    continue  # not named like a golden (a README, a temp file)
+                why = problem(path, root)
+                if not why:
+                    try:
+                        why = not_regular(os.stat(path).st_mode)
+                    except OSError as exc:
+                        why = f"cannot read ({exc.strerror or exc})"
+                entries.append(Entry(key, path, why))
+    return Scan(entries)
+
+
+def list_goldens(root: Path) -> list[tuple[GoldenKey, Path]]:
+    """Every golden file under `root`, by key (entries that are not goldens left out: see `scan`)."""
+    return scan(root).goldens

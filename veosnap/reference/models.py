@@ -92,6 +92,34 @@ def build(
     return model.to(device)
 
 
+def skeleton(toy: ToyConfig) -> nn.Module:
+    """The reference model for `toy` on the meta device: its parameter names, layers and routers, no memory.
+
+    Check a config's size first (`limits.check_config`): building still costs time per layer.
+    """
+    config = hf_config(toy)
+    with warnings.catch_warnings(), quiet_transformers(), torch.device("meta"):
+        warnings.simplefilter("ignore")
+        try:
+            model = auto_class(config).from_config(
+                config, attn_implementation=REFERENCE_ATTN, experts_implementation=REFERENCE_EXPERTS)
+        except Exception as exc:  # noqa: BLE001 - a config transformers accepts but cannot instantiate
+            raise VeosnapError(f"{toy.path}: transformers cannot build this model ({_cause(exc)})") from None
+    # Pinned here too (process-wide, idempotent), before any candidate runs: a check snapshots the modeling
+    # module afterwards (`candidates.pristine`), and the reference's own pinning is no candidate's patch.
+    pin_torch_fallbacks(model)
+    return model
+
+
+def modeling_module(toy: ToyConfig) -> str:
+    """The name of the module defining the model family's classes (`transformers.models.llama.modeling_llama`)."""
+    config = hf_config(toy)
+    try:
+        return auto_class(config)._model_mapping[type(config)].__module__
+    except (KeyError, AttributeError):
+        return type(skeleton(toy)).__module__
+
+
 def builder(toy: ToyConfig, dtype: str, seed: int = 0) -> Callable[[torch.device], nn.Module]:
     """`build` for one config, dtype (by name) and seed, the device left open (each rank picks its own)."""
     return lambda device: build(toy, dtype_from_name(dtype), device, seed)

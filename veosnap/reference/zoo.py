@@ -9,6 +9,7 @@ after `pip install`, or the repository root for an editable install).
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,15 +105,39 @@ class Project:
             hardware_class=hardware.resolve(hardware_class),
         )
 
+    @classmethod
+    def for_recording(
+        cls,
+        goldens: str | Path | None = None,
+        configs: str | Path | None = None,
+        testdata: str | Path | None = None,
+        hardware_class: str | None = None,
+    ) -> Project:
+        """A project whose goldens are written: `goldens` if given, else `./goldens` (created on the first
+        write), never the bundled goldens (configs and test data still default to the bundled zoo)."""
+        return cls(goldens=writable(Path(goldens) if goldens is not None else Path.cwd() / "goldens"),
+                   configs=resolve_dir("toy_configs", configs), testdata=resolve_dir("testdata", testdata),
+                   hardware_class=hardware.resolve(hardware_class))
+
     def models(self) -> list[str]:
         return list_models(self.configs)
+
+
+def writable(goldens: Path) -> Path:
+    """`goldens`, unless it lies inside the installed veosnap package (whose bundled goldens are never written)."""
+    try:
+        Path(goldens).resolve().relative_to(_PACKAGE)
+    except ValueError:
+        return Path(goldens)
+    raise VeosnapError(f"{goldens}: inside the installed veosnap package; goldens are written to ./goldens or to "
+                       "--goldens DIR of your project")
 
 
 def load_golden(project: Project, key: GoldenKey) -> Golden:
     """The golden for `key`, validated; a clear error when it (or its whole hardware class) is missing."""
     key = key.recorded  # a scenario checked against another's golden (`frozen_vision`: `vision`)
     path = store.path_for(project.goldens, key)
-    if not path.is_file():
+    if not os.path.lexists(path):  # anything there (a FIFO, a link) is for the reader to refuse
         classes = sorted(p.name for p in project.goldens.iterdir() if p.is_dir()) if project.goldens.is_dir() else []
         if key.hardware_class not in classes:
             raise MissingGoldenError(

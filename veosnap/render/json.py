@@ -85,6 +85,12 @@ def golden_diff_dict(d: GoldenDiff) -> dict:
         "manifest": _fields(d.manifest),
         "provenance": _fields(d.provenance),
         "approvals": [dict(sorted(asdict(a).items())) for a in d.approvals],  # as the manifest stores them
+        "trail": [{"change": c.kind, **dict(sorted(asdict(c.approval).items())),
+                   "old": dict(sorted(asdict(c.old).items())) if c.old else None, "why": c.why or None}
+                  for c in d.trail],
+        "loosened": [{"name": t.name, "old_bound": t.old_bound, "new_bound": t.new_bound} for t in d.loosened],
+        "absent": _fields(d.absent),
+        "why": d.why_material(),
     }
 
 

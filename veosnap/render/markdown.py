@@ -20,7 +20,8 @@ def diff(report: DiffReport) -> str:
     if report.empty:
         out += [f"No golden changed ({len(report.unchanged)} compared).", ""]
         return "\n".join(out)
-    verdict = ("**Material changes**: goldens added, removed, or moved beyond their noise."
+    verdict = ("**Material changes**: goldens added, removed or moved beyond their noise, or bounds loosened, the "
+               "tolerance rule or the approval trail rewritten."
                if report.material else "No material change: every moved tensor is within its bound.")
     out += [verdict, "", view.diff_headline(report) + ".", ""]
     out += ["| golden | change | tensors moved | largest move | routes | reason |", "|---|---|---|---|---|---|"]
@@ -42,6 +43,9 @@ def diff(report: DiffReport) -> str:
 
 def _details(c: view.GoldenChange) -> list[str]:
     out = [f"- approved: {_cell(a)}" for a in c.approvals]
+    out += [f"- **trail**: {_cell(t)}" for t in c.trail]
+    out += [f"- **bound loosened**: {_cell(t)}" for t in c.loosened]
+    out += [f"- **absent** `{f.field}`: `{view.short(f.old)}` → `{view.short(f.new)}`" for f in c.absent]
     out += [f"- manifest `{f.field}`: `{view.short(f.old)}` → `{view.short(f.new)}`" for f in c.manifest]
     out += [f"- routes: {r}" for r in c.routes]
     if c.tensors_added:

@@ -66,6 +66,11 @@ def diff_golden(d: GoldenDiff, shown: int = view.SHOWN_TENSORS) -> list[str]:
 
 def _change_lines(change: view.GoldenChange) -> list[str]:
     lines = [f"  approved    {a}" for a in change.approvals]
+    lines += [f"  trail       {t}" for t in change.trail]
+    lines += [f"  loosened    {t}" for t in change.loosened]
+    if change.loosened_hidden:
+        lines.append(f"  loosened    ... {change.loosened_hidden} more bounds grew (--format json lists every one)")
+    lines += [f"  absent      {view.change_text(c)}" for c in change.absent]
     lines += [f"  manifest    {view.change_text(c)}" for c in change.manifest]
     if change.manifest_hidden:
         lines.append(f"  manifest    ... {change.manifest_hidden} more fields (--format json lists every one)")

@@ -15,7 +15,7 @@ from ..golden import names
 from ..golden.codec import Golden
 from ..golden.manifest import Approval, json_object
 from ..numerics import fmt
-from ..runs.diff import DiffReport, FieldChange, GoldenDiff
+from ..runs.diff import DiffReport, FieldChange, GoldenDiff, TrailChange
 from ..runs.matrix import Cell, Matrix
 from ..runs.verdict import CheckReport
 
@@ -143,6 +143,10 @@ class GoldenChange:
     tensors_hidden: str  # the line for moved tensors left out
     tolerance: str
     provenance: list[FieldChange]
+    loosened: list[str]  # bounds that grew, largest factor first (cut to `shown`)
+    loosened_hidden: int
+    trail: list[str]  # changes to the approval trail other than appended approvals
+    absent: list[FieldChange]
     largest: str  # the largest move, for a summary table
     route_cell: str  # routes, for a summary table
     reasons: str  # the approvals' reasons, for a summary table
@@ -165,6 +169,21 @@ def approval_text(a: Approval) -> str:
     return f"{a.reason!r} (replaced {short(previous) if previous else 'nothing'})"
 
 
+def trail_text(c: TrailChange) -> str:
+    """One change to the approval trail, as a diff lists it."""
+    if c.kind == "edited" and c.old is not None:
+        hashes = ("" if c.old.previous_payload_hash == c.approval.previous_payload_hash else
+                  f" (replaced {short(c.old.previous_payload_hash)} -> {short(c.approval.previous_payload_hash)})")
+        return f"edited {c.old.reason!r} -> {c.approval.reason!r}{hashes}"
+    if c.kind == "forged":
+        return f"forged {c.approval.reason!r}: {c.why}"
+    return f"{c.kind} {approval_text(c.approval)}"
+
+
+def loosened_text(t: object) -> str:
+    return f"{t.name} {fmt.num(t.old_bound)} -> {fmt.num(t.new_bound)} ({fmt.times(t.factor)})"  # type: ignore[attr-defined]
+
+
 def diff_headline(report: DiffReport) -> str:
     material = sum(d.material for d in report.changed)
     return (f"{len(report.changed)} changed ({material} material), {len(report.added)} added, "
@@ -177,6 +196,8 @@ def golden_change(d: GoldenDiff, shown: int | None = SHOWN_TENSORS, fields: int 
     kept = ranked if shown is None else ranked[:shown]
     rest = ranked[len(kept):]
     worst = d.worst
+    loosened = sorted(d.loosened, key=lambda t: (-t.factor, t.name))
+    loose_kept = loosened if shown is None else loosened[:shown]
     return GoldenChange(
         key=str(d.key), verdict=d.verdict, material=d.material, summary=_summary(d),
         approvals=[approval_text(a) for a in d.approvals],
@@ -187,6 +208,8 @@ def golden_change(d: GoldenDiff, shown: int | None = SHOWN_TENSORS, fields: int 
         tensors_hidden=(f"... {len(rest)} more moved, at most {fmt.times(rest[0].ratio)} bound "
                         "(--format json lists every one)") if rest else "",
         tolerance=_tolerance_line(d), provenance=d.provenance,
+        loosened=[loosened_text(t) for t in loose_kept], loosened_hidden=len(loosened) - len(loose_kept),
+        trail=[trail_text(c) for c in d.trail_rewritten], absent=d.absent,
         largest=f"`{worst.name}` {fmt.times(worst.ratio)} bound" if worst else "—",
         route_cell=(f"{len(d.routes)} of {d.route_layers} layers changed" if d.routes
                     else "same" if d.route_layers else "—"),
@@ -211,6 +234,9 @@ def _summary(d: GoldenDiff) -> str:
         parts.append(f"routes changed in {len(d.routes)} of {d.route_layers} MoE layers")
     if d.identity_changed:
         parts.append(" and ".join(c.field.removesuffix("_hash") for c in d.identity_changed) + " changed")
+    # What makes a change material besides the tensors: a bound that grew, the rule, absences, the trail.
+    parts += [why for why in d.why_material() if why.endswith("loosened") or why.startswith(
+        ("tolerance rule", "absences", "approval trail"))]
     return "; ".join(parts)
 
 

@@ -1,14 +1,17 @@
 """The one check orchestrator: a candidate (a backend under one or more layouts) against its golden.
 
 The CLI, the support matrix and the pytest plugin all call `check_layouts` (or `check`, for one
-layout). For one golden it: reads and validates the golden and the config the candidate is built from;
-asks each layout whether it applies (a decline is a skipped report); runs the in-process layouts here,
-deterministically, and every multi-process one in ONE torchrun; then judges each result against the
-golden (routes first, tensors under route replay when routes differ) and says what a report must say
-(forward-only candidates, the train scenario's routes, a cross-class check).
+layout). For one golden it: reads and validates the golden and the config the candidate is built from,
+and refuses, before any number, a golden that does not cover what the model produces (`coverage`) or
+whose batch or config veosnap cannot run (`limits`); asks each layout whether it applies (a decline is a
+skipped report); runs the in-process layouts here, deterministically, guarded (`candidates.guard`: an
+exit or an overrun is the candidate's ERROR) and restored after (`candidates.pristine`), and every
+multi-process one in ONE torchrun; then judges each result against the golden (routes first, tensors
+under route replay when routes differ) and says what a report must say (forward-only candidates, the
+train scenario's routes, a cross-class check, patches a candidate left behind).
 
-Bad goldens, configs and SPECs raise `VeosnapError`; a candidate that raises is an ERROR report and a
-backend or layout that declines a skipped one, so the other checks still run.
+Bad goldens, configs and SPECs raise `VeosnapError`; a candidate that raises, exits or hangs is an ERROR
+report and a backend or layout that declines a skipped one, so the other checks still run.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..candidates import guard, pristine
 from ..candidates.backends import Backend
 from ..candidates.layouts import engine, registry, torchrun
 from ..candidates.layouts.engine import LayoutResult
@@ -26,7 +30,7 @@ from ..golden import names
 from ..golden.codec import Golden
 from ..golden.key import GoldenKey
 from ..numerics.compare import TensorResult, compare_route_sets, compare_tensors, same_route_tokens
-from ..reference import hardware, scenarios
+from ..reference import coverage, hardware, limits, models, scenarios
 from ..reference.capture import Capture
 from ..reference.determinism import deterministic
 from ..reference.inputs import Batch
@@ -53,6 +57,7 @@ def check_layouts(project: Project, key: GoldenKey, backend: Backend, layouts: S
     the golden for `key` when the caller has already read it (the pytest plugin does). Goldens of another
     hardware class than this machine's are refused unless `cross_class`, which measures the gap.
     """
+    timeout_s = guard.check_timeout(timeout_s)
     chosen = [(spec, registry.resolve(spec)) for spec in layouts]
     scenario = scenarios.get(key.scenario)
     try:
@@ -62,19 +67,30 @@ def check_layouts(project: Project, key: GoldenKey, backend: Backend, layouts: S
                             skipped=str(exc)) for spec, _ in chosen]
     golden, toy = load_checked(project, key, cross_class, gold)
     batch = Batch.from_golden(golden)
+    parameters = limits.check_config(toy)
+    limits.check_batch(golden, toy)
+    device = hardware.device_for(hardware.detect())
+    limits.check_memory(toy, parameters, batch.rows * batch.width, models.dtype_from_name(key.dtype), device,
+                        recording=False)
+    coverage.require(golden, toy)
+    family = models.modeling_module(toy)
     reports: dict[int, CheckReport] = {}
     spawned: list[int] = []
     for index, (spec, layout) in enumerate(chosen):
         fields = {"backend": backend.spec, "layout": spec}
         try:
-            layout.accept(golden, nproc)
+            with guard.running():  # the layout's own code: it may not end the process
+                layout.accept(golden, nproc)
         except Unsupported as exc:
             reports[index] = _report(golden, fields, skipped=str(exc))
+            continue
+        except guard.CandidateError as exc:
+            reports[index] = _report(golden, fields, error=str(exc))
             continue
         if layout.distributed:
             spawned.append(index)
         else:
-            reports[index] = _in_process(golden, batch, toy, backend, layout, fields, scenario)
+            reports[index] = _in_process(golden, batch, toy, backend, layout, fields, timeout_s, family, scenario)
     if spawned:
         _check_nproc(batch, nproc)
         for index in spawned:
@@ -91,21 +107,32 @@ def check_layouts(project: Project, key: GoldenKey, backend: Backend, layouts: S
 
 
 def _in_process(golden: Golden, batch: Batch, toy: ToyConfig, backend: Backend, layout: Layout,
-                fields: dict[str, str], scenario: Scenario) -> CheckReport:
-    """Run a layout here, on this machine's device; its failure or decline becomes its report."""
+                fields: dict[str, str], timeout_s: float, family: str, scenario: Scenario) -> CheckReport:
+    """Run a layout here, on this machine's device, guarded and restored; its failure or decline becomes
+    its report, and patches it left behind a note on it."""
     ctx = LayoutContext.checking(golden, toy, hardware.device_for(hardware.detect()), scenario)
-    try:
-        # Fixed threads and deterministic algorithms: checking twice gives the same report, even for
-        # kernels whose reductions otherwise vary from run to run (batched_mm on CPU does).
-        with deterministic():
-            result = engine.run(layout, backend, ctx)
-    except VeosnapError:
-        raise
-    except Unsupported as exc:
-        return _report(golden, fields, skipped=str(exc))
-    except Exception as exc:  # noqa: BLE001 - the candidate's own failure is a result, not a crash
-        return _report(golden, fields, error=describe(exc))
-    return judge(golden, batch, result, fields, scenario)
+    header = f"ERROR  {golden.key}  backend={fields['backend']}  layout={fields['layout']}"
+    with pristine.kept(family) as left:
+        try:
+            # Fixed threads and deterministic algorithms: checking twice gives the same report, even for
+            # kernels whose reductions otherwise vary from run to run (batched_mm on CPU does).
+            with deterministic(), guard.running(header, timeout_s):
+                result = engine.run(layout, backend, ctx)
+        except VeosnapError:
+            raise
+        except Unsupported as exc:
+            report = _report(golden, fields, skipped=str(exc))
+        except guard.CandidateError as exc:
+            report = _report(golden, fields, error=str(exc))
+        except Exception as exc:  # noqa: BLE001 - the candidate's own failure is a result, not a crash
+            report = _report(golden, fields, error=describe(exc))
+        else:
+            report = None
+    if report is None:
+        report = judge(golden, batch, result, fields, scenario)
+    if left:
+        report.notes.append(f"candidate {fields['backend']} left patches behind (restored): {', '.join(left)}")
+    return report
 
 
 def judge(golden: Golden, batch: Batch, result: LayoutResult, fields: dict[str, str],

@@ -3,13 +3,19 @@
 A golden whose bytes are the same on both sides is unchanged and never decoded. For a changed one,
 every tensor that moved is measured with the check's own metric (row error, tolerance.py) in units of
 the old golden's bound, so "0.3x" reads as noise and "40x" as a real change. Routes are compared per
-MoE layer, and tolerance, config, inputs, provenance and approvals are listed field by field.
+MoE layer, and tolerance, config, inputs, provenance and the approval trail are listed field by field.
+
+Review of this diff is what a golden's integrity rests on (its hashes are unkeyed, see docs/trust.md), so
+anything that could let a bug pass is material, not "metadata": a bound that grows, a changed tolerance
+rule (alpha, floor, tie epsilon), an absence newly excused, and any change to the approval trail but
+appending an approval that names the golden it replaced.
 
 Git revisions are read with `git ls-tree` and one `git cat-file --batch`; the tree is never checked out.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import subprocess
@@ -89,6 +95,20 @@ class ToleranceChange:
 
 
 @dataclass(frozen=True)
+class TrailChange:
+    """One change to the approval trail. Only `added` (appended, naming the golden it replaced) is metadata."""
+
+    kind: str  # added | removed | edited | inserted | moved | forged
+    approval: Approval
+    old: Approval | None = None  # edited: the entry before
+    why: str = ""  # forged: what does not add up
+
+    @property
+    def material(self) -> bool:
+        return self.kind != "added"
+
+
+@dataclass(frozen=True)
 class FieldChange:
     """A manifest field (flattened, e.g. `config.hidden_size`) that differs; None: absent on that side."""
 
@@ -112,7 +132,9 @@ class GoldenDiff:
     tolerance_rule: list[FieldChange] = field(default_factory=list)  # alpha, floor, tie epsilon
     manifest: list[FieldChange] = field(default_factory=list)  # config, inputs, reference, schema, margins
     provenance: list[FieldChange] = field(default_factory=list)
-    approvals: list[Approval] = field(default_factory=list)  # approvals the new side added
+    approvals: list[Approval] = field(default_factory=list)  # approvals the new side appended
+    trail: list[TrailChange] = field(default_factory=list)  # every change to the approval trail
+    absent: list[FieldChange] = field(default_factory=list)  # tensors the golden says it leaves out, and why
 
     def ranked(self) -> list[TensorMove]:
         """Moved tensors, largest move first."""
@@ -129,10 +151,42 @@ class GoldenDiff:
         return [c for c in self.manifest if c.field in ("config_hash", "inputs_hash")]
 
     @property
+    def loosened(self) -> list[ToleranceChange]:
+        """Bounds that grew: each would let a larger error pass."""
+        return [t for t in self.tolerance if t.new_bound > t.old_bound]
+
+    @property
+    def trail_rewritten(self) -> list[TrailChange]:
+        """Trail changes beyond appending a sound approval."""
+        return [c for c in self.trail if c.material]
+
+    def why_material(self) -> list[str]:
+        """Each reason this change is material (empty: it is noise or metadata)."""
+        why = []
+        over = [t for t in self.tensors if t.material]
+        if over:
+            why.append(f"{len(over)} tensor(s) moved beyond 1x bound")
+        if self.tensors_added or self.tensors_removed:
+            why.append(f"tensor set changed (+{len(self.tensors_added)} -{len(self.tensors_removed)})")
+        if self.routes:
+            why.append(f"routes changed in {len(self.routes)} MoE layer(s)")
+        if self.identity_changed:
+            why.append(" and ".join(c.field.removesuffix("_hash") for c in self.identity_changed) + " changed")
+        if self.loosened:
+            why.append(f"{len(self.loosened)} bound{'s' if len(self.loosened) > 1 else ''} loosened")
+        if self.tolerance_rule:
+            why.append("tolerance rule changed (" + ", ".join(c.field for c in self.tolerance_rule) + ")")
+        if self.absent:
+            why.append("absences changed (what the golden says it leaves out)")
+        if self.trail_rewritten:
+            kinds = ", ".join(dict.fromkeys(c.kind for c in self.trail_rewritten))
+            why.append(f"approval trail rewritten ({kinds})")
+        return why
+
+    @property
     def material(self) -> bool:
-        """Moved beyond noise: a tensor over 1x its bound, routes or tensor set changed, config/inputs changed."""
-        return (any(t.material for t in self.tensors) or bool(self.routes) or bool(self.tensors_added)
-                or bool(self.tensors_removed) or bool(self.identity_changed))
+        """Anything a check, or the review of a change, would see: see `why_material`."""
+        return bool(self.why_material())
 
     @property
     def verdict(self) -> str:
@@ -194,10 +248,48 @@ def diff_goldens(old: Golden, new: Golden) -> GoldenDiff:
     out.manifest += _dict_changes("reference", json_object(om.reference), json_object(nm.reference))
     out.manifest += _dict_changes("min_margin", _layers(om.min_margin), _layers(nm.min_margin))
     out.provenance = _dict_changes("", json_object(om.provenance), json_object(nm.provenance))
-    trail = om.approvals
-    out.approvals = (nm.approvals[len(trail):] if nm.approvals[: len(trail)] == trail
-                     else [a for a in nm.approvals if a not in trail])
+    out.absent = _dict_changes("absent", _absences(om), _absences(nm))
+    out.trail = trail_changes(om.approvals, nm.approvals, om.payload_hash)
+    out.approvals = [c.approval for c in out.trail if c.kind in ("added", "forged", "inserted")]
     return out
+
+
+def _absences(manifest: object) -> dict[str, str]:
+    return {f"{a.kind}:{name}": a.reason for a in manifest.absent for name in (a.names or ("*",))}  # type: ignore[attr-defined]
+
+
+def trail_changes(old: list[Approval], new: list[Approval], old_payload: str) -> list[TrailChange]:
+    """How the approval trail changed: appended entries are `added` (metadata) when the first names the
+    golden it replaced; anything else (removed, edited, inserted, moved, or appended naming another
+    golden: `forged`) is material."""
+    changes: list[TrailChange] = []
+    matcher = difflib.SequenceMatcher(a=old, b=new, autojunk=False)
+    for op, i1, i2, j1, j2 in matcher.get_opcodes():
+        if op == "equal":
+            continue
+        gone, came = old[i1:i2], new[j1:j2]
+        if op == "replace":
+            for before, after in zip(gone, came):
+                changes.append(TrailChange("edited", after, old=before))
+            gone, came = gone[len(came):], came[len(gone):]
+        changes += [TrailChange("removed", a) for a in gone]
+        appended = i1 == len(old) and j2 == len(new)
+        for k, a in enumerate(came):
+            if not appended:
+                changes.append(TrailChange("inserted", a))
+            elif j1 + k == len(old) and a.previous_payload_hash != old_payload:
+                changes.append(TrailChange("forged", a, why=f"it says it replaced {a.previous_payload_hash}, but the "
+                                                          f"golden before it was {old_payload}"))
+            else:
+                changes.append(TrailChange("added", a))
+    # An entry removed in one place and inserted in another was moved.
+    removed = {c.approval for c in changes if c.kind == "removed"}
+    inserted = {c.approval for c in changes if c.kind in ("inserted", "added", "forged")}
+    moved = removed & inserted
+    if moved:
+        changes = [c for c in changes if c.approval not in moved] + \
+                  [TrailChange("moved", a) for a in new if a in moved]
+    return changes
 
 
 def _tensor_move(name: str, old: torch.Tensor, new: torch.Tensor, bound: float,
@@ -293,14 +385,11 @@ class DirTree:
         self.label = label or str(root)
 
     def entries(self) -> dict[GoldenKey, str]:
-        return {key: "" for key, _ in store.list_goldens(self.root)}
+        # Entries that are not goldens (a FIFO, a link to another key) are listed too: reading them is refused.
+        return {entry.key: "" for entry in store.scan(self.root).entries}
 
     def read(self, key: GoldenKey) -> bytes:
-        path = store.path_for(self.root, key)
-        try:
-            return path.read_bytes()
-        except OSError as exc:
-            raise VeosnapError(f"{path}: cannot read ({exc.strerror})") from None
+        return store.load(store.path_for(self.root, key), self.root)
 
     def source(self, key: GoldenKey) -> str:
         return str(store.path_for(self.root, key))
@@ -345,6 +434,8 @@ class GitTree:
                 rel = PurePosixPath(path).relative_to(self.prefix) if str(self.prefix) != "." else PurePosixPath(path)
                 if kind != "blob":
                     continue
+                if mode == "120000":  # a symlink: its blob is the target's path, never a golden
+                    oid = f"symlink:{oid}"
                 try:
                     oids[GoldenKey.from_relpath(Path(rel))] = oid
                 except VeosnapError:
@@ -353,9 +444,12 @@ class GitTree:
         return self._oids
 
     def read(self, key: GoldenKey) -> bytes:
+        oid = self.entries()[key]
+        if oid.startswith("symlink:"):
+            raise VeosnapError(f"{self.source(key)}: a symlink in git; a golden is a regular file")
         if self._blobs is None:
             self._blobs = _CatFile(self.repo)
-        return self._blobs.read(self.entries()[key], self.source(key))
+        return self._blobs.read(oid, self.source(key))
 
     def source(self, key: GoldenKey) -> str:
         return f"{self.rev}:{self.prefix / key.relpath.as_posix()}"
@@ -442,8 +536,9 @@ def _diff_trees(base: Tree, head: Tree) -> DiffReport:
             if old_bytes == new_bytes:
                 report.unchanged.append(key)
                 continue
-            report.changed.append(diff_goldens(codec.decode(old_bytes, base.source(key)),
-                                               codec.decode(new_bytes, head.source(key))))
+            old_golden = store.check_key(codec.decode(old_bytes, base.source(key)), key, base.source(key))
+            new_golden = store.check_key(codec.decode(new_bytes, head.source(key)), key, head.source(key))
+            report.changed.append(diff_goldens(old_golden, new_golden))
         return report
     finally:
         for tree in (base, head):

@@ -18,7 +18,7 @@ from ..candidates import backends as backends_mod
 from ..candidates.backends import Backend
 from ..golden.key import GoldenKey
 from ..reference.zoo import Project
-from .check import check_layouts
+from .check import DEFAULT_TIMEOUT_S, check_layouts
 from .verdict import CheckReport
 
 SINGLE = "single"  # the golden's own layout: one process, padded batch
@@ -26,11 +26,11 @@ LayoutsCheck = Callable[[Project, GoldenKey, Backend, list[str]], list[CheckRepo
 STATUSES = ("pass", "fail", "skip", "error")
 
 
-def default_check(nproc: int = 2) -> LayoutsCheck:
+def default_check(nproc: int = 2, timeout_s: float = DEFAULT_TIMEOUT_S) -> LayoutsCheck:
     """`runs.check.check_layouts`: in-process layouts here, the multi-process ones under one torchrun."""
 
     def run(project: Project, key: GoldenKey, backend: Backend, layouts: list[str]) -> list[CheckReport]:
-        return check_layouts(project, key, backend, layouts, nproc=nproc)
+        return check_layouts(project, key, backend, layouts, nproc=nproc, timeout_s=timeout_s)
 
     return run
 

@@ -1,7 +1,15 @@
-"""Record goldens from the HF eager reference, with tolerances calibrated against a float64 run."""
+"""Record goldens from the HF eager reference, with tolerances calibrated against a float64 run.
+
+The reference is recorded from a pristine process: here when no candidate has run in this process, else
+in a fresh one (`isolated`). A golden is written under the project's goldens directory only (`./goldens`
+or `--goldens`, never the installed package, never through a directory linked out of it), and a golden
+with an approval trail keeps it: recording it again is "unchanged" when the reference reproduces it, and
+refused when it would change it without an approval (that is what `veosnap refresh --reason` is for).
+"""
 
 from __future__ import annotations
 
+import os
 import platform
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,7 +18,8 @@ import torch
 import transformers
 
 from .. import __version__
-from ..errors import VeosnapError
+from ..candidates import pristine
+from ..errors import GoldenError, Unsupported, VeosnapError
 from ..golden import codec, names, store
 from ..golden.codec import Golden
 from ..golden.key import DTYPE_NAMES, SCENARIOS, GoldenKey
@@ -18,12 +27,11 @@ from ..golden.manifest import BatchSpec, Manifest, Provenance, Reference
 from ..numerics import fmt
 from ..numerics.routes import flips
 from ..numerics.tolerance import ALPHA, FLOOR, TIE_EPSILON, noise, pooled_noises, tolerance_for
-from ..errors import Unsupported
-from ..reference import hardware, inputs, models, scenarios, train
+from ..reference import coverage, hardware, inputs, limits, models, scenarios, train
 from ..reference.capture import run_step
 from ..reference.determinism import deterministic
 from ..reference.probes import RouteRecord
-from ..reference.zoo import Project, ToyConfig, load_config
+from ..reference.zoo import Project, ToyConfig, load_config, writable
 
 
 @dataclass(frozen=True)
@@ -34,6 +42,7 @@ class RecordOutcome:
     path: Path
     written: bool  # False when the file already held exactly these bytes
     min_margin: float | None  # smallest router margin over all MoE layers (None: dense model)
+    note: str = ""  # what else the user should know (a trail kept, an unreadable golden replaced)
 
 
 def build_golden(project: Project, key: GoldenKey, seed: int = 0, allow_near_ties: bool = False) -> Golden:
@@ -58,11 +67,14 @@ def build_golden(project: Project, key: GoldenKey, seed: int = 0, allow_near_tie
         raise VeosnapError(f"{key}: {exc}") from None
     dtype = models.dtype_from_name(key.dtype)
     device = hardware.device_for(key.hardware_class)
+    parameters = limits.check_config(toy)
     batch, spec = scenario_batch(project, toy, scenario)
+    limits.check_memory(toy, parameters, batch.rows * batch.width, dtype, device, recording=True)
     hyper = train.DEFAULT_HYPER if scenario.train else None
     with deterministic() as settings:
         torch.manual_seed(seed)
         model = scenario.freeze(models.build(toy, dtype, device, seed))
+        absent = coverage.absences(model)
         batch = inputs.with_rope_positions(batch, model)
         high = scenario.freeze(models.upcast_copy(model, toy, torch.float64))  # before training moves the weights
         if hyper is None:
@@ -125,6 +137,7 @@ def build_golden(project: Project, key: GoldenKey, seed: int = 0, allow_near_tie
         floor=FLOOR[key.dtype],
         tie_epsilon=TIE_EPSILON[key.dtype],
         min_margin=dict(min_margin),
+        absent=absent,
     )
     return Golden(manifest=manifest, tensors=tensors)
 
@@ -135,7 +148,9 @@ def scenario_batch(project: Project, toy: ToyConfig, scenario: scenarios.Scenari
     side = inputs.padding_side(toy.config)
     texts = tuple(row.text for row in scenario.rows if row.sample is None)
     if not scenario.multimodal:
-        batch = inputs.padded(inputs.load_sequences(project.testdata, texts), side)
+        sequences = inputs.load_sequences(project.testdata, texts)
+        limits.check_sequences(Path(project.testdata) / inputs.SEQUENCES_FILE, texts, sequences, toy)
+        batch = inputs.padded(sequences, side)
         return batch, BatchSpec(layout="padded", padding_side=side, sequences=texts, source=inputs.SEQUENCES_FILE)
     batch, family = inputs.multimodal_batch(project.testdata, list(scenario.rows), models.hf_config(toy), side)
     return batch, BatchSpec(layout="padded", padding_side=side, sequences=texts, source=inputs.MEDIA_SEQUENCES_FILE,
@@ -161,16 +176,59 @@ def _check_routes(key: GoldenKey, reference: dict[int, RouteRecord], truth: dict
     return margins
 
 
+def recorded(project: Project, key: GoldenKey, seed: int = 0, allow_near_ties: bool = False) -> Golden:
+    """The golden for `key` from a pristine process: this one if no candidate ran here, else a fresh one."""
+    if pristine.touched():
+        from .isolated import record_bytes
+
+        data = record_bytes(project, key, seed=seed, allow_near_ties=allow_near_ties)
+        return codec.decode(data, f"the fresh recording of {key}")
+    return build_golden(project, key, seed=seed, allow_near_ties=allow_near_ties)
+
+
+def stored_bytes(new: Golden, path: Path, root: Path) -> tuple[bytes, str]:
+    """What recording `new` stores at `path` under `root`, and a note for the user.
+
+    An existing golden's approval trail is kept: the new golden carries it, and must then reproduce the
+    stored file byte for byte (a recording cannot extend the trail, having no reason to give). An
+    unreadable golden is replaced (it has no trail anyone can trust), and the note says so.
+    """
+    if not os.path.lexists(path):
+        return codec.encode(new), ""
+    try:
+        old = store.read(path, root)
+    except GoldenError as exc:
+        return codec.encode(new), f"replaced an unreadable golden: {exc.cause}"
+    trail = old.manifest.approvals
+    if not trail:
+        return codec.encode(new), ""
+    new.manifest.approvals = list(trail)
+    data = codec.encode(new)
+    if data != store.read_file(path):
+        count = f"{len(trail)} approval{'s' if len(trail) > 1 else ''}"
+        scenario = "" if new.key.scenario == "step" else f" --scenario {new.key.scenario}"
+        raise GoldenError(path, f"has an approval trail ({count}, last {trail[-1].reason!r}): recording it again "
+                                "would change it without an approval; re-record it with `veosnap refresh --reason "
+                                f"\"...\" --model {new.key.model} --dtype {new.key.dtype}{scenario}`")
+    return data, f"approval trail of {len(trail)} kept"
+
+
 def record(project: Project, model: str, dtype: str, scenario: str = "step", seed: int = 0,
            allow_near_ties: bool = False) -> RecordOutcome:
     """Record one golden into the project's goldens directory; leaves an identical file untouched. A scenario
     checked against another's golden (`frozen_vision`) records that one."""
     key = GoldenKey(project.hardware_class, model, scenario, dtype).recorded
-    new = build_golden(project, key, seed=seed, allow_near_ties=allow_near_ties)
+    writable(project.goldens)
     path = store.path_for(project.goldens, key)
-    data = codec.encode(new)
-    written = not (path.is_file() and path.read_bytes() == data)
+    store.check_writable(path, project.goldens)  # before the minutes a recording may take
+    new = recorded(project, key, seed=seed, allow_near_ties=allow_near_ties)
+    data, note = stored_bytes(new, path, project.goldens)
+    try:
+        written = store.read_file(path) != data
+    except GoldenError:
+        written = True
     if written:
-        store.write_bytes(data, path)
+        store.write_bytes(data, path, project.goldens)
     margins = new.manifest.min_margin.values()
-    return RecordOutcome(key=key, path=path, written=written, min_margin=min(margins) if margins else None)
+    return RecordOutcome(key=key, path=path, written=written, min_margin=min(margins) if margins else None,
+                         note=note)

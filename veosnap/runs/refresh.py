@@ -2,12 +2,15 @@
 
 A refresh re-runs the reference on this machine and rewrites a golden only when its content moved
 beyond the reference's noise, so an unchanged model keeps a byte-identical file and a pull request
-touches only the goldens that really changed. Each rewrite appends {reason, previous_payload_hash}
-to the manifest's approval trail, so the history of why a golden changed travels with it.
+touches only the goldens that really changed. It compares bounds too: a golden whose bounds are looser
+than the reference now measures (loosened by hand, say) is rewritten, never kept as "within noise".
+Each rewrite appends {reason, previous_payload_hash} to the manifest's approval trail (which `diff`
+shows), so the history of why a golden changed travels with it.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,13 +21,16 @@ from ..golden.key import GoldenKey
 from ..golden.manifest import Approval
 from ..numerics import fmt
 from ..reference import hardware
-from ..reference.zoo import Project
+from ..reference.zoo import Project, writable
 from .diff import GoldenDiff, diff_goldens
-from .record import build_golden
+from .record import recorded
 
 # Manifest fields whose change alone makes a refresh rewrite: the golden would describe another
 # function, batch, tolerance rule or format than the one on disk.
 REWRITE_FIELDS = ("config_hash", "inputs_hash", "schema_version")
+# A stored bound more than this many times the one the reference measures now was loosened: rewritten.
+# (Not 1: another CPU of the same class measures a slightly different noise; `diff` flags any growth.)
+LOOSER_THAN_MEASURED = 2.0
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,13 @@ def reasons_to_rewrite(d: GoldenDiff) -> list[str]:
     why += [f"{c.field} changed" for c in d.manifest if c.field in REWRITE_FIELDS]
     if d.tolerance_rule:
         why.append("tolerance rule changed (" + ", ".join(c.field for c in d.tolerance_rule) + ")")
+    looser = [t for t in d.tolerance if t.old_bound > LOOSER_THAN_MEASURED * t.new_bound]
+    if looser:
+        worst = max(looser, key=lambda t: t.old_bound / t.new_bound)
+        why.append(f"{len(looser)} bound(s) looser than the reference measures (largest {worst.name} "
+                   f"{fmt.times(worst.old_bound / worst.new_bound)})")
+    if d.absent:
+        why.append("absences changed")
     return why
 
 
@@ -72,26 +85,28 @@ def refresh(project: Project, model: str, dtype: str, reason: str, force: bool =
             f"re-recorded only on the hardware they describe; run `veosnap refresh` on a {project.hardware_class} machine"
         )
     key = GoldenKey(project.hardware_class, model, scenario, dtype).recorded
+    writable(project.goldens)
     path = store.path_for(project.goldens, key)
+    store.check_writable(path, project.goldens)
     old = _read_old(path, project.goldens, force)
     if seed is None:  # keep the weights the old golden was recorded with
         seed = old.manifest.reference.seed if old is not None else 0
-    new = build_golden(project, key, seed=seed, allow_near_ties=allow_near_ties)
+    new = recorded(project, key, seed=seed, allow_near_ties=allow_near_ties)
     if old is None:
-        why = "replaced an unreadable golden (--force)" if path.exists() else "no golden before"
+        why = "replaced an unreadable golden (--force)" if os.path.lexists(path) else "no golden before"
         new.manifest.approvals = [Approval(reason, previous_payload_hash=None)]
-        store.write_bytes(codec.encode(new), path)
+        store.write_bytes(codec.encode(new), path, project.goldens)
         return RefreshOutcome(key, path, "created", why)
     why = reasons_to_rewrite(diff_goldens(old, new))
     if not why and not force:
         return RefreshOutcome(key, path, "unchanged", "within noise of the recorded golden")
     new.manifest.approvals = [*old.manifest.approvals, Approval(reason, old.manifest.payload_hash)]
-    store.write_bytes(codec.encode(new), path)
+    store.write_bytes(codec.encode(new), path, project.goldens)
     return RefreshOutcome(key, path, "rewrote", "; ".join(why) or "forced (--force)", diff_goldens(old, new))
 
 
 def _read_old(path: Path, root: Path, force: bool) -> Golden | None:
-    if not path.exists():
+    if not os.path.lexists(path):
         return None
     try:
         return store.read(path, root=root)

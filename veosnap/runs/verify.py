@@ -1,9 +1,11 @@
-"""Integrity of golden files (`veosnap verify`): is each one exactly what a recorder wrote?
+"""Integrity of golden files (`veosnap verify`): is each one exactly what a recorder wrote, for the model it names?
 
-`golden.read` already refuses bad compression, oversized parts, unknown schemas, payload hash and
-inputs hash mismatches, and tensors without a tolerance. Verify adds what a reader need not pay for on
-every check: the manifest's config hash recomputed from its own config, the key against the path,
-finite tensors, and finite positive bounds.
+Each file goes through the one reader every command uses (`golden.store.read`: a regular file only, the key
+from its path and never from where a symlink leads, compression, schema, the manifest hash (required),
+payload and inputs hashes, the tensor set). Verify adds what a check need not pay for on every run: finite
+tensors, and coverage without running the model: the model the manifest's config describes is built on
+the meta device (no memory) and the golden must hold its every parameter's gradient (or update), every
+layer's output and every router's routes, unless the manifest says why not (`reference.coverage`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from ..errors import GoldenError, VeosnapError
 from ..golden import store
 from ..golden.codec import Golden
 from ..golden.key import SUFFIX, GoldenKey
+from ..reference import coverage
 
 
 @dataclass(frozen=True)
@@ -36,11 +39,7 @@ class VerifyResult:
 
 
 def consistency_problem(g: Golden) -> str:
-    """What `golden.read` does not look for: a non-finite value in a stored tensor ('' when none).
-
-    The reader already refuses bad hashes (payload, inputs, config), schema, tensor sets and
-    non-finite or non-positive tolerances.
-    """
+    """What `golden.read` does not look for: a non-finite value in a stored tensor ('' when none)."""
     for name in sorted(g.tensors):
         t = g.tensors[name]
         if t.is_floating_point():
@@ -51,30 +50,38 @@ def consistency_problem(g: Golden) -> str:
     return ""
 
 
-def verify_file(path: Path) -> VerifyResult:
-    """Read and check one golden; its key must match the last three parts of its path."""
+def verify_file(path: Path, root: Path | None = None) -> VerifyResult:
+    """Read and check one golden (under `root` when it was found there); its key is the one its path names."""
     path = Path(path)
-    try:
-        expected = GoldenKey.from_relpath(Path(*path.parts[-3:]))
-    except (VeosnapError, TypeError):
+    expected = store.key_of(path, root)
+    if expected is None:
         return VerifyResult(path, None, f"not a golden path (<class>/<model>/<scenario>-<dtype>{SUFFIX})")
     try:
-        g = store.read(path)
+        g = store.read(path, root)
+        coverage.require(g, coverage.manifest_config(g))  # the config's limits first, then the meta model
     except GoldenError as exc:
         return VerifyResult(path, expected, exc.cause)
-    if g.key != expected:
-        return VerifyResult(path, expected, f"manifest key {g.key} disagrees with its path ({expected})")
+    except VeosnapError as exc:
+        return VerifyResult(path, expected, str(exc).removeprefix(f"{path}: "))
     return VerifyResult(path, expected, consistency_problem(g))
 
 
-def collect(paths: list[Path]) -> list[Path]:
-    """Golden files named by `paths`: files as given, directories searched as goldens roots."""
-    found: list[Path] = []
+def collect(paths: list[Path]) -> list[tuple[Path, Path | None]]:
+    """Golden files named by `paths`, each with the goldens root it was found under (None: given as a file).
+
+    A directory is a goldens root: every file named like a golden under it (specials included: they are
+    reported, never read); one with nothing to verify, or that cannot be listed, is an error.
+    """
+    found: list[tuple[Path, Path | None]] = []
     for path in map(Path, paths):
         if path.is_dir():
-            found += [p for _, p in store.list_goldens(path)]
-        elif path.exists():
-            found.append(path)
+            entries = store.scan(path, strict=True).entries
+            if not entries:
+                raise VeosnapError(f"{path}: no goldens found (expected <class>/<model>/<scenario>-<dtype>{SUFFIX} "
+                                   "under it)")
+            found += [(e.path, path) for e in entries]
+        elif path.exists() or path.is_symlink():
+            found.append((path, None))
         else:
             raise VeosnapError(f"{path}: no such file or directory")
     return found
@@ -82,4 +89,4 @@ def collect(paths: list[Path]) -> list[Path]:
 
 def verify(paths: list[Path]) -> list[VerifyResult]:
     """Verify every golden named by `paths` (files, or goldens directories)."""
-    return [verify_file(p) for p in collect(paths)]
+    return [verify_file(path, root) for path, root in collect(paths)]

@@ -1,18 +1,20 @@
 """The `veosnap` command: a thin skin over the library (record, check, diff, refresh, verify, show, ls).
 
 Exit status: 0 all passed, 1 a check failed (diff --fail-on-change: a material change; verify: a bad
-golden), 2 usage error, missing golden or bad input.
+golden), 2 usage error, missing golden or bad input; 130 and 143 when stopped by SIGINT and SIGTERM
+(after ending what it started: torchrun and its ranks, temp directories).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
-from ..candidates import backends
+from ..candidates import backends, guard
 from ..candidates.layouts import registry as layouts
 from ..errors import VeosnapError
 from ..golden import store
@@ -30,6 +32,12 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 def _project(args: argparse.Namespace) -> Project:
     return Project.resolve(goldens=args.goldens, configs=args.configs, testdata=args.testdata,
                            hardware_class=args.hardware_class)
+
+
+def _recording_project(args: argparse.Namespace) -> Project:
+    """Where `record` and `refresh` write: --goldens, else ./goldens (never the bundled goldens)."""
+    return Project.for_recording(goldens=args.goldens, configs=args.configs, testdata=args.testdata,
+                                 hardware_class=args.hardware_class)
 
 
 def _selection(args: argparse.Namespace, project: Project) -> list[tuple[str, str]]:
@@ -60,14 +68,15 @@ def _scenarios(args: argparse.Namespace, project: Project, model: str, recording
 def cmd_record(args: argparse.Namespace) -> int:
     from ..runs.record import record
 
-    project = _project(args)
+    project = _recording_project(args)
     for model, dtype in _selection(args, project):
         for scenario in _scenarios(args, project, model, recording=True):
             outcome = record(project, model, dtype, scenario=scenario, seed=args.seed,
                              allow_near_ties=args.allow_near_ties)
             margin = "" if outcome.min_margin is None else f"  min router margin {fmt.num(outcome.min_margin)}"
+            note = f"  ({outcome.note})" if outcome.note else ""
             state = "wrote" if outcome.written else "unchanged"
-            print(f"{state:9s} {outcome.path}{margin}")
+            print(f"{state:9s} {outcome.path}{margin}{note}")
     return EXIT_OK
 
 
@@ -78,6 +87,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         raise VeosnapError("--backends and --layouts go with --matrix (for one backend: --backend SPEC)")
     from ..runs.check import check_layouts
 
+    guard.check_timeout(args.timeout)
     project = _project(args)
     backend = backends.resolve(args.backend or "eager")
     reports = [
@@ -107,9 +117,10 @@ def cmd_diff(args: argparse.Namespace) -> int:
 def cmd_refresh(args: argparse.Namespace) -> int:
     from ..runs.refresh import refresh
 
-    project = _project(args)
+    project = _recording_project(args)
     for model, dtype in _selection(args, project):
-        outcome = refresh(project, model, dtype, args.reason, force=args.force, allow_near_ties=args.allow_near_ties)
+        outcome = refresh(project, model, dtype, args.reason, force=args.force, scenario=args.scenario,
+                          allow_near_ties=args.allow_near_ties)
         print(f"{outcome.action:9s} {outcome.path}  ({outcome.why})")
         if outcome.diff is not None:
             print("\n".join(render_text.diff_golden(outcome.diff)))
@@ -124,8 +135,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     bad = [r for r in results if not r.ok]
     for r in bad:
         print(r.line())
-    print(f"verified {len(results)} golden(s): {len(bad)} bad" if results else "no goldens found in " +
-          ", ".join(map(str, paths)))
+    print(f"verified {len(results)} golden(s): {len(bad)} bad")
     return EXIT_FAILED if bad else EXIT_OK
 
 
@@ -134,6 +144,7 @@ def cmd_matrix(args: argparse.Namespace) -> int:
 
     if args.backend:
         raise VeosnapError("--matrix takes --backends a,b,c (not --backend)")
+    guard.check_timeout(args.timeout)
     project = _project(args)
     selection = _selection(args, project)
     models = list(dict.fromkeys(m for m, _ in selection))
@@ -145,7 +156,7 @@ def cmd_matrix(args: argparse.Namespace) -> int:
         unavailable = {}
     progress = _progress if sys.stderr.isatty() else None
     result = matrix.run_matrix(project, models, dtypes, specs, layouts,
-                               check_cells=matrix.default_check(args.nproc), on_cell=progress,
+                               check_cells=matrix.default_check(args.nproc, args.timeout), on_cell=progress,
                                unavailable=unavailable, scenario=_one_scenario(args))
     out = render_json.matrix(result) if args.format == "json" else render_text.matrix(result, color=sys.stdout.isatty())
     sys.stdout.write(out if out.endswith("\n") else out + "\n")
@@ -180,7 +191,10 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     project = _project(args)
-    entries = store.list_goldens(project.goldens)
+    scan = store.scan(project.goldens)
+    for path, why in scan.skipped:  # named like goldens, but never read
+        print(f"veosnap: skipped {path}: {why}", file=sys.stderr)
+    entries = scan.goldens
     if args.format == "json":
         print(json.dumps([{"key": str(k), "path": str(p), "bytes": p.stat().st_size} for k, p in entries], indent=2))
         return EXIT_OK
@@ -240,7 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layouts", metavar="X,Y", help="with --matrix: layouts (default: single)")
     p.add_argument("--nproc", type=int, default=2, metavar="N", help="processes for multi-process layouts (default 2)")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
-                   help="seconds before a multi-process check is ended as an error (default %(default)g)")
+                   help="seconds before a candidate that has not finished is ended as an error, in every layout "
+                        "(default %(default)g)")
     p.add_argument("--format", choices=("text", "json"), default="text")
     p.add_argument("--cross-class", action="store_true",
                    help="allow goldens of another hardware class than this machine's (measures the gap)")
@@ -257,6 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("refresh", help="re-record goldens that moved beyond noise, with an approval reason")
     _common(p), _selectors(p)
+    _scenario(p)
     p.add_argument("--reason", required=True, metavar="TEXT", help="why the goldens change (kept in the approval trail)")
     p.add_argument("--force", action="store_true", help="rewrite even goldens that did not move beyond noise")
     p.add_argument("--allow-near-ties", action="store_true", help="record even if a router has near-ties")
@@ -281,11 +297,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised where the command runs so that what it started is ended on the way out."""
+
+
+def _terminated(signum: int, _frame: object) -> None:
+    raise Terminated(signum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    old = signal.signal(signal.SIGTERM, _terminated) if _main_thread() else None
     try:
         return args._commands[args.command](args)
+    except Terminated:
+        return 128 + signal.SIGTERM
     except VeosnapError as exc:
         print(f"veosnap: error: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -294,7 +321,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"veosnap: error: {where}{exc.strerror or exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
-        return 130
+        return 128 + signal.SIGINT
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGTERM, old)
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
 
 
 if __name__ == "__main__":

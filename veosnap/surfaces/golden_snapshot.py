@@ -5,7 +5,8 @@ checks a backend on that (hardware class, model, scenario, dtype), so it lives i
 directory under the path `veosnap record` writes. The pieces, in syrupy's terms:
 
 - storage: the snapshot named `cpu/llama/step-float32` is `<goldens>/cpu/llama/step-float32.safetensors.zst`,
-  read as bytes and written atomically (`golden.write_bytes`), never through syrupy's own file writer;
+  read and written through veosnap's one reader and writer (`golden.store`: a regular file only, the key
+  from its path, atomic writes never through a directory linked out of the goldens), never syrupy's;
 - serializer: the asserted value is a `Recording` (golden bytes just built from the HF eager
   reference) or a `CandidateCheck` (a backend under a layout, to check), passed through as is;
 - comparator: a recording matches when its bytes are the stored bytes; a candidate matches when
@@ -65,14 +66,10 @@ class CandidateCheck:
     missing: str = ""  # set by the plugin: how to record the golden when it does not exist
 
     def matches(self, stored: bytes, path: Path) -> bool:
-        from ..errors import GoldenError
-        from ..golden import codec
+        from ..golden import store
         from ..runs.check import check
 
-        gold = codec.decode(stored, path)
-        gold.path = path
-        if gold.key != self.key.recorded:
-            raise GoldenError(path, f"manifest key {gold.key} disagrees with its path ({self.key.recorded})")
+        gold = store.decode_at(stored, path, self.project.goldens)
         self.report = check(self.project, self.key, self.backend, self.layout or "single", gold=gold)
         return self.report.passed
 
@@ -131,10 +128,13 @@ class GoldenExtension(AbstractSyrupyExtension):
 
     def read_snapshot_data_from_location(self, *, snapshot_location: str, snapshot_name: str, session_id: str
                                          ) -> bytes | None:
-        try:
-            return Path(snapshot_location).read_bytes()
-        except FileNotFoundError:
+        import os
+
+        from ..golden import store
+
+        if not os.path.lexists(snapshot_location):
             return None
+        return store.load(Path(snapshot_location), self.goldens)
 
     @classmethod
     def write_snapshot(cls, *, snapshot_location: str, snapshots: list[tuple[Any, Any, Any]],
@@ -155,10 +155,12 @@ class GoldenExtension(AbstractSyrupyExtension):
             data = snapshot.data.data if isinstance(snapshot.data, Recording) else snapshot.data
             if not isinstance(data, bytes):  # only the reference's recording is ever written
                 raise TypeError(f"refusing to write {type(snapshot.data).__name__} as a golden")
-            store.write_bytes(data, Path(snapshot_collection.location))
+            store.write_bytes(data, Path(snapshot_collection.location), cls.goldens)
 
     def delete_snapshots(self, *, snapshot_location: str, snapshot_names: set[str]) -> None:
-        Path(snapshot_location).unlink(missing_ok=True)
+        from ..golden import store
+
+        store.remove(Path(snapshot_location), self.goldens)
 
     # comparator and reporter
     def matches(self, *, serialized_data: Any, snapshot_data: Any) -> bool:

@@ -6,10 +6,16 @@ Registered through the `pytest11` entry point, built on syrupy (see `golden_snap
         veosnap_check("qwen3_moe", backend="mypkg.kernels:patch", dtype="float32")
 
 Every `veosnap_check` is a syrupy assertion against the golden for (hardware class, model, scenario,
-dtype). Under `--snapshot-update` the golden is first re-recorded from the HF eager reference (written
-only when its bytes change); the backend is then still checked and its output is never written.
-Unused goldens (in the selected goldens directory and hardware class, used by no test of a full run)
-are reported the way syrupy reports unused snapshots, and deleted only under `--snapshot-update`.
+dtype). Under `--snapshot-update` the golden is first re-recorded from the HF eager reference, in a fresh
+process (the tests of this session may have patched anything), and written only when its bytes change
+(a golden with an approval trail keeps it, or is refused); the backend is then still checked and its
+output is never written. Unused goldens (in the selected goldens directory, of the hardware class,
+scenarios and dtypes the run used, used by no test of a full run) are reported the way syrupy reports
+unused snapshots, and deleted only with `--snapshot-update --veosnap-delete-unused`, each one listed.
+
+The project's directories default to `<root>/goldens` etc., where `<root>` is pytest's rootdir as it
+would be without veosnap's own options: pytest settles its rootdir before this plugin is loaded, so
+`--veosnap-configs DIR` (space-separated) would otherwise make DIR's tree the project.
 
 Nothing here imports torch until a test asks for veosnap, so the plugin costs nothing to projects
 that merely have veosnap installed.
@@ -71,11 +77,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                         help=f"{what} directory (default: ini veosnap_{kind}, else <rootdir>/"
                              f"{'toy_configs' if kind == 'configs' else kind} if present, else veosnap's bundled zoo)")
         parser.addini(f"veosnap_{kind}", f"veosnap {what} directory, relative to the ini file", default=None)
+    group.addoption("--veosnap-delete-unused", action="store_true", default=False,
+                    help="with --snapshot-update: delete unused goldens (of the hardware class, scenarios and dtypes "
+                         "the run used), listing each one")
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", f"{_MATRIX_MARK}(models, dtypes, backends, layouts): veosnap check matrix "
                                        "(use veosnap.surfaces.pytest_plugin.matrix)")
+    if config.getoption("veosnap_delete_unused") and not getattr(config.option, "update_snapshots", False):
+        raise pytest.UsageError("veosnap: --veosnap-delete-unused goes with --snapshot-update")
     state = VeosnapSession(config)
     config.stash[_STATE] = state
     if config.pluginmanager.hasplugin("xdist"):
@@ -91,7 +102,7 @@ class _Outcome:
     used: set[str] = field(default_factory=set)  # golden keys some check asked for
     reached: set[str] = field(default_factory=set)  # node ids whose veosnap check ran
     items: set[str] = field(default_factory=set)  # selected node ids that request a veosnap fixture
-    recorded: set[str] = field(default_factory=set)  # goldens recorded from the reference
+    recorded: set[str] = field(default_factory=set)  # goldens recorded from the reference (in a fresh process)
     written: set[str] = field(default_factory=set)  # ... of which the bytes changed (created or updated)
     candidates: int = 0  # candidate checks run under --snapshot-update
     not_recordable: str = ""
@@ -114,6 +125,7 @@ class Unused:
 
     goldens: list[tuple[str, Path]]  # (key, path) of goldens no check used
     deleted: bool = False
+    kept: bool = False  # under --snapshot-update without --veosnap-delete-unused
     undecided: str = ""  # why unused goldens could not be told apart from goldens of tests that did not run
 
 
@@ -129,6 +141,8 @@ class VeosnapSession:
         self._project: Project | None = None
         self._extension: type[GoldenExtension] | None = None
         self._recordings: dict[str, bytes] = {}
+        self._recorder: Any = None  # runs.isolated.FreshRecorder, started on the first recording
+        self._root: Path | None = None
 
     # directories and hardware class, resolved on first use (resolving the class imports torch)
     @property
@@ -139,16 +153,24 @@ class VeosnapSession:
     def update_new_only(self) -> bool:
         return bool(getattr(self.config.option, "update_new_snapshots_only", False))
 
+    @property
+    def root(self) -> Path:
+        """The project's root: pytest's rootdir, unless pytest took it from a veosnap option's value."""
+        if self._root is None:
+            self._root = _project_root(self.config)
+        return self._root
+
     def directory(self, kind: str) -> Path | None:
-        """The flag, else the ini value, else `<rootdir>/<kind>` if it exists; None: veosnap's default."""
+        """The flag, else the ini value, else `<root>/<kind>` if it exists; None: veosnap's default."""
         flag = self.config.getoption(f"veosnap_{kind}")
         if flag:
             return (self.config.invocation_params.dir / flag).resolve()
         ini = self.config.getini(f"veosnap_{kind}")
         if ini:
-            base = self.config.inipath.parent if self.config.inipath else self.config.rootpath
+            base = self.config.inipath.parent if self.config.inipath and self.root == self.config.rootpath \
+                else self.root
             return (base / str(ini)).resolve()
-        local = self.config.rootpath / ("toy_configs" if kind == "configs" else kind)
+        local = self.root / ("toy_configs" if kind == "configs" else kind)
         if local.is_dir() or (kind == "goldens" and (self.update or self.update_new_only)):
             return local  # --snapshot-update records into the project, never into the bundled zoo
         return None
@@ -180,14 +202,25 @@ class VeosnapSession:
         return root.is_dir() and any(root.glob("*/*.safetensors.zst"))
 
     def recording(self, key: GoldenKey) -> bytes:
-        """The golden for `key` as the reference records it now (once per process and key)."""
-        from ..golden import codec
-        from ..runs.record import build_golden
+        """The golden for `key` as the reference records it now, in a fresh process (once per process and
+        key), carrying the stored golden's approval trail (refused if it would change a trailed golden)."""
+        from ..golden import codec, store
+        from ..runs.isolated import FreshRecorder
+        from ..runs.record import stored_bytes
 
         name = str(key)
         if name not in self._recordings:
-            self._recordings[name] = codec.encode(build_golden(self.project, key))
+            if self._recorder is None:
+                self._recorder = FreshRecorder()
+            fresh = codec.decode(self._recorder.record(self.project, key), f"the fresh recording of {key}")
+            root = self.project.goldens
+            self._recordings[name], _ = stored_bytes(fresh, store.path_for(root, key), root)
         return self._recordings[name]
+
+    def close(self) -> None:
+        if self._recorder is not None:
+            self._recorder.close()
+            self._recorder = None
 
     def assertion(self, request: pytest.FixtureRequest, update: bool) -> SnapshotAssertion:
         from syrupy.assertion import SnapshotAssertion
@@ -277,6 +310,7 @@ class VeosnapSession:
 
     # --- end of session ------------------------------------------------------------------------
     def finish(self, session: pytest.Session) -> None:
+        self.close()
         worker_output = getattr(self.config, "workeroutput", None)
         if worker_output is not None:  # an xdist worker: the controller decides
             worker_output[_WORKER_KEY] = self.outcome.to_wire()
@@ -289,20 +323,22 @@ class VeosnapSession:
         if self.unused is None or not self.unused.goldens or self.unused.undecided:
             return
         syrupy_report = getattr(getattr(self.config, "_syrupy", None), "report", None)
-        if syrupy_report is not None and syrupy_report.should_delete_unused_snapshots:
+        cleanup = syrupy_report is not None and syrupy_report.should_delete_unused_snapshots
+        if cleanup and self.config.getoption("veosnap_delete_unused"):
+            from ..golden import store
+
             for _, path in self.unused.goldens:
-                path.unlink(missing_ok=True)
-                try:
-                    path.parent.rmdir()  # the model's directory, once it holds no golden
-                except OSError:
-                    pass
+                store.remove(path, self.project.goldens)
             self.unused.deleted = True
-        elif not self.update and not self.config.option.warn_unused_snapshots:
+        elif self.update:
+            self.unused.kept = True
+        elif not self.config.option.warn_unused_snapshots:
             session.exitstatus = int(session.exitstatus) | _EXIT_UNUSED
 
     def _find_unused(self) -> Unused | None:
         """Goldens of this hardware class no check used, if this was a full run (syrupy's rules); else None."""
         from ..golden import store
+        from ..golden.key import GoldenKey
 
         syrupy_report = getattr(getattr(self.config, "_syrupy", None), "report", None)
         if syrupy_report is None or syrupy_report.disable_unused_snapshots:
@@ -316,8 +352,12 @@ class VeosnapSession:
         project = self.project
         if not self._paths_cover(project.goldens):
             return None
-        goldens = [(str(key), path) for key, path in store.list_goldens(project.goldens)
-                   if key.hardware_class == project.hardware_class and str(key) not in self.outcome.used]
+        # Only goldens this run could have used: its hardware class, and the scenarios and dtypes it checked.
+        used = [GoldenKey.from_name(name) for name in self.outcome.used]
+        kinds = {(key.scenario, key.dtype) for key in used}
+        goldens = [(str(key), path) for key, path in store.scan(project.goldens).goldens
+                   if key.hardware_class == project.hardware_class and (key.scenario, key.dtype) in kinds
+                   and str(key) not in self.outcome.used]
         unused = Unused(goldens=goldens)
         missed = sorted(self.outcome.items - self.outcome.reached)
         if missed and goldens:
@@ -343,8 +383,12 @@ class VeosnapSession:
     def summary_lines(self) -> list[str]:
         lines = []
         out = self.outcome
+        if self.root != self.config.rootpath:
+            lines.append(f"pytest took {self.config.rootpath} as its rootdir from a veosnap option's value (given "
+                         f"space-separated); veosnap's project is {self.root} "
+                         "(write --veosnap-<dir>=DIR to avoid this).")
         if out.recorded:
-            lines.append(f"{len(out.recorded)} golden(s) recorded from the HF eager reference: "
+            lines.append(f"{len(out.recorded)} golden(s) recorded from the HF eager reference in a fresh process: "
                          f"{len(out.written)} written, {len(out.recorded) - len(out.written)} unchanged.")
         if out.not_recordable:
             lines.append(out.not_recordable + ".")
@@ -357,11 +401,18 @@ class VeosnapSession:
             if unused.undecided:
                 lines.append(f"{count} golden(s) look unused, but {unused.undecided}.")
             else:
-                lines.append(f"{count} unused golden(s) deleted." if unused.deleted else f"{count} golden(s) unused.")
+                if unused.deleted:
+                    lines.append(f"{count} unused golden(s) deleted.")
+                elif unused.kept:
+                    lines.append(f"{count} golden(s) unused (kept: pass --veosnap-delete-unused with --snapshot-update "
+                                 "to delete them).")
+                else:
+                    lines.append(f"{count} golden(s) unused.")
                 verb = "Deleted" if unused.deleted else "Unused"
                 lines += [f"{verb} {key} ({_shown(path)})" for key, path in unused.goldens]
                 if not self.update:
-                    lines.append("Re-run pytest with --snapshot-update to delete unused goldens.")
+                    lines.append("Re-run pytest with --snapshot-update --veosnap-delete-unused to delete unused "
+                                 "goldens.")
         return lines
 
 
@@ -378,6 +429,33 @@ def _raise_for(snapshot: SnapshotAssertion) -> None:
         pytest.fail(f"veosnap: {result.exception}", pytrace=False)
     if result.exception is not None:
         raise result.exception
+
+
+_DIR_OPTIONS = ("--veosnap-goldens", "--veosnap-configs", "--veosnap-testdata", "--veosnap-hardware-class")
+
+
+def _project_root(config: pytest.Config) -> Path:
+    """pytest's rootdir as it would be had it known veosnap's options.
+
+    pytest settles its rootdir before plugins load, so `--veosnap-configs DIR` (space-separated) reads to it
+    as an unknown flag and a test path DIR, and DIR's tree (its ini file) can become the rootdir. When that
+    may have happened, the rootdir is worked out again from the arguments without those values.
+    """
+    args = [str(a) for a in config.invocation_params.args]
+    if not any(a in _DIR_OPTIONS for a in args[:-1]):
+        return config.rootpath
+    try:
+        import inspect
+
+        from _pytest.config.findpaths import determine_setup
+
+        given = {"inifile": config.option.inifilename, "args": [str(a) for a in config.option.file_or_dir or []],
+                 "rootdir_cmd_arg": config.option.rootdir or None, "invocation_dir": config.invocation_params.dir,
+                 "override_ini": getattr(config.option, "override_ini", None), "config": config}
+        accepted = inspect.signature(determine_setup).parameters
+        return Path(determine_setup(**{k: v for k, v in given.items() if k in accepted})[0])
+    except Exception:  # noqa: BLE001 - pytest's internals moved: the invocation directory is the safe answer
+        return Path(config.invocation_params.dir)
 
 
 def _shown(path: Path) -> str:

@@ -7,8 +7,14 @@ check, a time limit, the reason it failed, and the ranks' results.
 
 For the i-th layout, rank 0 writes `OUT/<i>.safetensors` (the assembled capture, and under `replayed.`
 the run forced onto the golden's routes) or `OUT/<i>.skip` (why it does not apply). A rank that fails
-writes `OUT/error-rank<R>.txt` (one line) and exits, so torchrun ends the others. A rank that fails or
-hangs ends the run within the time limit: the whole process group is killed.
+writes `OUT/error-rank<R>.txt` (one line) and exits, so torchrun ends the others; the rank that failed
+first is blamed, not one torchrun stopped afterwards. A rank that fails or hangs ends the run within the
+time limit: the whole process group is killed.
+
+Nothing outlives the parent: SIGTERM or SIGINT to it ends torchrun and its ranks and removes OUT (the
+CLI turns SIGTERM into an exception, so the cleanup below runs); if the parent is killed outright,
+torchrun gets SIGTERM by its parent-death signal (Linux) and ends its ranks, which have one of their
+own, and the next run removes the OUT directory left behind (`remove_stale`: unlocked and old).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,6 +30,11 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # Windows: no stale-directory cleanup
+    fcntl = None  # type: ignore[assignment]
 
 import torch
 
@@ -38,6 +50,23 @@ END_GRACE_S = 10.0  # how long torchrun gets to end its ranks after a timeout
 WORKER = "veosnap.candidates.layouts.worker"
 REPLAYED = "replayed."
 PROGRESS = "progress-rank"  # OUT/progress-rank<R>.txt: the block rank R last entered (see `where_ranks_were`)
+PREFIX = "veosnap-layouts-"
+LOCK = "owner.lock"  # held by the parent while the run lives
+STALE_S = 60.0  # an unlocked OUT directory older than this was left by a parent that was killed
+PARENT_PID_ENV = "VEOSNAP_TORCHRUN_PID"
+# Run first, in the process that then becomes torchrun: its parent-death signal, and no start at all if
+# the parent is already gone. The signal survives exec.
+_DIE_WITH_PARENT = """\
+import ctypes, os, signal, sys
+try:
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+except (OSError, AttributeError):
+    pass
+if os.getppid() != int(sys.argv[1]):
+    sys.exit(1)
+os.environ["VEOSNAP_TORCHRUN_PID"] = str(os.getpid())
+os.execv(sys.executable, [sys.executable, *sys.argv[2:]])
+"""
 
 
 @dataclass(frozen=True)
@@ -52,7 +81,8 @@ class Outcome:
 def run(project: Project, key: GoldenKey, backend: str, layouts: list[str], nproc: int,
         timeout_s: float = DEFAULT_TIMEOUT_S) -> list[Outcome]:
     """Run `layouts` (SPECs) of the golden for `key` with `backend` (a SPEC) on `nproc` torchrun ranks."""
-    with tempfile.TemporaryDirectory(prefix="veosnap-layouts-") as tmp:
+    remove_stale()
+    with tempfile.TemporaryDirectory(prefix=PREFIX) as tmp, _owned(Path(tmp)):
         out = Path(tmp)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", WORKER, "--goldens", str(project.goldens), "--configs", str(project.configs),
@@ -64,6 +94,11 @@ def run(project: Project, key: GoldenKey, backend: str, layouts: list[str], npro
         paths = [str(Path(veosnap.__file__).resolve().parent.parent), *(p for p in sys.path if p and Path(p).is_dir())]
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
         env.setdefault("OMP_NUM_THREADS", "1")
+        # torchrun's and the ranks' own temp files go inside OUT, so they go with it however the run ends;
+        # inductor's compile cache stays where torch keeps it by default, shared between runs.
+        (out / "tmp").mkdir()
+        env.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"torchinductor_{_user()}"))
+        env["TMPDIR"] = str(out / "tmp")
         failure = _run_group(cmd, env, out, timeout_s)
         outcomes = []
         ended_in = ""  # the first layout without a result is where the run ended; later ones never ran
@@ -81,12 +116,77 @@ def run(project: Project, key: GoldenKey, backend: str, layouts: list[str], npro
         return outcomes
 
 
+def _user() -> str:
+    """The user name as torch's default inductor cache directory spells it."""
+    import getpass
+
+    try:
+        return re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())
+    except (KeyError, OSError):
+        return "unknown"
+
+
+class _owned:
+    """Hold OUT's lock while the run lives, so `remove_stale` never takes a live run's directory."""
+
+    def __init__(self, out: Path) -> None:
+        self.out, self.fd = out, None
+
+    def __enter__(self) -> None:
+        if fcntl is not None:
+            self.fd = os.open(self.out / LOCK, os.O_CREAT | os.O_RDWR, 0o600)
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+
+
+def remove_stale(root: Path | None = None) -> list[Path]:
+    """Remove OUT directories that killed parents left under `root` (default: the temp directory).
+
+    Only those whose lock nobody holds and that are older than `STALE_S` (a new run may not have locked
+    its own yet); returns what it removed.
+    """
+    if fcntl is None:
+        return []
+    root = Path(root or tempfile.gettempdir())
+    removed = []
+    now = time.time()
+    for path in sorted(root.glob(f"{PREFIX}*")):
+        try:
+            if not path.is_dir() or path.is_symlink() or now - path.stat().st_mtime < STALE_S:
+                continue
+            fd = os.open(path / LOCK, os.O_RDWR) if (path / LOCK).exists() else None
+        except OSError:
+            continue
+        try:
+            if fd is not None:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # its parent lives
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        finally:
+            if fd is not None:
+                os.close(fd)
+    return removed
+
+
+def _launch(cmd: list[str]) -> list[str]:
+    """`cmd`, started so that it ends when this process dies (Linux: a parent-death signal)."""
+    if not sys.platform.startswith("linux"):
+        return cmd
+    return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *cmd[1:]]
+
+
 def _run_group(cmd: list[str], env: dict, out: Path, timeout_s: float) -> str:
     """Run torchrun in its own process group; '' when it succeeded, else why it did not (one line)."""
     log = out / "torchrun.log"
     started = time.monotonic()
     with open(log, "wb") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(_launch(cmd), stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
             code = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -123,26 +223,27 @@ def where_ranks_were(out: Path) -> str:
 
 # torchrun's failure summary: a "rank : N (local_rank: M)" line followed by its "exitcode : S" line.
 _RANK_EXIT_RE = re.compile(r"^\s*rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)", re.M)
+# How torchrun stops the ranks still running once one has failed: these are consequences, never causes.
+_STOPPED = {-int(signal.SIGTERM), -int(signal.SIGKILL)}
 
 
 def explain_failure(log: str, errors: dict[int, str], code: int, seconds: float) -> str:
-    """One line saying why a torchrun failed, from its log and the ranks' own error lines."""
-    # A rank that died without writing why (killed, crashed, exited) is the cause; the others' errors
-    # (a collective whose peer vanished) are its consequences, whatever order torchrun saw them in.
-    # Ranks torchrun itself stopped once another failed end on a signal (negative status): those are
-    # consequences too, so a rank that exited by itself comes first.
-    exits = {int(m.group(1)): m.group(2) for m in _RANK_EXIT_RE.finditer(log)}
-    silent = sorted((rank for rank in exits if rank not in errors), key=lambda r: (int(exits[r]) < 0, r))
+    """One line saying why a torchrun failed, from its log and the ranks' own error lines (in the order
+    they were written): the rank that failed first is blamed, not a rank torchrun stopped afterwards."""
+    exits = {int(m.group(1)): int(m.group(2)) for m in _RANK_EXIT_RE.finditer(log)}
+    root = _RANK_EXIT_RE.search(log, max(log.find("Root Cause"), 0))
+    root_rank = int(root.group(1)) if root else None
+    # A rank that died by itself without writing why (killed, crashed, exited) is the cause; the others'
+    # errors (a collective whose peer vanished) are its consequences, whatever order torchrun saw them in.
+    silent = sorted((rank for rank, status in exits.items() if rank not in errors and status not in _STOPPED),
+                    key=lambda r: (r != root_rank, r))
     if silent:
         rank = silent[0]
         return f"rank {rank} exited with status {exits[rank]} after {seconds:.0f} s"
-    # Otherwise torchrun names the first rank that failed, and its own message says why.
-    root = _RANK_EXIT_RE.search(log, max(log.find("Root Cause"), 0))
-    if root:
-        rank, status = int(root.group(1)), root.group(2)
-        return errors.get(rank) or f"rank {rank} exited with status {status} after {seconds:.0f} s"
-    if errors:
+    if errors:  # every rank that failed by itself said why: the first to write failed first
         return next(iter(errors.values()))
+    if root:
+        return f"rank {root_rank} exited with status {root.group(2)} after {seconds:.0f} s"
     tail = [line for line in log.splitlines() if line.strip()][-1:] or ["no output"]
     return f"torchrun exited with status {code}: {tail[0][:300]}"
 

@@ -3,33 +3,17 @@ command line and the files it writes).
 
 Every rank reads the golden itself, resolves the backend and each layout SPEC in its own process, and
 runs each layout with `engine.run`: the same code an in-process layout runs, with this rank's place in
-the group. Rank 0 writes each layout's result or the reason it was skipped; a rank that fails writes one
-line and exits at once, so torchrun ends the others.
+the group, guarded (`guard`: a candidate that exits is this rank's error) and restored after (`pristine`:
+what a candidate patched does not leak into the next layout). Rank 0 writes each layout's result or the
+reason it was skipped; a rank that fails writes one line and exits at once, so torchrun ends the others.
+A rank ends with torchrun, even if torchrun is killed: its parent-death signal is set before anything
+slow is imported.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
-import traceback
-from datetime import timedelta
-from pathlib import Path
-
-from typing import Callable
-
-import torch
-import torch.distributed as dist
-from torch import nn
-
-from ...errors import Unsupported, describe
-from ...golden.key import GoldenKey
-from ...reference import scenarios
-from ...reference.probes import decoder_layers, find_encoders
-from ...reference.zoo import Project, load_checked
-from .. import backends
-from . import engine, registry, torchrun
-from .protocol import LayoutContext
 
 
 def _die_with_parent() -> None:
@@ -40,8 +24,34 @@ def _die_with_parent() -> None:
 
         try:
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except OSError:
+        except (OSError, AttributeError):
             pass
+        parent = os.environ.get("VEOSNAP_TORCHRUN_PID")
+        if parent and os.getppid() != int(parent):  # torchrun died before the signal was set
+            os._exit(1)
+
+
+if __name__ == "__main__":
+    _die_with_parent()  # before importing torch: seconds during which torchrun could die unnoticed
+
+import argparse  # noqa: E402
+import traceback  # noqa: E402
+from datetime import timedelta  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Callable  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+
+from ...errors import Unsupported, describe  # noqa: E402
+from ...golden.key import GoldenKey  # noqa: E402
+from ...reference import models, scenarios  # noqa: E402
+from ...reference.probes import decoder_layers, find_encoders  # noqa: E402
+from ...reference.zoo import Project, load_checked  # noqa: E402
+from .. import backends, guard, pristine  # noqa: E402
+from . import engine, registry, torchrun  # noqa: E402
+from .protocol import LayoutContext  # noqa: E402
 
 
 def _reporting_progress(build: Callable[[torch.device], nn.Module], path: Path) -> Callable[[torch.device], nn.Module]:
@@ -81,7 +91,6 @@ def _on_backward(output: object, path: Path, name: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    _die_with_parent()
     p = argparse.ArgumentParser(prog=f"python -m {torchrun.WORKER}")
     for flag in ("--goldens", "--configs", "--testdata", "--hardware-class", "--model", "--dtype", "--backend", "--out"):
         p.add_argument(flag, required=True)
@@ -110,22 +119,29 @@ def main(argv: list[str] | None = None) -> int:
         ctx = LayoutContext.checking(golden, toy, device, scenarios.get(args.scenario), rank=rank, world=world,
                                      workdir=out)
         ctx.build = _reporting_progress(ctx.build, out / f"{torchrun.PROGRESS}{rank}.txt")
+        family = models.modeling_module(toy)
+        models.skeleton(toy)  # pins the reference's torch fallbacks before the modules are snapshot
         for index, spec in enumerate(args.layout):
-            try:
-                result = engine.run(registry.resolve(spec), backend, ctx)
-            except Unsupported as exc:  # raised alike on every rank (the backend or layout decides from the model)
-                if rank == 0:
-                    (out / f"{index}.skip").write_text(str(exc), encoding="utf-8")
-                continue
+            with pristine.kept(family) as left:
+                try:
+                    with guard.running():
+                        result = engine.run(registry.resolve(spec), backend, ctx)
+                except Unsupported as exc:  # raised alike on every rank (the backend or layout decides from the model)
+                    if rank == 0:
+                        (out / f"{index}.skip").write_text(str(exc), encoding="utf-8")
+                    continue
             if result is not None:
+                if left:
+                    result.notes.append(f"candidate {args.backend} left patches behind (restored): {', '.join(left)}")
                 torchrun.write_result(out / f"{index}.safetensors", result)
         dist.barrier()
         dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 - one line for the parent, then end this rank at once
-        (out / f"error-rank{rank}.txt").write_text(f"rank {rank}: {describe(exc)}\n", encoding="utf-8")
+        why = str(exc) if isinstance(exc, guard.CandidateError) else describe(exc)
+        (out / f"error-rank{rank}.txt").write_text(f"rank {rank}: {why}\n", encoding="utf-8")
         traceback.print_exc()
         sys.stderr.flush()
-        os._exit(1)
+        guard.real_exit(1)
     return 0
 
 

@@ -1,0 +1,296 @@
+"""Candidates cannot end the process, outlive their timeout, or leave the reference patched (issue 12).
+
+    item 5  a candidate (backend, its hooks, a layout) that exits or hangs is an ERROR naming it, in every
+            layout; one stuck outside Python still ends with its ERROR line and status 1; --timeout is validated
+    item 6  after every candidate veosnap restores what it patched and says so; recording runs on a pristine
+            process (a fresh one once anything may have touched this one)
+
+The candidates are files written into tmp_path, as a user would write them; anything that could end the
+process runs `veosnap check` in a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+from golden_repo import REPO, needs_cpu
+
+import veosnap
+from veosnap.candidates import backends
+from veosnap.errors import VeosnapError
+from veosnap.golden.key import GoldenKey
+from veosnap.reference.zoo import Project
+from veosnap.runs.check import check_layouts
+from veosnap.surfaces.cli import main
+
+# Every test here checks candidates against the committed cpu goldens.
+pytestmark = needs_cpu
+
+LLAMA = GoldenKey("cpu", "llama", "step", "float32")
+DIRS = ["--goldens", str(REPO / "goldens"), "--configs", str(REPO / "toy_configs"), "--testdata",
+        str(REPO / "testdata"), "--hardware-class", "cpu", "--dtype", "float32"]
+
+CANDIDATES = textwrap.dedent('''
+    import ctypes, os, signal, sys, threading, time
+
+    from veosnap.candidates.layouts.registry import LAYOUTS
+
+
+    def exits(model):
+        kind = model.config.model_type
+        if kind == "llama":
+            os._exit(0)  # LINE os._exit
+        if kind == "qwen2":
+            model.model.layers[0].register_forward_hook(lambda *_: sys.exit(0))  # LINE sys.exit
+        if kind == "qwen3":
+            raise KeyboardInterrupt  # LINE KeyboardInterrupt
+        if kind == "mixtral":
+            model.model.layers[1].register_forward_hook(lambda *_: os.abort())  # LINE os.abort
+        if kind == "deepseek_v3":
+            def in_a_thread(*_):
+                thread = threading.Thread(target=os._exit, args=(3,))
+                thread.start()
+                thread.join()
+            model.model.layers[0].register_forward_hook(in_a_thread)
+        return model
+
+
+    def exits_in_a_hook(model):
+        model.model.layers[0].register_forward_hook(lambda *_: os._exit(0))
+        return model
+
+
+    class ExitingLayout(type(LAYOUTS["microbatch"])):
+        def shard(self, ctx, setup):
+            sys.exit(7)  # LINE layout sys.exit
+
+
+    exiting_layout = ExitingLayout()
+
+
+    def hangs(model):
+        model.model.layers[1].register_forward_hook(lambda *_: time.sleep(10**6))
+        return model
+
+
+    def stuck(model):
+        # SIGALRM blocked in this thread: the sleep is never interrupted, as if stuck in C code.
+        def hook(*_):
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+            time.sleep(10**6)
+        model.model.layers[1].register_forward_hook(hook)
+        return model
+
+
+    def stuck_holding_the_gil(model):
+        def hook(*_):
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+            ctypes.PyDLL(None).sleep(10**6)  # libc's sleep, called without releasing the GIL
+        model.model.layers[1].register_forward_hook(hook)
+        return model
+''')
+
+
+@pytest.fixture
+def candidates(tmp_path: Path) -> Path:
+    path = tmp_path / "candidates.py"
+    path.write_text(CANDIDATES)
+    return path
+
+
+def line(text: str) -> int:
+    return next(i for i, source in enumerate(CANDIDATES.splitlines(), 1) if f"# LINE {text}" in source)
+
+
+def veosnap_check(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "veosnap", "check", *DIRS, *argv], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+
+
+def errors(stdout: str) -> dict[str, str]:
+    """`ERROR  <golden>  backend=...  layout=L` -> its `error:` line, by '<model> <layout>'."""
+    found, header = {}, None
+    for text in stdout.splitlines():
+        if text.startswith("ERROR  "):
+            golden, _, layout = text.split()[1], text.split()[2], text.split()[3]
+            header = f"{golden.split('/')[1]} {layout.removeprefix('layout=')}"
+        elif header and text.strip().startswith("error: "):
+            found[header] = text.strip().removeprefix("error: ")
+            header = None
+    return found
+
+
+# --- item 5: exits --------------------------------------------------------------------------------
+
+def test_item5_a_backend_or_hook_that_ends_the_process_is_an_error_naming_it(candidates):
+    models = ["llama", "qwen2", "qwen3", "mixtral", "deepseek_v3", "qwen3_moe"]
+    done = veosnap_check("--backend", f"{candidates}:exits", *(a for m in models for a in ("--model", m)))
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    found = errors(done.stdout)
+    at = lambda what: f"(at {candidates}:{line(what)}): a candidate may not end the process"  # noqa: E731
+    assert found["llama single"] == f"the candidate called os._exit(0) {at('os._exit')}"
+    assert found["qwen2 single"] == f"the candidate called sys.exit(0) {at('sys.exit')}"
+    assert found["qwen3 single"] == f"the candidate raised KeyboardInterrupt {at('KeyboardInterrupt')}"
+    assert found["mixtral single"] == f"the candidate called os.abort() {at('os.abort')}"
+    assert found["deepseek_v3 single"].startswith("a thread of the candidate called os._exit(3) (at ")
+    assert "PASS  cpu/qwen3_moe/step-float32" in done.stdout  # the checks after them still ran
+    assert done.stdout.rstrip().endswith("1 passed, 5 failed")
+
+
+def test_item5_exits_are_errors_in_every_layout(candidates):
+    done = veosnap_check("--model", "llama", "--backend", f"{candidates}:exits_in_a_hook", "--layout", "microbatch",
+                         "--layout", "packed", "--layout", "ddp")
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    found = errors(done.stdout)
+    for layout in ("microbatch", "packed"):
+        assert found[f"llama {layout}"].startswith("the candidate called os._exit(0) (at "), found
+    # Both ranks run the hook; whichever wrote first is named.
+    assert re.match(r"rank [01]: the candidate called os\._exit\(0\) \(at .*candidates\.py:\d+\): a candidate may not",
+                    found["llama ddp"]), found
+
+    done = veosnap_check("--model", "llama", "--layout", f"{candidates}:exiting_layout")
+    assert done.returncode == 1
+    where = f"{candidates}:{line('layout sys.exit')}"
+    assert errors(done.stdout)[f"llama {candidates}:exiting_layout"] == \
+        f"the candidate called sys.exit(7) (at {where}): a candidate may not end the process"
+
+
+def test_item5_a_backend_file_that_exits_while_imported_is_refused_in_one_line(tmp_path):
+    file = tmp_path / "exits_on_import.py"
+    file.write_text("import os\nos._exit(0)\n")
+    done = veosnap_check("--model", "llama", "--backend", f"{file}:patch")
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == (f"veosnap: error: {file}: error while importing backend file (the candidate called "
+                           f"os._exit(0) (at {file}:2): a candidate may not end the process)\n")
+
+
+# --- item 5: timeouts -----------------------------------------------------------------------------
+
+def test_item5_a_hanging_candidate_is_ended_at_its_timeout_in_process_layouts(candidates):
+    done = veosnap_check("--model", "llama", "--backend", f"{candidates}:hangs", "--layout", "single", "--layout",
+                         "microbatch", "--timeout", "2", timeout=240)
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    for layout in ("single", "microbatch"):
+        error = errors(done.stdout)[f"llama {layout}"]
+        assert error.startswith("timed out after 2 s (ended by veosnap, at "), done.stdout
+
+
+def test_item5_a_candidate_stuck_outside_python_still_ends_with_its_error_line_and_status_1(candidates):
+    done = veosnap_check("--model", "llama", "--backend", f"{candidates}:stuck", "--timeout", "2", timeout=240)
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert done.stdout.startswith(f"ERROR  cpu/llama/step-float32  backend={candidates}:stuck  layout=single\n"
+                                  "  error: timed out after 2 s and stuck outside Python for 1 s more; veosnap ends "
+                                  "the process\n")
+
+
+def test_item5_even_a_candidate_holding_the_gil_ends_with_status_1_and_where_it_was_stuck(candidates):
+    done = veosnap_check("--model", "llama", "--backend", f"{candidates}:stuck_holding_the_gil", "--timeout", "2",
+                         timeout=240)
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert "Timeout (0:00:" in done.stderr and f'File "{candidates}"' in done.stderr
+
+
+@pytest.mark.parametrize("value", ["-5", "0", "nan", "inf"])
+def test_item5_a_timeout_that_is_not_a_positive_finite_number_is_refused(capsys, value):
+    assert main(["check", *DIRS, "--model", "llama", "--timeout", value]) == 2
+    out, err = capsys.readouterr()
+    assert (out, err) == ("", f"veosnap: error: --timeout {value}: give a positive, finite number of seconds\n")
+    with pytest.raises(VeosnapError, match="give a positive, finite number of seconds"):
+        veosnap.check("llama", timeout_s=float(value))
+
+
+# --- item 6: the reference stays pristine ---------------------------------------------------------
+
+LEAKY = textwrap.dedent('''
+    import torch
+    import torch.nn.functional as F
+    from transformers import AttentionInterface
+    from transformers.models.llama import modeling_llama
+
+
+    def leak(model):
+        original = modeling_llama.LlamaRMSNorm.forward
+        modeling_llama.LlamaRMSNorm.forward = lambda self, x: original(self, x) * 1.01  # never undone
+        AttentionInterface.register("veosnap_test_leak", modeling_llama.eager_attention_forward)
+        F.silu = lambda x, inplace=False: x * torch.sigmoid(x)
+        return model
+''')
+
+
+@pytest.fixture
+def leaky(tmp_path: Path) -> Path:
+    path = tmp_path / "leaky.py"
+    path.write_text(LEAKY)
+    return path
+
+
+def test_item6_a_candidate_that_leaves_patches_behind_is_restored_and_the_next_eager_cell_is_the_reference(
+        capsys, leaky):
+    code = main(["check", *DIRS, "--model", "llama", "--matrix", "--backends", f"{leaky}:leak,eager",
+                 "--format", "json"])
+    cells = {c["backend"]: c for c in json.loads(capsys.readouterr().out)["cells"]}
+    assert code == 1 and cells[f"{leaky}:leak"]["status"] == "fail"
+    assert cells["eager"]["status"] == "pass" and cells["eager"]["worst_ratio"] == 0
+    (note,) = [n for n in cells[f"{leaky}:leak"]["notes"] if "left patches behind" in n]
+    assert note == (f"candidate {leaky}:leak left patches behind (restored): torch.nn.functional.silu, "
+                    "transformers.models.llama.modeling_llama.LlamaRMSNorm.forward, "
+                    "AttentionInterface['veosnap_test_leak']")
+
+
+def test_item6_recording_after_a_candidate_ran_happens_in_a_fresh_process(tmp_path, monkeypatch, leaky):
+    from transformers.models.llama import modeling_llama
+
+    project = Project.resolve(goldens=tmp_path / "goldens", configs=REPO / "toy_configs", testdata=REPO / "testdata",
+                              hardware_class="cpu")
+    check_layouts(project.__class__(REPO / "goldens", project.configs, project.testdata, "cpu"), LLAMA,
+                  backends.resolve("eager"))
+    # Something outside veosnap (a test, a plugin's import) patched the reference and did not restore it.
+    original = modeling_llama.LlamaRMSNorm.forward
+    monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", lambda self, x: original(self, x) * 1.01)
+
+    outcome = veosnap.record("llama", "float32", project=project)
+
+    assert outcome.written
+    assert outcome.path.read_bytes() == (REPO / "goldens" / LLAMA.relpath).read_bytes()
+
+
+def _downstream(root: Path) -> Path:
+    project = root / "downstream"
+    (project / "tests").mkdir(parents=True)
+    (project / "pyproject.toml").write_text('[tool.pytest.ini_options]\ntestpaths = ["tests"]\n')
+    shutil.copytree(REPO / "toy_configs" / "llama", project / "toy_configs" / "llama")
+    (project / "tests" / "test_a_patches.py").write_text(textwrap.dedent('''
+        from transformers.models.llama import modeling_llama
+
+
+        def test_something_that_patches_and_forgets():
+            original = modeling_llama.LlamaRMSNorm.forward
+            modeling_llama.LlamaRMSNorm.forward = lambda self, x: original(self, x) * 1.01
+    '''))
+    (project / "tests" / "test_b_checks.py").write_text(
+        "def test_reference(veosnap_check):\n    veosnap_check('llama', dtype='float32')\n")
+    return project
+
+
+def test_item6_pytest_snapshot_update_records_from_a_pristine_process(tmp_path):
+    project = _downstream(tmp_path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "VEOSNAP_")) and k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(REPO)
+    plugin = [] if any(ep.value == "veosnap.surfaces.pytest_plugin" for ep in entry_points(group="pytest11")) \
+        else ["-p", "veosnap.surfaces.pytest_plugin"]
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *plugin, "-q",
+                           "--snapshot-update"], cwd=project, env=env, capture_output=True, text=True, timeout=600)
+    golden = project / "goldens" / LLAMA.relpath
+    assert golden.is_file(), done.stdout + done.stderr
+    assert golden.read_bytes() == (REPO / "goldens" / LLAMA.relpath).read_bytes(), done.stdout
+    assert "1 golden(s) recorded from the HF eager reference in a fresh process: 1 written, 0 unchanged." in done.stdout

@@ -1,0 +1,278 @@
+"""A candidate cannot end the process or outlive its timeout silently.
+
+While a candidate (a backend, the hooks it installs, a layout) runs inside `running`:
+
+- the ways Python code ends a process are guarded: `sys.exit`, `os._exit`, `os.abort`, the `os.exec*`
+  family, and `os.kill`, `os.killpg`, `signal.raise_signal`, `signal.pthread_kill` aimed at this process
+  with a terminating signal raise `CandidateExit` instead, in any thread (restored after). A `SystemExit`,
+  and a `KeyboardInterrupt` the user did not cause (Ctrl-C still ends the run), are caught the same way;
+- in the main thread, SIGALRM ends a candidate that runs past its timeout with `CandidateTimeout`, raised
+  where it runs (Python code, or a system call Python retries, such as a sleep or a lock);
+- a candidate stuck outside Python past its timeout plus a grace (a C loop, a signal it blocked) meets a
+  watchdog thread, which prints the check's ERROR line and ends the process with status 1; and if even
+  that thread cannot run (C code holding the GIL), faulthandler, which needs no GIL, ends the process
+  with status 1 after printing every thread's traceback (where it was stuck).
+
+Each becomes a `CandidateError`: an ordinary exception that the check reports as its ERROR, saying what
+the candidate did and where. What is not caught: C code that calls exit() or abort() itself, and
+signals sent from another process (see docs/trust.md).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import math
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from types import FrameType, TracebackType
+from typing import Any, Callable, Iterator
+
+from ..errors import VeosnapError
+
+MAY_NOT = "a candidate may not end the process"
+MAX_GRACE_S = 10.0
+_HERE = os.path.normcase(os.path.abspath(__file__))
+_DEADLY = {getattr(signal, name) for name in ("SIGKILL", "SIGTERM", "SIGINT", "SIGQUIT", "SIGABRT", "SIGHUP",
+                                                 "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL") if hasattr(signal, name)}
+
+
+class CandidateExit(BaseException):
+    """Raised in place of an exit while a candidate runs (a BaseException: `except Exception` does not hide it)."""
+
+
+class CandidateTimeout(BaseException):
+    """Raised where a candidate runs when its timeout passes."""
+
+
+class CandidateError(Exception):
+    """A candidate tried to end the process or ran past its timeout: its check's ERROR, in one line."""
+
+
+def check_timeout(value: float, flag: str = "--timeout") -> float:
+    """A timeout in seconds, refused with one line unless it is a positive, finite number."""
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise VeosnapError(f"{flag} {value!r}: give a positive, finite number of seconds") from None
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise VeosnapError(f"{flag} {seconds:g}: give a positive, finite number of seconds")
+    return seconds
+
+
+def grace(timeout_s: float) -> float:
+    """How long past its timeout a candidate stuck outside Python gets before the process ends."""
+    return min(MAX_GRACE_S, max(1.0, timeout_s / 2))
+
+
+@dataclass
+class _Run:
+    """One guarded candidate run."""
+
+    pid: int
+    thread: threading.Thread
+    attempts: list[str] = field(default_factory=list)  # exits tried (from any thread), first first
+    user_interrupt: bool = False
+    finished: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+_active: _Run | None = None
+_lock = threading.Lock()
+
+
+def _where(frame: FrameType | None) -> str:
+    while frame is not None and os.path.normcase(os.path.abspath(frame.f_code.co_filename)) == _HERE:
+        frame = frame.f_back
+    return f"(at {frame.f_code.co_filename}:{frame.f_lineno})" if frame is not None else ""
+
+
+def _where_raised(tb: TracebackType | None) -> str:
+    frames = [f for f in traceback.extract_tb(tb) if os.path.normcase(os.path.abspath(f.filename)) != _HERE]
+    return f"(at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+
+
+def _refuse(run: _Run, call: str, frame: FrameType | None) -> None:
+    who = "the candidate" if threading.current_thread() is run.thread else "a thread of the candidate"
+    message = f"{who} called {call} {_where(frame)}: {MAY_NOT}"
+    run.attempts.append(message)
+    raise CandidateExit(message)
+
+
+def _call_text(name: str, args: tuple, kwargs: dict) -> str:
+    shown = [repr(a) for a in args] + [f"{k}={v!r}" for k, v in kwargs.items()]
+    return f"{name}({', '.join(shown)})"
+
+
+def _guarded_exit(name: str, real: Callable) -> Callable:
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        run = _active
+        if run is None or os.getpid() != run.pid:  # a forked child may exit as it likes
+            return real(*args, **kwargs)
+        _refuse(run, _call_text(name, args, kwargs), sys._getframe(1))
+
+    guarded.__wrapped__ = real  # type: ignore[attr-defined]
+    return guarded
+
+
+def _aimed_at_self(name: str, args: tuple) -> bool:
+    me = os.getpid()
+    if name == "os.kill":
+        return len(args) >= 2 and args[0] in (0, me) and args[1] in _DEADLY
+    if name == "os.killpg":
+        return len(args) >= 2 and args[0] in (0, os.getpgid(0)) and args[1] in _DEADLY
+    if name == "signal.raise_signal":
+        return bool(args) and args[0] in _DEADLY
+    if name == "signal.pthread_kill":
+        return len(args) >= 2 and args[1] in _DEADLY
+    return False
+
+
+def _guarded_signal(name: str, real: Callable) -> Callable:
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        run = _active
+        if run is None or os.getpid() != run.pid or not _aimed_at_self(name, args):
+            return real(*args, **kwargs)
+        _refuse(run, _call_text(name, args, kwargs), sys._getframe(1))
+
+    guarded.__wrapped__ = real  # type: ignore[attr-defined]
+    return guarded
+
+
+_EXITS = [(sys, "exit"), (os, "_exit"), (os, "abort"),
+          *((os, n) for n in ("execv", "execve", "execl", "execle", "execlp", "execlpe", "execvp", "execvpe")
+            if hasattr(os, n))]
+_SIGNALS = [(os, "kill"), (os, "killpg"), (signal, "raise_signal"), (signal, "pthread_kill")]
+
+
+def _patch() -> list[tuple[object, str, Callable]]:
+    saved = []
+    for owner, attr in _EXITS + _SIGNALS:
+        real = getattr(owner, attr, None)
+        if real is None:
+            continue
+        name = f"{owner.__name__.replace('posix', 'os')}.{attr}"
+        wrap = _guarded_exit if (owner, attr) in _EXITS else _guarded_signal
+        saved.append((owner, attr, real))
+        setattr(owner, attr, wrap(name, real))
+    return saved
+
+
+def real_exit(code: int) -> None:
+    """`os._exit`, even while a candidate runs (for veosnap's own ending of a process)."""
+    exit_ = getattr(os._exit, "__wrapped__", os._exit)
+    exit_(code)
+
+
+def _watchdog(run: _Run, timeout_s: float, extra_s: float, line: str) -> None:
+    if run.done.wait(timeout_s + extra_s):
+        return
+    message = (f"{line}\n  error: timed out after {timeout_s:g} s and stuck outside Python for {extra_s:g} s more; "
+               "veosnap ends the process\n")
+    error = f"veosnap: error: {message.splitlines()[1].strip()}\n"
+    for fd, text in ((1, message), (2, error)) if line else ((2, error),):
+        try:
+            os.write(fd, text.encode())
+        except OSError:
+            pass
+    real_exit(1)
+
+
+def _stream_with_fd() -> Any:
+    for stream in (sys.__stderr__, sys.stderr):
+        try:
+            if stream is not None:
+                stream.fileno()
+                return stream
+        except (AttributeError, OSError, ValueError):
+            continue
+    return None
+
+
+@contextmanager
+def running(line: str = "", timeout_s: float | None = None) -> Iterator[None]:
+    """Run a candidate inside: exits and, in the main thread, overruns of `timeout_s` become `CandidateError`.
+
+    `line` is the check's ERROR header (`ERROR  cpu/llama/step-float32  backend=...  layout=...`), which
+    the watchdog prints if the candidate is stuck outside Python past the timeout and its grace.
+    """
+    global _active
+    with _lock:
+        if _active is not None:  # nested: the outer guard already covers this run
+            nested = True
+        else:
+            nested = False
+            run = _Run(os.getpid(), threading.current_thread())
+            _active = run
+    if nested:
+        yield
+        return
+    saved = _patch()
+    main = threading.current_thread() is threading.main_thread()
+    alarm = bool(timeout_s) and main and hasattr(signal, "setitimer")
+    old_alarm = old_timer = old_int = None
+    started = time.monotonic()
+
+    def on_alarm(_signum: int, _frame: FrameType | None) -> None:
+        if not run.finished:
+            raise CandidateTimeout()
+
+    def on_interrupt(_signum: int, _frame: FrameType | None) -> None:
+        run.user_interrupt = True
+        raise KeyboardInterrupt
+
+    try:
+        if main:
+            old_int = signal.signal(signal.SIGINT, on_interrupt)
+        if alarm:
+            old_alarm = signal.signal(signal.SIGALRM, on_alarm)
+            old_timer = signal.setitimer(signal.ITIMER_REAL, timeout_s)
+        if timeout_s:
+            extra = grace(timeout_s)
+            threading.Thread(target=_watchdog, args=(run, timeout_s, extra, line), daemon=True,
+                             name="veosnap-watchdog").start()
+            stream = _stream_with_fd()
+            if stream is not None:  # the last resort: needs no GIL, prints where every thread is, exits 1
+                faulthandler.dump_traceback_later(timeout_s + 2 * extra, exit=True, file=stream)
+        try:
+            yield
+        except CandidateExit as exc:
+            raise CandidateError(str(exc) or (run.attempts[:1] or ["the candidate tried to end the process"])[0]) \
+                from None
+        except CandidateTimeout as exc:
+            where = _where_raised(exc.__traceback__).removeprefix("(").removesuffix(")")
+            raise CandidateError(f"timed out after {timeout_s:g} s (ended by veosnap{', ' + where if where else ''})") \
+                from None
+        except SystemExit as exc:
+            shown = f"SystemExit({exc.code!r})" if exc.code is not None else "SystemExit"
+            where = _where_raised(exc.__traceback__)
+            raise CandidateError(f"the candidate raised {shown} {where}: {MAY_NOT}") from None
+        except KeyboardInterrupt as exc:
+            if run.user_interrupt:
+                raise
+            raise CandidateError(f"the candidate raised KeyboardInterrupt {_where_raised(exc.__traceback__)}: "
+                                 f"{MAY_NOT}") from None
+        if run.attempts:  # an exit the candidate swallowed, or one tried in another thread
+            raise CandidateError(run.attempts[0])
+    finally:
+        run.finished = True
+        run.done.set()
+        if timeout_s and _stream_with_fd() is not None:
+            faulthandler.cancel_dump_traceback_later()
+        if alarm:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old_alarm)
+            if old_timer and old_timer[0] > 0:  # someone else's alarm (pytest-timeout): give it back
+                left = old_timer[0] - (time.monotonic() - started)
+                signal.setitimer(signal.ITIMER_REAL, max(left, 1e-3), old_timer[1])
+        if main and old_int is not None:
+            signal.signal(signal.SIGINT, old_int)
+        for owner, attr, real in reversed(saved):
+            setattr(owner, attr, real)
+        with _lock:
+            _active = None

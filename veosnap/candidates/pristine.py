@@ -1,0 +1,147 @@
+"""The reference stays pristine: what a candidate patches in this process is put back after it runs.
+
+A backend or layout may patch process-wide state: the model family's modeling module and its classes,
+transformers' attention, mask and experts registries, its loss functions, torch.nn.functional. `kept`
+snapshots all of it before a candidate runs and restores it after, returning what the candidate left
+behind, so the report can say "candidate X left patches behind (restored): ..." and a later `eager`
+cell of a matrix runs the real reference.
+
+`touched()` says whether any candidate has run in this process: recording then moves to a fresh
+process (`runs/isolated.py`), since a snapshot cannot see what was patched before it was taken.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from contextlib import contextmanager
+from typing import Iterator
+
+# Modules whose attributes, and whose classes' attributes, a candidate might patch, in report order;
+# the model family's modeling module is added per check.
+WATCHED = ("torch.nn.functional", "transformers.modeling_utils", "transformers.masking_utils",
+           "transformers.loss.loss_utils", "transformers.integrations.sdpa_attention", "transformers.integrations.moe")
+# Registries: instances whose `_local_mapping` and classes whose `_global_mapping` a candidate might fill.
+_REGISTRY_INSTANCES = (("transformers.modeling_utils", "ALL_ATTENTION_FUNCTIONS"),
+                       ("transformers.masking_utils", "ALL_MASK_ATTENTION_FUNCTIONS"),
+                       ("transformers.integrations.moe", "ALL_EXPERTS_FUNCTIONS"))
+
+_touched = False
+_MISSING = object()
+
+
+def touched() -> bool:
+    """Whether a candidate has run in this process (so it may no longer be pristine)."""
+    return _touched
+
+
+def _module(name: str) -> object | None:
+    try:
+        return sys.modules.get(name) or importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+def _kept_name(name: str) -> bool:
+    # Python and ABCs add these themselves (warnings registries, ABC caches); they are not patches.
+    return name.startswith("__") or name.startswith("_abc")
+
+
+class _Owner:
+    """A module or class and its attributes as they were."""
+
+    def __init__(self, obj: object, label: str) -> None:
+        self.obj, self.label = obj, label
+        self.attrs = {k: v for k, v in vars(obj).items() if not _kept_name(k)}
+
+    def restore(self) -> list[str]:
+        changed = []
+        now = {k: v for k, v in vars(self.obj).items() if not _kept_name(k)}
+        for key, value in now.items():
+            # A function or class patched in; values added lazily (transformers caches answers on its
+            # classes, `_can_set_attn_implementation_cached_value`) are left alone.
+            if key not in self.attrs and callable(value):
+                changed.append(key)
+                _delete(self.obj, key)
+        for key, value in self.attrs.items():
+            if now.get(key, _MISSING) is not value:
+                changed.append(key)
+                _set(self.obj, key, value)
+        return [f"{self.label}.{key}" for key in sorted(changed)]
+
+
+def _delete(obj: object, key: str) -> None:
+    try:
+        delattr(obj, key)
+    except (AttributeError, TypeError):
+        pass
+
+
+def _set(obj: object, key: str, value: object) -> None:
+    try:
+        setattr(obj, key, value)
+    except (AttributeError, TypeError):  # read-only slots of builtin types
+        pass
+
+
+class _Mapping:
+    """A registry's dict, as it was (restored in place: other modules hold the same dict)."""
+
+    def __init__(self, mapping: dict, label: str) -> None:
+        self.mapping, self.label, self.saved = mapping, label, dict(mapping)
+
+    def restore(self) -> list[str]:
+        keys = {k for k in self.mapping.keys() | self.saved.keys()
+                if self.mapping.get(k, _MISSING) is not self.saved.get(k, _MISSING)}
+        if keys:
+            self.mapping.clear()
+            self.mapping.update(self.saved)
+        return [f"{self.label}[{key!r}]" for key in sorted(keys)]
+
+
+def _snapshot(module_names: tuple[str, ...]) -> list:
+    saved: list = []
+    for name in module_names:
+        module = _module(name)
+        if module is None:
+            continue
+        saved.append(_Owner(module, name))
+        for value in list(vars(module).values()):
+            if isinstance(value, type) and value.__module__ == name:
+                saved.append(_Owner(value, f"{name}.{value.__name__}"))
+    try:
+        from transformers.utils.generic import GeneralInterface
+    except ImportError:
+        return saved
+    classes, todo = [], [GeneralInterface]
+    while todo:
+        cls = todo.pop()
+        classes.append(cls)
+        todo.extend(cls.__subclasses__())
+    for cls in sorted(classes, key=lambda c: c.__name__):
+        if isinstance(cls.__dict__.get("_global_mapping"), dict):
+            saved.append(_Mapping(cls.__dict__["_global_mapping"], cls.__name__))
+    for module_name, attr in _REGISTRY_INSTANCES:
+        instance = getattr(_module(module_name), attr, None)
+        if isinstance(getattr(instance, "_local_mapping", None), dict):
+            saved.append(_Mapping(instance._local_mapping, attr))
+    return saved
+
+
+@contextmanager
+def kept(*modules: str, watched: bool = True) -> Iterator[list[str]]:
+    """Within the block a candidate may patch; after it, everything is restored and the yielded list holds
+    what it left behind (`module.attr`, `module.Class.attr`, `AttentionInterface['name']`).
+
+    `modules`: more modules to watch (the model family's modeling module); `watched=False` watches only those.
+    """
+    global _touched
+    _touched = True
+    names = tuple(dict.fromkeys((*(WATCHED if watched else ()), *modules)))
+    saved = _snapshot(names)
+    left: list[str] = []
+    try:
+        yield left
+    finally:
+        for owner in saved:
+            left.extend(owner.restore())

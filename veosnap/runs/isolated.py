@@ -1,0 +1,131 @@
+"""Recording in a fresh interpreter: the reference from a process no candidate (and no test) has touched.
+
+A process in which candidates ran, or a pytest session whose tests may patch anything, cannot prove that
+transformers' classes and torch's functions are the originals. `FreshRecorder` records there instead, in
+one long-lived child (`python -m veosnap.runs.isolated`) that imports only veosnap, torch and
+transformers: it reads one JSON request per line on stdin, writes the golden's bytes to the file the
+request names, and answers one JSON line on its own channel (`{"ok": true}` or `{"error": "<one line>"}`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import veosnap
+
+from ..errors import VeosnapError
+from ..golden.key import GoldenKey
+from ..reference.zoo import Project
+
+
+class FreshRecorder:
+    """Golden bytes recorded in a fresh interpreter, one child per recorder (started on first use)."""
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen | None = None
+        self._dir: tempfile.TemporaryDirectory | None = None
+        self._log: Path | None = None
+
+    def _start(self) -> subprocess.Popen:
+        if self._proc is None or self._proc.poll() is not None:
+            self._dir = self._dir or tempfile.TemporaryDirectory(prefix="veosnap-record-")
+            self._log = Path(self._dir.name) / "recorder.log"
+            env = dict(os.environ)
+            paths = [str(Path(veosnap.__file__).resolve().parent.parent)]
+            env["PYTHONPATH"] = os.pathsep.join([*paths, *filter(None, [env.get("PYTHONPATH")])])
+            with open(self._log, "ab") as log:
+                self._proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE,
+                                              stdout=subprocess.PIPE, stderr=log, env=env, text=True)
+        return self._proc
+
+    def record(self, project: Project, key: GoldenKey, seed: int = 0, allow_near_ties: bool = False) -> bytes:
+        """The golden for `key` as the reference records it in a fresh process (its file bytes)."""
+        proc = self._start()
+        assert self._dir is not None and proc.stdin is not None and proc.stdout is not None
+        out = Path(self._dir.name) / "golden.bin"
+        request = {"goldens": str(project.goldens), "configs": str(project.configs), "testdata": str(project.testdata),
+                   "hardware_class": project.hardware_class, "key": str(key), "seed": seed,
+                   "allow_near_ties": allow_near_ties, "out": str(out)}
+        try:
+            proc.stdin.write(json.dumps(request) + "\n")
+            proc.stdin.flush()
+            answer = proc.stdout.readline()
+        except (BrokenPipeError, OSError):
+            answer = ""
+        if not answer:
+            raise VeosnapError(f"{key}: the fresh recording process ended without an answer ({self._last_log_line()})")
+        reply = json.loads(answer)
+        if "error" in reply:
+            raise VeosnapError(reply["error"])
+        return out.read_bytes()
+
+    def _last_log_line(self) -> str:
+        try:
+            lines = [line for line in self._log.read_text(errors="replace").splitlines() if line.strip()]
+        except (OSError, AttributeError):
+            lines = []
+        return lines[-1][:300] if lines else "no output"
+
+    def close(self) -> None:
+        if self._proc is not None:
+            if self._proc.stdin:
+                self._proc.stdin.close()
+            try:
+                self._proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+            if self._proc.stdout:
+                self._proc.stdout.close()
+            self._proc = None
+        if self._dir is not None:
+            self._dir.cleanup()
+            self._dir = None
+
+    def __enter__(self) -> FreshRecorder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def record_bytes(project: Project, key: GoldenKey, seed: int = 0, allow_near_ties: bool = False) -> bytes:
+    """One golden recorded in a fresh process."""
+    with FreshRecorder() as recorder:
+        return recorder.record(project, key, seed, allow_near_ties)
+
+
+def main() -> int:
+    """The child: answer requests until stdin closes; nothing but answers goes to the channel."""
+    channel = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # whatever else prints (warnings, progress) goes to the log, not the channel
+    sys.stdout = sys.stderr
+    from ..golden import codec
+    from .record import build_golden
+
+    for line in sys.stdin:
+        request = json.loads(line)
+        try:
+            project = Project(Path(request["goldens"]), Path(request["configs"]), Path(request["testdata"]),
+                              request["hardware_class"])
+            golden = build_golden(project, GoldenKey.from_name(request["key"]), seed=request["seed"],
+                                  allow_near_ties=request["allow_near_ties"])
+            Path(request["out"]).write_bytes(codec.encode(golden))
+            reply = {"ok": True}
+        except VeosnapError as exc:
+            reply = {"error": str(exc)}
+        except Exception as exc:  # noqa: BLE001 - reported to the parent in one line
+            from ..errors import describe
+
+            reply = {"error": f"{request.get('key')}: recording failed ({describe(exc)})"}
+        channel.write(json.dumps(reply) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
