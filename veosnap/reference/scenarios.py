@@ -66,7 +66,8 @@ class Scenario:
         have = encoders_of(config)
         missing = sorted(self.needs - have)
         if missing:
-            raise Unsupported(f"scenario {self.name} needs a {' and '.join(missing)} encoder, which "
+            article = "an" if missing[0][0] in "aeiou" else "a"
+            raise Unsupported(f"scenario {self.name} needs {article} {' and '.join(missing)} encoder, which "
                               f"{config.get('model_type', 'the model')} has not")
 
     def applies(self, config: dict) -> bool:
