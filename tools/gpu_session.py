@@ -1,12 +1,18 @@
 """Everything veosnap does on a GPU machine, in phases that fit one device command each.
 
-    python tools/gpu_session.py record  --out DIR   # cuda-<sm> goldens (float32 TF32 off, bfloat16), verified
+    python tools/gpu_session.py record  --out DIR   # cuda-<sm> goldens (float32 TF32 off, bfloat16), verified:
+                                                    # every scenario each model runs (step, train, vision, audio)
     python tools/gpu_session.py matrix  --out DIR   # GPU backends x zoo; precision regression; cross-class
     python tools/gpu_session.py layouts --out DIR   # layouts on this machine's GPUs (NCCL), all models
 
 Each phase writes JSON and a text table under DIR (and `record` a tar of the goldens) so a lent
 machine's results come back whole. It runs with the machine's own torch/triton and whichever
-transformers is first on the path (a newer wheel can be carried); the versions are recorded.
+transformers is first on the path (a newer wheel can be carried); the versions are recorded. The ten
+models of issue 15 need transformers 5.24 (carry its wheel): 5.17's omni thinkers name their parameters
+differently and its rotary embeddings break the float64 noise run (docs/models.md).
+
+`record --model M --scenario S` narrows a run; past `--budget-s` (default 420 s) the rest is left out and
+printed as the command that records it, so each command stays under the device's limit.
 """
 
 from __future__ import annotations
@@ -29,8 +35,8 @@ import transformers  # noqa: E402
 
 from veosnap.candidates import backends  # noqa: E402
 from veosnap.golden.key import GoldenKey  # noqa: E402
-from veosnap.reference import hardware  # noqa: E402
-from veosnap.reference.zoo import Project  # noqa: E402
+from veosnap.reference import hardware, scenarios  # noqa: E402
+from veosnap.reference.zoo import Project, load_config  # noqa: E402
 from veosnap.render import json as render_json  # noqa: E402
 from veosnap.render import text as render_text  # noqa: E402
 from veosnap.runs import matrix, record, verify  # noqa: E402
@@ -57,20 +63,41 @@ def save(out: Path, name: str, data: object) -> None:
     (out / name).write_text(json.dumps(data, indent=2, default=str))
 
 
-def phase_record(project: Project, out: Path) -> None:
-    rows = []
-    for model in project.models():
-        for dtype in ("float32", "bfloat16"):
-            t = time.perf_counter()
-            outcome = record.record(project, model, dtype)
-            rows.append({"model": model, "dtype": dtype, "seconds": round(time.perf_counter() - t, 2),
-                         "min_margin": outcome.min_margin, "bytes": outcome.path.stat().st_size})
-            print(f"recorded {outcome.key} in {rows[-1]['seconds']} s, min margin {outcome.min_margin}", flush=True)
+def record_keys(project: Project, models: list[str], chosen: list[str]) -> list[tuple[str, str, str]]:
+    """(model, scenario, dtype) of every golden `record` writes: each scenario a model can run (or those
+    `chosen` it can), in the form that has a golden file (frozen_vision is checked against vision's)."""
+    keys = []
+    for model in models or project.models():
+        config = load_config(project.configs, model).config
+        names = [s.name for s in scenarios.applicable(config) if not chosen or s.name in chosen]
+        for name in dict.fromkeys(GoldenKey(project.hardware_class, model, n).recorded.scenario for n in names):
+            keys += [(model, name, dtype) for dtype in ("float32", "bfloat16")]
+    return keys
+
+
+def phase_record(project: Project, out: Path, models: list[str], chosen: list[str], budget_s: float) -> None:
+    rows, left = [], []
+    started = time.perf_counter()
+    for model, scenario, dtype in record_keys(project, models, chosen):
+        if time.perf_counter() - started > budget_s:
+            left.append((model, scenario))
+            continue
+        t = time.perf_counter()
+        outcome = record.record(project, model, dtype, scenario=scenario)
+        rows.append({"model": model, "scenario": scenario, "dtype": dtype,
+                     "seconds": round(time.perf_counter() - t, 2), "min_margin": outcome.min_margin,
+                     "bytes": outcome.path.stat().st_size})
+        print(f"recorded {outcome.key} in {rows[-1]['seconds']} s, min margin {outcome.min_margin}", flush=True)
+    if left:
+        rest = " ".join(f"--model {m}" for m in dict.fromkeys(m for m, _ in left))
+        print(f"budget of {budget_s:g} s spent: {len(left)} goldens left; record them with\n"
+              f"  python tools/gpu_session.py record {rest}", flush=True)
     # verify takes goldens roots (<class>/<model>/<file> under them): the root, then this class's results
     results = [r for r in verify.verify([project.goldens]) if r.key and r.key.hardware_class == project.hardware_class]
     bad = [r.line() for r in results if not r.ok]
     print(f"verified {len(results)} goldens: {len(bad)} bad", *bad, sep="\n", flush=True)
-    save(out, "record.json", {"env": environment(), "goldens": rows, "verify_bad": bad})
+    save(out, "record.json", {"env": environment(), "goldens": rows, "verify_bad": bad,
+                              "left": [list(k) for k in dict.fromkeys(left)]})
     with tarfile.open(out / f"goldens-{project.hardware_class}.tar", "w") as tar:
         tar.add(project.goldens / project.hardware_class, arcname=project.hardware_class)
 
@@ -134,13 +161,15 @@ def main() -> None:
     parser.add_argument("phase", choices=("record", "matrix", "layouts"))
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-out")))
     parser.add_argument("--nproc", type=int, default=0, help="layouts: processes (default: every GPU)")
-    parser.add_argument("--model", action="append", help="layouts: only these models (default: all)")
+    parser.add_argument("--model", action="append", help="record, layouts: only these models (default: all)")
+    parser.add_argument("--scenario", action="append", help="record: only these scenarios (default: every one)")
+    parser.add_argument("--budget-s", type=float, default=420.0, help="record: stop starting goldens after this")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     print(json.dumps(environment()), flush=True)
     project = Project.resolve(goldens=ROOT / "goldens", configs=ROOT / "toy_configs", testdata=ROOT / "testdata")
     if args.phase == "record":
-        phase_record(project, args.out)
+        phase_record(project, args.out, args.model or [], args.scenario or [], args.budget_s)
     elif args.phase == "matrix":
         phase_matrix(project, args.out)
     else:
