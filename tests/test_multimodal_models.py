@@ -40,13 +40,24 @@ NEW_MODELS = {
 MORE_ROWS = [("qwen2_5_vl", "step"), ("qwen2_5_omni", "vision"), ("qwen3_vl", "frozen_vision")]
 BACKENDS = ["eager", "sdpa", "flex_attention", "grouped_mm", "batched_mm"]
 LAYOUTS = ["single", "packed", "microbatch", "ddp", "fsdp2"]
-# What may decline, and the words of its reason: anything else must pass.
-EXPECTED_SKIPS = {
-    ("deepseek_v4", "packed"): "padding",  # compressed attention needs right-padded rows, not packed ones
-    ("grouped_mm", "dense"): "dense",  # an experts kernel on a model without experts
-    ("batched_mm", "dense"): "dense",
+# Cells that do not pass, and the words their reason must hold; every other cell passes. Findings, not
+# bugs of veosnap's: docs/models.md says why each one is right.
+EXPECTED = {
+    # HF's torch fallbacks for Gated DeltaNet ignore sequence boundaries: an eager packed row runs each
+    # sequence's recurrent state into the next (flash-linear-attention's kernels honour them: `fla`).
+    ("qwen3_5", "vision", "eager", "packed"): ("fail", "layers.0.output"),
+    ("qwen3_5_moe", "vision", "eager", "packed"): ("fail", "layers.0.output"),
+    ("deepseek_v4", "step", "eager", "packed"): ("skip", "compressors cut windows"),
+    ("deepseek_v4", "step", "sdpa", "single"): ("skip", "does not support an attention implementation"),
+    # Qwen3-Omni's audio encoder pads every chunk to the batch's longest and its convolutions read that
+    # padding into a clip's last frames: a clip's encoding depends on the other clips in its batch, so
+    # any split of the rows changes it.
+    ("qwen3_omni_moe", "audio", "eager", "microbatch"): ("fail", "audio.0.output"),
+    ("qwen3_omni_moe", "audio", "eager", "ddp"): ("fail", "audio.0.output"),
+    ("qwen3_omni_moe", "audio", "eager", "fsdp2"): ("fail", "audio.0.output"),
 }
-DENSE = {"seed_oss", "qwen3_5", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen2_5_omni"}
+# transformers declines flex attention for most of these classes (the tests check it says so).
+DECLINES_FLEX = "does not support an attention implementation through torch's flex_attention"
 
 
 @pytest.fixture(scope="module")
@@ -55,12 +66,10 @@ def project() -> Project:
                            hardware_class="cpu")
 
 
-def _allowed_skip(model: str, backend: str, layout: str, reason: str) -> bool:
-    if (model, layout) in EXPECTED_SKIPS:
-        return EXPECTED_SKIPS[model, layout] in reason
-    if model in DENSE and (backend, "dense") in EXPECTED_SKIPS:
-        return bool(reason)
-    return False
+def _expected(model: str, scenario: str, backend: str, layout: str) -> tuple[str, str]:
+    if (model, scenario, backend, layout) in EXPECTED:
+        return EXPECTED[model, scenario, backend, layout]
+    return "pass", ""
 
 
 @pytest.mark.heavy
@@ -76,10 +85,11 @@ def test_every_backend_and_layout_passes(project: Project, model: str, scenario:
     assert len(cells) == len(BACKENDS) + len(LAYOUTS)
     for cell in cells:
         where = f"{model}/{scenario} {cell.backend}/{cell.layout}: {cell.status} {cell.reason}"
-        if cell.status == "skip":
-            assert _allowed_skip(model, cell.backend, cell.layout, cell.reason), where
+        if cell.backend == "flex_attention" and cell.status == "skip":
+            assert DECLINES_FLEX in cell.reason, where
             continue
-        assert cell.status == "pass", where
+        status, words = _expected(model, scenario, cell.backend, cell.layout)
+        assert cell.status == status and words in cell.reason, where
     eager = by_backend.cell(Row(model, "float32"), by_backend.columns[0])
     compared = {t.name for t in eager.report.tensors}
     assert {"loss", "logits", "layers.0.output"} <= compared
