@@ -119,11 +119,12 @@ def cmd_refresh(args: argparse.Namespace) -> int:
 
     project = _recording_project(args)
     for model, dtype in _selection(args, project):
-        outcome = refresh(project, model, dtype, args.reason, force=args.force, scenario=args.scenario,
-                          allow_near_ties=args.allow_near_ties)
-        print(f"{outcome.action:9s} {outcome.path}  ({outcome.why})")
-        if outcome.diff is not None:
-            print("\n".join(render_text.diff_golden(outcome.diff)))
+        for scenario in _scenarios(args, project, model, recording=True):
+            outcome = refresh(project, model, dtype, args.reason, force=args.force, scenario=scenario,
+                              allow_near_ties=args.allow_near_ties)
+            print(f"{outcome.action:9s} {outcome.path}  ({outcome.why})")
+            if outcome.diff is not None:
+                print("\n".join(render_text.diff_golden(outcome.diff)))
     return EXIT_OK
 
 
