@@ -9,6 +9,7 @@ parts (`tests/mm_faults.py`) fail naming the tensor where they first show; a ran
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -175,7 +176,9 @@ def test_an_encoder_on_one_rank_only_is_an_error_naming_where_each_rank_stopped(
     assert "fsdp2_asym" in registry.names()
     [hang] = check_layouts(project, key, backends.resolve("eager"), ["fsdp2_asym"], nproc=2, timeout_s=120)
     assert hang.error and not hang.passed
-    assert "rank 0 in forward of decoder layer 0" in hang.error
+    # Rank 0 (no media) is somewhere in the language model: how far its collectives get before rank 1's
+    # mismatched all-gather stops it depends on the timing.
+    assert re.search(r"rank 0 in (forward|backward) of decoder layer \d", hang.error), hang.error
     assert "rank 1 in forward of model.visual.blocks.0" in hang.error
     [fixed] = check_layouts(project, key, backends.resolve(f"{FAULTS}:dummy_encoders"), ["fsdp2_asym"], nproc=2,
                             timeout_s=TIMEOUT_S)
