@@ -26,7 +26,10 @@ What it runs (all of it under the budget; cells it cannot reach in time are list
 
 Needs the machine's torch and triton and, first on PYTHONPATH, the carried wheels (flash-attn-4,
 nvidia-cutlass-dsl and its libs, quack-kernels, apache-tvm-ffi, torch-c-dlpack-ext, einops,
-flash-linear-attention, fla-core, liger-kernel, transformers 5.24): see docs/gpu.md.
+flash-linear-attention, fla-core, liger-kernel, transformers 5.24): see docs/gpu.md. Wheels installed
+with `pip --target DIR` and put on PYTHONPATH lose their `.pth` files (Python reads those in
+site-packages only), and nvidia-cutlass-dsl makes `cutlass` importable through one; this script reads
+the `.pth` files of every PYTHONPATH entry itself, first thing, and hands what they add to its workers.
 """
 
 from __future__ import annotations
@@ -37,10 +40,12 @@ import os
 import platform
 import re
 import shutil
+import site
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import MutableMapping
 from importlib import metadata
 from pathlib import Path
 
@@ -53,6 +58,25 @@ IEEE = {"TRITON_F32_DEFAULT": "ieee"}
 TOY_WIDTH = 256  # hidden sizes up to this are toys: quick enough to run every cell
 DISTRIBUTIONS = ["torch", "triton", "transformers", "flash-attn-4", "nvidia-cutlass-dsl", "quack-kernels",
                  "flash-linear-attention", "fla-core", "liger-kernel", "apache-tvm-ffi"]
+
+
+def read_pythonpath_pth_files(environ: MutableMapping[str, str] = os.environ) -> list[str]:
+    """Process the `.pth` files of every PYTHONPATH entry, as Python does for site-packages only, and put
+    the paths they add at the end of `environ["PYTHONPATH"]`, so processes started with it import the
+    same; returns those paths. nvidia-cutlass-dsl exposes `cutlass` only through such a file
+    (nvidia_cutlass_dsl_packages.pth adds nvidia_cutlass_dsl/dsl_packages), which `pip --target DIR`
+    installs into DIR and a plain `PYTHONPATH=DIR` never reads. Safe to call again."""
+    entries = [e for e in environ.get("PYTHONPATH", "").split(os.pathsep) if e]
+    before = set(sys.path)
+    for entry in entries:
+        if os.path.isdir(entry):
+            site.addsitedir(entry)
+    sys.path[:] = list(dict.fromkeys(sys.path))  # a .pth `import` line runs again on each call
+    known = {os.path.abspath(e) for e in entries}
+    added = [p for p in sys.path if p not in before and os.path.abspath(p) not in known]
+    if added:
+        environ["PYTHONPATH"] = os.pathsep.join([*entries, *added])
+    return added
 
 
 # --- the plan ------------------------------------------------------------------------------------------
@@ -406,6 +430,7 @@ def explain(r: dict) -> str:
 
 
 def main() -> None:
+    read_pythonpath_pth_files()  # before any library is imported, here and (through the env) in workers
     if len(sys.argv) > 1 and sys.argv[1] == "_worker":
         _, _, label, cells_file, results_file, deadline = sys.argv
         worker(label, Path(cells_file), Path(results_file), float(deadline))

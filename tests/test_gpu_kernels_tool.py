@@ -1,0 +1,78 @@
+"""tools/gpu_kernels.py on the CPU: wheels installed with `pip --target DIR` and put on PYTHONPATH keep
+working when they expose a package through a `.pth` file (as nvidia-cutlass-dsl exposes `cutlass`), in
+the script and in the worker processes it starts."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_tool():
+    spec = importlib.util.spec_from_file_location("gpu_kernels_tool", ROOT / "tools" / "gpu_kernels.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def fake_target_dir(target: Path) -> Path:
+    """What `pip install --target DIR nvidia-cutlass-dsl` leaves: a package beside a `.pth` whose import
+    line puts the package's `dsl_packages` folder (holding the importable `cutlass`) on sys.path; plus
+    a plain-path `.pth` line, the other kind."""
+    dsl = target / "veosnap_fake_dsl"
+    (dsl / "dsl_packages" / "veosnap_fake_cutlass").mkdir(parents=True)
+    (dsl / "__init__.py").write_text("")
+    (dsl / "dsl_packages" / "veosnap_fake_cutlass" / "__init__.py").write_text("")
+    (target / "veosnap_fake_dsl_packages.pth").write_text(
+        "import sys, os, veosnap_fake_dsl; "
+        "sys.path.insert(0, os.path.join(veosnap_fake_dsl.__path__[0], 'dsl_packages'))\n")
+    (target / "plain" / "veosnap_fake_plain").mkdir(parents=True)
+    (target / "plain" / "veosnap_fake_plain" / "__init__.py").write_text("")
+    (target / "veosnap_fake_plain.pth").write_text("plain\n")
+    return dsl / "dsl_packages"
+
+
+def imports(module: str, env: dict) -> bool:
+    return subprocess.run([sys.executable, "-c", f"import {module}"], env=env, capture_output=True).returncode == 0
+
+
+def test_pth_files_on_pythonpath_are_read_here_and_passed_to_workers(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    tool = load_tool()
+    target = tmp_path / "site"
+    dsl_packages = fake_target_dir(target)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    for name in ("veosnap_fake_dsl", "veosnap_fake_cutlass", "veosnap_fake_plain"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    env = dict(os.environ, PYTHONPATH=str(target))
+    assert not imports("veosnap_fake_cutlass", env)  # what the workers saw on the H200: no module named 'cutlass'
+
+    added = tool.read_pythonpath_pth_files(env)
+
+    assert added == [str(dsl_packages), str(target / "plain")]
+    assert env["PYTHONPATH"] == os.pathsep.join([str(target), str(dsl_packages), str(target / "plain")])
+    assert importlib.util.find_spec("veosnap_fake_cutlass") is not None
+    assert importlib.util.find_spec("veosnap_fake_plain") is not None
+    assert imports("veosnap_fake_cutlass", env) and imports("veosnap_fake_plain", env)
+
+    # a worker calls it again with the env it was given: nothing more to add, no duplicate on sys.path
+    assert tool.read_pythonpath_pth_files(env) == []
+    assert env["PYTHONPATH"].count(str(dsl_packages)) == 1
+    assert sys.path.count(str(dsl_packages)) == 1
+
+
+def test_no_pythonpath_or_one_without_pth_files_changes_nothing(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    tool = load_tool()
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    assert tool.read_pythonpath_pth_files({}) == []
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), str(tmp_path / "missing")])}
+    assert tool.read_pythonpath_pth_files(env) == []
+    assert env["PYTHONPATH"] == os.pathsep.join([str(tmp_path), str(tmp_path / "missing")])
