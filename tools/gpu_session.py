@@ -3,6 +3,7 @@
     python tools/gpu_session.py record  --out DIR   # cuda-<sm> goldens (float32 TF32 off, bfloat16), verified:
                                                     # every scenario each model runs (step, train, vision, audio)
     python tools/gpu_session.py matrix  --out DIR   # GPU backends x zoo; precision regression; cross-class
+    python tools/gpu_session.py matrix --scenario vision --scenario audio --out DIR   # the multimodal goldens
     python tools/gpu_session.py layouts --out DIR   # layouts on this machine's GPUs (NCCL), all models
 
 Each phase writes JSON and a text table under DIR (and `record` a tar of the goldens) so a lent
@@ -102,6 +103,22 @@ def phase_record(project: Project, out: Path, models: list[str], chosen: list[st
         tar.add(project.goldens / project.hardware_class, arcname=project.hardware_class)
 
 
+def phase_scenarios(project: Project, out: Path, chosen: list[str]) -> None:
+    """matrix --scenario S: the GPU backends on every model that runs S (the multimodal goldens)."""
+    progress = lambda cell, done, total: print(f"[{done}/{total}] {cell.model} {cell.dtype} {cell.backend}: "  # noqa: E731
+                                              f"{cell.status} {cell.worst_ratio} {cell.reason[:100]}", flush=True)
+    results: dict = {"env": environment()}
+    for name in chosen:
+        models = [m for m in project.models() if scenarios.get(name).applies(load_config(project.configs, m).config)]
+        result = matrix.run_matrix(project, models, ["float32", "bfloat16"], GPU_BACKENDS, on_cell=progress,
+                                   scenario=name)
+        results[name] = render_json.matrix_dict(result)
+        with open(out / "matrix-scenarios.txt", "a") as fh:
+            fh.write(f"scenario {name}\n{render_text.matrix(result)}\n")
+        save(out, "matrix-scenarios.json", results)
+        print(render_text.matrix(result), flush=True)
+
+
 def phase_matrix(project: Project, out: Path) -> None:
     models = project.models()
     progress = lambda cell, done, total: print(f"[{done}/{total}] {cell.model} {cell.dtype} {cell.backend}: "  # noqa: E731
@@ -162,7 +179,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-out")))
     parser.add_argument("--nproc", type=int, default=0, help="layouts: processes (default: every GPU)")
     parser.add_argument("--model", action="append", help="record, layouts: only these models (default: all)")
-    parser.add_argument("--scenario", action="append", help="record: only these scenarios (default: every one)")
+    parser.add_argument("--scenario", action="append",
+                        help="record: only these scenarios (default: every one); matrix: the GPU backends on these "
+                             "scenarios' goldens instead of the step matrix")
     parser.add_argument("--budget-s", type=float, default=420.0, help="record: stop starting goldens after this")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -170,6 +189,8 @@ def main() -> None:
     project = Project.resolve(goldens=ROOT / "goldens", configs=ROOT / "toy_configs", testdata=ROOT / "testdata")
     if args.phase == "record":
         phase_record(project, args.out, args.model or [], args.scenario or [], args.budget_s)
+    elif args.phase == "matrix" and args.scenario:
+        phase_scenarios(project, args.out, args.scenario)
     elif args.phase == "matrix":
         phase_matrix(project, args.out)
     else:
