@@ -1,7 +1,9 @@
 """The ten models of issue 15 (hybrid linear attention, VLMs, omni thinkers) checked like the rest of the zoo.
 
 Every model passes with every built-in backend the CPU runs and with every layout that applies (the matrix
-machinery, one row per model and scenario), against its committed cpu goldens; bugs planted in the new
+machinery, one row per model and scenario), against its committed cpu goldens, but for the cells
+`EXPECTED` names (findings about the reference, in docs/models.md), which must fail or skip exactly as
+named; bugs planted in the new
 parts (`tests/mm_faults.py`) fail naming the tensor where they first show; a rank whose encoder runs alone
 (`fsdp2_asym`) ends the check with an error naming where each rank stopped, never a hang.
 """
