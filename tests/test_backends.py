@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from golden_repo import CLASS, ON_CUDA
 
 from veosnap.candidates import backends, pristine
 from veosnap.golden.key import GoldenKey
@@ -116,7 +117,8 @@ def test_liger_patches_are_undone_even_when_process_wide() -> None:
     assert not hasattr(modeling, "added_by_patch")
 
 
-@pytest.mark.skipif(not SLOW, reason="torch.compile's first step takes about a minute on 2 CPU cores; VEOSNAP_SLOW=1 runs it")
+@pytest.mark.skipif(not (SLOW or ON_CUDA),
+                    reason="torch.compile's first step takes about a minute on 2 CPU cores; VEOSNAP_SLOW=1 runs it")
 def test_compile_matches_the_golden(project: Project) -> None:
     report = check(project, key(project, "llama"), backends.resolve("compile"))
     assert report.status == "PASS", report.error or report.worst
@@ -162,7 +164,7 @@ def test_an_installed_package_registers_a_backend_by_entry_point(tmp_path: Path,
     """, "acme_kernels:acme_attention")
     monkeypatch.syspath_prepend(str(tmp_path))
     assert main(["check", "--model", "qwen3", "--dtype", "float32", "--backend", "acme+grouped_mm"]) == 0
-    assert "PASS  cpu/qwen3/step-float32  backend=acme+grouped_mm" in capsys.readouterr().out
+    assert f"PASS  {CLASS}/qwen3/step-float32  backend=acme+grouped_mm" in capsys.readouterr().out
 
 
 def test_a_broken_entry_point_is_a_one_line_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

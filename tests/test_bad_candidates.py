@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from golden_repo import CLASS, golden_path
 
 from veosnap.golden import store
 from veosnap.surfaces.cli import main
@@ -72,7 +73,7 @@ def backend_file(tmp_path: Path) -> Path:
 
 
 def check_json(capsys: pytest.CaptureFixture, backend: str, *models: str) -> tuple[int, list[dict]]:
-    argv = ["check", "--goldens", str(REPO / "goldens"), "--hardware-class", "cpu", "--dtype", "float32",
+    argv = ["check", "--goldens", str(REPO / "goldens"), "--hardware-class", CLASS, "--dtype", "float32",
             "--backend", backend, "--format", "json"]
     for model in models or ("llama",):
         argv += ["--model", model]
@@ -87,7 +88,7 @@ def problems(result: dict) -> dict[str, str]:
 
 
 def golden_shape(name: str) -> tuple[int, ...]:
-    path = REPO / "goldens" / "cpu" / "llama" / "step-float32.safetensors.zst"
+    path = golden_path("llama")
     return tuple(store.read(path).tensors[name].shape)
 
 
@@ -140,11 +141,11 @@ def test_a_backend_that_raises_is_an_error_for_its_check_only(capsys, backend_fi
 
 
 def test_the_text_report_names_the_error_and_what_passed(capsys, backend_file):
-    code = main(["check", "--goldens", str(REPO / "goldens"), "--hardware-class", "cpu", "--dtype", "float32",
+    code = main(["check", "--goldens", str(REPO / "goldens"), "--hardware-class", CLASS, "--dtype", "float32",
                  "--model", "qwen2", "--backend", f"{backend_file}:fails_on_qwen2"])
     out, err = capsys.readouterr()
     assert (code, err) == (1, "")
-    assert "ERROR  cpu/qwen2/step-float32" in out
+    assert f"ERROR  {CLASS}/qwen2/step-float32" in out
     assert "error: RuntimeError: fused kernel exploded" in out
     assert out.rstrip().endswith("0 passed, 1 failed")
 

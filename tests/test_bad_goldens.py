@@ -7,6 +7,7 @@ zstandard libraries, then checked through the CLI exactly as a user would.
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 import struct
 import tracemalloc
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import zstandard
+from golden_repo import CLASS, golden_path
 from safetensors.torch import save as st_save
 
 from veosnap.errors import GoldenError
@@ -22,8 +24,8 @@ from veosnap.golden import codec
 from veosnap.surfaces.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
-SOURCE = REPO / "goldens" / "cpu" / "llama" / "step-float32.safetensors.zst"
-REL = Path("cpu") / "llama" / "step-float32.safetensors.zst"
+SOURCE = golden_path("llama")  # this machine's class: the good golden is checked, not refused for its class
+REL = SOURCE.relative_to(REPO / "goldens")
 
 
 @pytest.fixture
@@ -42,7 +44,7 @@ def run_cli(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
 
 
 def check_llama(capsys: pytest.CaptureFixture, goldens: Path, *extra: str) -> tuple[int, str]:
-    code, _, err = run_cli(capsys, "check", "--goldens", str(goldens), "--hardware-class", "cpu",
+    code, _, err = run_cli(capsys, "check", "--goldens", str(goldens), "--hardware-class", CLASS,
                            "--model", "llama", "--dtype", "float32", *extra)
     return code, err
 
@@ -248,13 +250,13 @@ def test_edited_config_in_the_manifest(capsys, goldens):
 
 
 def test_manifest_key_disagrees_with_its_path(capsys, goldens):
-    moved = goldens / "cpu" / "qwen2" / "step-float32.safetensors.zst"
+    moved = goldens / CLASS / "qwen2" / "step-float32.safetensors.zst"
     moved.parent.mkdir()
     (goldens / REL).rename(moved)
-    code, _, err = run_cli(capsys, "check", "--goldens", str(goldens), "--hardware-class", "cpu",
+    code, _, err = run_cli(capsys, "check", "--goldens", str(goldens), "--hardware-class", CLASS,
                            "--model", "qwen2", "--dtype", "float32")
-    assert (code, err) == (2, f"veosnap: error: {moved}: manifest key cpu/llama/step-float32 disagrees with "
-                              "its path (cpu/qwen2/step-float32)\n")
+    assert (code, err) == (2, f"veosnap: error: {moved}: manifest key {CLASS}/llama/step-float32 disagrees with "
+                              f"its path ({CLASS}/qwen2/step-float32)\n")
 
 
 def test_config_hash_disagrees_with_the_model_checked(capsys, goldens, tmp_path):
@@ -264,9 +266,15 @@ def test_config_hash_disagrees_with_the_model_checked(capsys, goldens, tmp_path)
     config["rms_norm_eps"] = config.get("rms_norm_eps", 1e-6) * 10
     (configs / "llama" / "config.json").write_text(json.dumps(config))
     code, err = check_llama(capsys, goldens, "--configs", str(configs))
+    refresh = (f"veosnap refresh --reason 'config changed: <why>' --model llama --dtype float32 --goldens {goldens} "
+               f"--configs {configs}")
     assert (code, err) == (2, f"veosnap: error: {goldens / REL}: recorded from another config than "
-                              f"{configs / 'llama' / 'config.json'} (config hash differs); re-record with "
-                              "`veosnap record --model llama --dtype float32`\n")
+                              f"{configs / 'llama' / 'config.json'} (config hash differs); if the change is intended, "
+                              f"re-record it with `{refresh}`\n")
+    # The advice runs as printed: an approved refresh, after which the check passes.
+    assert main(shlex.split(refresh)[1:]) == 0
+    assert "rewrote" in capsys.readouterr().out
+    assert check_llama(capsys, goldens, "--configs", str(configs)) == (0, "")
 
 
 # --- the tensors ---------------------------------------------------------------------------------
@@ -318,7 +326,7 @@ def test_inputs_of_the_wrong_dtype(capsys, goldens):
 @pytest.mark.parametrize("command", ["check", "record"])
 def test_names_that_could_escape_are_refused(capsys, goldens, tmp_path, model, command):
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
-    code, out, err = run_cli(capsys, command, "--goldens", str(goldens), "--hardware-class", "cpu",
+    code, out, err = run_cli(capsys, command, "--goldens", str(goldens), "--hardware-class", CLASS,
                              "--model", model, "--dtype", "float32")
     assert (code, out) == (2, "")
     assert err == (f"veosnap: error: {model!r}: invalid model name (letters, digits, '_', '-', '.'; "
@@ -356,7 +364,7 @@ def test_show_a_bad_golden(capsys, tmp_path):
 def test_record_into_a_goldens_path_that_is_a_file(capsys, tmp_path):
     blocker = tmp_path / "goldens"
     blocker.write_text("not a directory")
-    code, out, err = run_cli(capsys, "record", "--goldens", str(blocker), "--hardware-class", "cpu",
+    code, out, err = run_cli(capsys, "record", "--goldens", str(blocker), "--hardware-class", CLASS,
                              "--model", "llama", "--dtype", "float32")
     assert (code, out) == (2, "")
     assert err.startswith(f"veosnap: error: {blocker / REL}: cannot write (") and err.count("\n") == 1
@@ -366,8 +374,8 @@ def test_record_into_a_goldens_path_that_is_a_file(capsys, tmp_path):
 def test_ls_lists_goldens_only(capsys, goldens):
     (goldens / REL.parent / f".{REL.name}.abc123.tmp").write_bytes(b"half a golden")
     (goldens / REL.parent / "notes.txt").write_text("hello")
-    (goldens / "cpu" / "llama" / "step-float32.safetensors.zst.orig").write_bytes(b"x")
-    code, out, err = run_cli(capsys, "ls", "--goldens", str(goldens), "--hardware-class", "cpu", "--format", "json")
+    (goldens / f"{REL}.orig").write_bytes(b"x")
+    code, out, err = run_cli(capsys, "ls", "--goldens", str(goldens), "--hardware-class", CLASS, "--format", "json")
     assert (code, err) == (0, "")
     assert [e["path"] for e in json.loads(out)] == [str(goldens / REL)]
 
@@ -385,7 +393,7 @@ def test_bad_backend_file(capsys, goldens, tmp_path, source, cause):
     file = tmp_path / "my_backend.py"
     if source is not None:
         file.write_text(source)
-    code, out, err = run_cli(capsys, "check", "--goldens", str(goldens), "--hardware-class", "cpu",
+    code, out, err = run_cli(capsys, "check", "--goldens", str(goldens), "--hardware-class", CLASS,
                              "--model", "llama", "--dtype", "float32", "--backend", f"{file}:candidate")
     assert (code, out) == (2, "")
     assert err == "veosnap: error: " + cause.format(file=file, name=file.name) + "\n"
@@ -394,7 +402,7 @@ def test_bad_backend_file(capsys, goldens, tmp_path, source, cause):
 def test_backend_module_that_fails_on_import(capsys, goldens, tmp_path, monkeypatch):
     (tmp_path / "broken_kernels.py").write_text("raise OSError('libcuda.so not found')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    code, out, err = run_cli(capsys, "check", "--goldens", str(goldens), "--hardware-class", "cpu",
+    code, out, err = run_cli(capsys, "check", "--goldens", str(goldens), "--hardware-class", CLASS,
                              "--model", "llama", "--dtype", "float32", "--backend", "broken_kernels:apply")
     assert (code, out) == (2, "")
     assert err == ("veosnap: error: backend 'broken_kernels:apply': error while importing broken_kernels "
@@ -410,7 +418,7 @@ def test_a_config_transformers_refuses_is_one_line(capsys, tmp_path):
     config["num_attention_heads"] = 3
     (configs / "llama" / "config.json").write_text(json.dumps(config))
     code, out, err = run_cli(capsys, "record", "--goldens", str(tmp_path / "goldens"), "--configs", str(configs),
-                             "--hardware-class", "cpu", "--model", "llama", "--dtype", "float32")
+                             "--hardware-class", CLASS, "--model", "llama", "--dtype", "float32")
     assert (code, out) == (2, "")
     assert err == (f"veosnap: error: {configs / 'llama' / 'config.json'}: transformers cannot build this config "
                    f"(The hidden size ({config['hidden_size']}) is not a multiple of the number of attention heads (3).)\n")
@@ -422,7 +430,7 @@ def test_unreadable_token_table_is_one_line(capsys, tmp_path):
     testdata.mkdir()
     (testdata / "sequences.parquet").write_text("not parquet")
     code, out, err = run_cli(capsys, "record", "--goldens", str(tmp_path / "goldens"), "--testdata", str(testdata),
-                             "--hardware-class", "cpu", "--model", "llama", "--dtype", "float32")
+                             "--hardware-class", CLASS, "--model", "llama", "--dtype", "float32")
     assert (code, out) == (2, "")
     assert err.startswith(f"veosnap: error: {testdata / 'sequences.parquet'}: cannot read the token table (")
     assert err.count("\n") == 1
@@ -433,8 +441,8 @@ def test_an_unreadable_directory_is_one_line(capsys, goldens, monkeypatch):
     from veosnap.reference import zoo
 
     def denied(project, key):  # noqa: ANN001
-        raise PermissionError(13, "Permission denied", str(goldens / "cpu"))
+        raise PermissionError(13, "Permission denied", str(goldens / CLASS))
 
     monkeypatch.setattr(zoo, "load_golden", denied)
     code, err = check_llama(capsys, goldens)
-    assert (code, err) == (2, f"veosnap: error: {goldens / 'cpu'}: Permission denied\n")
+    assert (code, err) == (2, f"veosnap: error: {goldens / CLASS}: Permission denied\n")

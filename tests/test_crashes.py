@@ -15,17 +15,19 @@ import time
 from pathlib import Path
 
 import pytest
+from golden_repo import golden_path
 
 from veosnap.errors import GoldenError
 from veosnap.golden import store
 
 REPO = Path(__file__).resolve().parents[1]
-SOURCE = REPO / "goldens" / "cpu" / "llama" / "step-float32.safetensors.zst"
+SOURCE = golden_path("llama")
 
 
 def faults(tmp_path: Path, *argv: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, str(REPO / "tools" / "kill_and_race.py"), *argv, "--dir", str(tmp_path), "--json"],
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, str(REPO / "tools" / "kill_and_race.py"), *argv, "--dir", str(tmp_path),
+                           "--json"],
                           capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)

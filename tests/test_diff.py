@@ -1,4 +1,8 @@
-"""`veosnap diff`: how goldens moved between two revisions or directories."""
+"""`veosnap diff`: how goldens moved between two revisions or directories.
+
+A diff runs no model, so these tests use the cpu goldens on any machine (they carry the manifest hash
+the cuda-sm90 ones predate).
+"""
 
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ def test_identical_trees_report_no_change(tmp_path, capsys):
 
 
 def test_working_tree_against_head_in_a_git_repo(tmp_path, capsys, monkeypatch):
-    git_repo(tmp_path)
+    git_repo(tmp_path, "cpu")
     monkeypatch.chdir(tmp_path)
 
     assert cli.main(["diff", "HEAD", "--fail-on-change"]) == 0
@@ -63,7 +67,7 @@ def test_noise_level_move_reads_as_noise_and_large_move_as_material(tmp_path):
 
 
 def test_removed_and_added_goldens_are_material(tmp_path, capsys, monkeypatch):
-    project = git_repo(tmp_path)
+    project = git_repo(tmp_path, "cpu")
     removed = project.goldens / "cpu" / "qwen2" / "step-bfloat16.safetensors.zst"
     removed.unlink()
     added = project.goldens / "cpu" / "llama_copy" / "step-float32.safetensors.zst"
@@ -100,7 +104,7 @@ def test_routes_and_provenance_changes_are_listed(tmp_path):
 
 
 def test_markdown_puts_the_summary_first_and_folds_details(tmp_path, capsys, monkeypatch):
-    project = git_repo(tmp_path)
+    project = git_repo(tmp_path, "cpu")
     g = store.read(project.goldens / LLAMA.relpath)
     g.tensors["loss"] = g.tensors["loss"] + 1.0
     store.write(g, project.goldens / LLAMA.relpath)
@@ -115,7 +119,7 @@ def test_markdown_puts_the_summary_first_and_folds_details(tmp_path, capsys, mon
 
 
 def test_bad_input_exits_2_with_one_line(tmp_path, capsys, monkeypatch):
-    git_repo(tmp_path)
+    git_repo(tmp_path, "cpu")
     monkeypatch.chdir(tmp_path)
     assert cli.main(["diff", "no-such-revision"]) == 2
     err = capsys.readouterr().err.strip()
@@ -130,13 +134,13 @@ def test_bad_input_exits_2_with_one_line(tmp_path, capsys, monkeypatch):
 
 
 def test_outside_git_a_revision_is_refused(tmp_path, capsys):
-    copy_zoo(tmp_path)
+    copy_zoo(tmp_path, "cpu")
     assert cli.main(["diff", "HEAD", "--goldens", str(tmp_path / "goldens")]) == 2
     assert "not inside a git repository" in capsys.readouterr().err
 
 
 def test_git_sides_do_not_touch_the_working_tree(tmp_path):
-    project = git_repo(tmp_path)
+    project = git_repo(tmp_path, "cpu")
     status_before = git(tmp_path, "status", "--porcelain")
     diff("HEAD", "HEAD", goldens_dir=project.goldens)
     assert git(tmp_path, "status", "--porcelain") == status_before == ""

@@ -10,16 +10,19 @@ import struct
 import tracemalloc
 from pathlib import Path
 
+import pytest
 import zstandard
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+
+pytest.importorskip("hypothesis", reason="the fuzz tests need hypothesis (in veosnap's [test] extra)")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 from veosnap.errors import GoldenError
 from veosnap.golden import codec
 from veosnap.golden.manifest import READABLE_SCHEMAS
 
 REPO = Path(__file__).resolve().parents[1]
-SOURCE = REPO / "goldens" / "cpu" / "qwen3_moe" / "step-bfloat16.safetensors.zst"  # small, and has routes
+SOURCE = REPO / "goldens" / "cpu" / "qwen3_moe" / "step-bfloat16.safetensors.zst"  # small, has routes; no model runs
 DATA = SOURCE.read_bytes()
 RAW = zstandard.ZstdDecompressor().decompress(DATA)
 HEADER_END = 8 + struct.unpack("<Q", RAW[:8])[0]

@@ -75,7 +75,7 @@ def test_committed_goldens_encode_to_their_own_bytes():
 
 
 def test_the_manifest_is_typed():
-    g = store.read(REPO / "goldens" / "cpu" / "qwen3_moe" / "train-float32.safetensors.zst")
+    g = store.read(REPO / "goldens" / "cpu" / "qwen3_moe" / "train-float32.safetensors.zst")  # reads on any machine
     assert isinstance(g.manifest.reference.train, TrainHyper) and g.manifest.reference.seed == 0
     assert g.manifest.reference.batch.sequences == (0, 1, 2, 3)
     assert g.manifest.provenance.cpu_threads == 1 and g.manifest.provenance.cuda is None

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import reference_kernels as rk
 import torch
+from golden_repo import CLASS
 
 from veosnap.candidates import backends
 from veosnap.candidates.kernels import fa4, fla, quack, support
@@ -33,7 +34,7 @@ backends.register("fla_on_torch", rk.fla_on_torch)
 
 
 def key(model: str, dtype: str = "float32") -> GoldenKey:
-    return GoldenKey("cpu", model, "step", dtype)
+    return GoldenKey(CLASS, model, "step", dtype)
 
 
 def run(project: Project, model: str, spec: str, dtype: str = "float32", layouts=("single",)):
@@ -155,7 +156,7 @@ def test_quack_experts_match_eager_with_idle_experts_and_expert_parallel_sentine
 
 @pytest.fixture(scope="module")
 def qwen3_5(tmp_path_factory: pytest.TempPathFactory) -> Project:
-    """A scratch project with a cpu float32 golden of the Qwen3.5 toy (gated DeltaNet layer 0)."""
+    """A scratch project with a float32 golden of the Qwen3.5 toy (gated DeltaNet layer 0), this machine's class."""
     source = next((p for p in (ROOT / "toy_configs" / "qwen3_5", ROOT / "toy_configs_next" / "qwen3_5") if p.is_dir()),
                   None)
     if source is None:
@@ -164,7 +165,7 @@ def qwen3_5(tmp_path_factory: pytest.TempPathFactory) -> Project:
     shutil.copytree(source, tmp / "toy_configs" / "qwen3_5")
     shutil.copytree(ROOT / "testdata", tmp / "testdata")
     project = Project.resolve(goldens=tmp / "goldens", configs=tmp / "toy_configs", testdata=tmp / "testdata",
-                              hardware_class="cpu")
+                              hardware_class=CLASS)
     record(project, "qwen3_5", "float32")
     return project
 

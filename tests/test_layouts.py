@@ -1,8 +1,9 @@
-"""Layouts checked against the single-process golden: every CPU layout passes; planted faults fail.
+"""Layouts checked against the single-process golden: every layout that runs here passes; planted faults fail.
 
 Each torchrun start costs seconds, so the multi-process layouts of one check share one torchrun
 (`check_layouts`), and each fixture below runs once per module. Planted layout bugs are layouts of
-their own (`tests/layout_faults.py`), given by SPEC like a user's.
+their own (`tests/layout_faults.py`), given by SPEC like a user's. On CUDA the multi-process layouts
+need a GPU per rank: with fewer than 2 visible, only the in-process ones run (the rest skip, saying so).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from golden_repo import CLASS, ON_CUDA, gpus_for
 
 from veosnap.candidates import backends
 from veosnap.candidates.layouts import registry, torchrun
@@ -28,16 +30,19 @@ RUN_ON_CPU = ["single", "packed", "microbatch", "ddp", "fsdp2", "hsdp", "tp", "e
               "sp_ep", "cp", "cp_packed"]
 EXPERTS_ONLY = ("ep", "sp_ep")  # skip dense models
 TIMEOUT_S = 300
+RANKS = torch.cuda.device_count() >= 2 if ON_CUDA else True  # 2 ranks: gloo on the CPU, a GPU each on CUDA
+# Only the layouts `veosnap check --layout` can run here: multi-process ones need their ranks.
+RUNNABLE = [name for name in registry.names() if RANKS or not registry.resolve(name).distributed]
 
 
 @pytest.fixture(scope="module")
 def project() -> Project:
     return Project.resolve(goldens=ROOT / "goldens", configs=ROOT / "toy_configs", testdata=ROOT / "testdata",
-                           hardware_class="cpu")
+                           hardware_class=CLASS)
 
 
 def key(model: str) -> GoldenKey:
-    return GoldenKey("cpu", model, "step", "float32")
+    return GoldenKey(CLASS, model, "step", "float32")
 
 
 def by_layout(reports: list) -> dict:
@@ -46,16 +51,16 @@ def by_layout(reports: list) -> dict:
 
 @pytest.fixture(scope="module", params=["llama", "qwen3_moe"])
 def every_layout(request: pytest.FixtureRequest, project: Project) -> tuple[str, dict]:
-    reports = check_layouts(project, key(request.param), backends.resolve("eager"), registry.names(),
+    reports = check_layouts(project, key(request.param), backends.resolve("eager"), RUNNABLE,
                             nproc=2, timeout_s=TIMEOUT_S)
     return request.param, by_layout(reports)
 
 
 @pytest.mark.heavy
-def test_every_layout_the_cpu_runs_passes_against_the_single_process_golden(every_layout: tuple[str, dict]) -> None:
+def test_every_layout_that_runs_here_passes_against_the_single_process_golden(every_layout: tuple[str, dict]) -> None:
     model, reports = every_layout
-    assert list(reports) == registry.names()
-    for name in RUN_ON_CPU:
+    assert list(reports) == RUNNABLE
+    for name in (name for name in RUN_ON_CPU if name in RUNNABLE):
         report = reports[name]
         if name in EXPERTS_ONLY and model == "llama":
             assert report.skipped and "dense" in report.skipped
@@ -68,6 +73,7 @@ def test_every_layout_the_cpu_runs_passes_against_the_single_process_golden(ever
 
 
 @pytest.mark.heavy
+@gpus_for(2)
 def test_sequence_parallel_layouts_say_how_attention_ran(every_layout: tuple[str, dict]) -> None:
     _, reports = every_layout
     assert reports["sp"].notes[0].startswith("Ulysses all-to-all over 2 ranks (veosnap all-to-all), 2 heads each")
@@ -79,6 +85,8 @@ def test_sequence_parallel_layouts_say_how_attention_ran(every_layout: tuple[str
 def faulty(project: Project) -> dict:
     # One torchrun for the multi-process faults; `die` comes last because it ends the run.
     planted = {"packed": "packed_no_restart", "ddp": "ddp_sum_grads", "fsdp2": "fsdp2_swap_shard", "hsdp": "hsdp_die"}
+    if not RANKS:
+        planted = {"packed": planted["packed"]}
     reports = check_layouts(project, key("qwen3_moe"), backends.resolve("eager"),
                             [f"{FAULTS}:{fault}" for fault in planted.values()], nproc=2, timeout_s=TIMEOUT_S)
     return dict(zip(planted, reports))
@@ -88,6 +96,7 @@ def failing(report) -> set[str]:  # noqa: ANN001
     return {t.name for t in report.tensors if not t.passed}
 
 
+@gpus_for(2)
 def test_gradients_summed_across_ranks_fail_on_the_gradients_only(faulty: dict) -> None:
     report = faulty["ddp"]
     assert report.status == "FAIL"
@@ -97,6 +106,7 @@ def test_gradients_summed_across_ranks_fail_on_the_gradients_only(faulty: dict) 
     assert "grad." in report.first_gradient_divergence
 
 
+@gpus_for(2)
 def test_a_rank_trained_on_another_ranks_shard_fails_on_its_rows(faulty: dict) -> None:
     report = faulty["fsdp2"]
     assert report.status == "FAIL"
@@ -114,11 +124,13 @@ def test_packed_positions_that_do_not_restart_fail_after_the_first_sequence(faul
     assert not logits.passed and not logits.where.startswith("row 0 ")  # the first sequence is unaffected
 
 
+@gpus_for(2)
 def test_a_rank_that_dies_ends_the_check_with_an_error_naming_it(faulty: dict) -> None:
     assert faulty["hsdp"].status == "ERROR"
     assert "rank 1 exited with status 17" in faulty["hsdp"].error
 
 
+@gpus_for(2)
 def test_a_rank_that_hangs_is_ended_at_the_time_limit(project: Project) -> None:
     report = check(project, key("llama"), backends.resolve("eager"), f"{FAULTS}:ddp_hang", timeout_s=15)
     assert report.status == "ERROR" and "timed out after 15 s" in report.error
@@ -126,7 +138,8 @@ def test_a_rank_that_hangs_is_ended_at_the_time_limit(project: Project) -> None:
 
 def test_route_flips_under_layouts_are_reported_and_gradients_compared_under_replay(project: Project) -> None:
     backend = backends.resolve(f"{HERE / 'route_flip_backend.py'}:next_expert")
-    for report in check_layouts(project, key("qwen3_moe"), backend, ["microbatch", "ddp"], timeout_s=TIMEOUT_S):
+    layouts = ["microbatch", "ddp"] if RANKS else ["microbatch"]
+    for report in check_layouts(project, key("qwen3_moe"), backend, layouts, timeout_s=TIMEOUT_S):
         assert report.status == "FAIL" and report.route_replay, report.layout
         assert all(r.clear_flips == r.tokens > 0 for r in report.routes)
         assert "routing differs: layer 0 sends" in report.routes[0].message()

@@ -1,6 +1,6 @@
 """Planted bugs fail, naming the tensor at fault (see tests/faults.py for the bugs).
 
-Each fault is a backend plugin (`tests/faults.py:<name>`), checked against the committed cpu goldens
+Each fault is a backend plugin (`tests/faults.py:<name>`), checked against this machine's committed goldens
 exactly as a user's kernel would be: `veosnap check --backend tests/faults.py:<name>`.
 """
 
@@ -25,7 +25,7 @@ FORWARD_FAULTS = ["swapped_activation", "kv_groups_swapped", "pad_leak", "next_t
 
 
 def run(project, model: str, dtype: str, fault: str) -> CheckReport:  # noqa: ANN001
-    key = GoldenKey("cpu", model, "step", dtype)
+    key = GoldenKey(project.hardware_class, model, "step", dtype)
     report = check(project, key, backends.resolve(f"{FAULTS_FILE}:{fault}"))
     assert not report.error, report.error
     return report

@@ -2,8 +2,9 @@
 every parallel layout must take (positions, rows, parameters and tokens that do not divide by the
 number of ranks).
 
-Every multi-process check is a real torchrun on gloo; each fixture below is one torchrun shared by its
-tests. Those marked `heavy` (3 and 4 processes, the train scenario, bfloat16) take 15-30 s each:
+Every multi-process check is a real torchrun (gloo on the CPU, NCCL on CUDA, one GPU per rank: they
+skip, saying so, where fewer GPUs are visible); each fixture below is one torchrun shared by its tests.
+Those marked `heavy` (3 and 4 processes, the train scenario, bfloat16) take 15-30 s each:
 `pytest -m "not heavy"` leaves them out of a quick local run; CI runs them.
 """
 
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from golden_repo import CLASS, committed_golden, gpus_for
 
 from veosnap.candidates import backends
 from veosnap.candidates.layouts import sequence
@@ -36,7 +38,7 @@ TIMEOUT_S = 300
 @pytest.fixture(scope="module")
 def project() -> Project:
     return Project.resolve(goldens=ROOT / "goldens", configs=ROOT / "toy_configs", testdata=ROOT / "testdata",
-                           hardware_class="cpu")
+                           hardware_class=CLASS)
 
 
 def by_layout(reports: list) -> dict:
@@ -106,11 +108,12 @@ def planted(project: Project) -> dict:
     specs = [f"{FAULTS}:{name}" for name in
              ("sp_heads_reversed", "sp_grads_unreduced", "sp_local_loss", "sp_boundary_off_by_one")]
     specs.append(f"{HERE / 'uneven_layouts.py'}:ep_packed_rows")
-    reports = check_layouts(project, GoldenKey("cpu", "qwen3_moe", "step", "float32"), backends.resolve("eager"),
+    reports = check_layouts(project, GoldenKey(CLASS, "qwen3_moe", "step", "float32"), backends.resolve("eager"),
                             specs, nproc=2, timeout_s=TIMEOUT_S)
     return by_layout(reports)
 
 
+@gpus_for(2)
 def test_heads_resharded_in_the_wrong_order_fail_from_the_first_layer(planted: dict) -> None:
     report = planted["sp_heads_reversed"]
     assert report.status == "FAIL"
@@ -118,6 +121,7 @@ def test_heads_resharded_in_the_wrong_order_fail_from_the_first_layer(planted: d
     assert "reversed heads" in report.notes[0]  # given through the exchange hook
 
 
+@gpus_for(2)
 def test_a_replicated_weights_gradient_not_reduced_fails_on_the_gradients_only(planted: dict) -> None:
     report = planted["sp_grads_unreduced"]
     assert report.status == "FAIL" and report.first_divergence is None
@@ -125,6 +129,7 @@ def test_a_replicated_weights_gradient_not_reduced_fails_on_the_gradients_only(p
     assert report.first_gradient_divergence.startswith("lm_head ")
 
 
+@gpus_for(2)
 def test_a_loss_divided_by_the_local_count_fails_on_the_loss(planted: dict) -> None:
     report = planted["sp_local_loss"]
     assert report.status == "FAIL"
@@ -132,6 +137,7 @@ def test_a_loss_divided_by_the_local_count_fails_on_the_loss(planted: dict) -> N
     assert tensor(report, "logits").passed and tensor(report, "layers.1.output").passed  # the forward is right
 
 
+@gpus_for(2)
 def test_a_shard_boundary_off_by_one_fails_at_that_sequences_positions(planted: dict) -> None:
     report = planted["sp_boundary_off_by_one"]
     assert report.status == "FAIL"
@@ -141,6 +147,7 @@ def test_a_shard_boundary_off_by_one_fails_at_that_sequences_positions(planted: 
     assert (logits.rows_over, logits.rows) == (16, 86)  # row 0's 16 tokens there, nothing else
 
 
+@gpus_for(2)
 def test_expert_parallel_ranks_with_uneven_token_counts_pass(planted: dict) -> None:
     report = planted["ep_packed_rows"]
     assert report.passed and report.routes and all(r.clear_flips == 0 for r in report.routes)
@@ -149,15 +156,17 @@ def test_expert_parallel_ranks_with_uneven_token_counts_pass(planted: dict) -> N
 # --- the exchange hook ----------------------------------------------------------------------------
 
 
+@gpus_for(2)
 def test_a_frameworks_own_exchange_is_used_through_the_hook(project: Project) -> None:
     backend = backends.resolve(f"{HERE / 'sequence_backends.py'}:list_exchange")
-    reports = check_layouts(project, GoldenKey("cpu", "llama", "step", "float32"), backend, ["sp", "sp_packed"],
+    reports = check_layouts(project, GoldenKey(CLASS, "llama", "step", "float32"), backend, ["sp", "sp_packed"],
                             nproc=2, timeout_s=TIMEOUT_S)
     for report in reports:
         assert report.passed, (report.layout, report.error, report.worst)
         assert "list all-to-all, VeOmni's shape" in report.notes[0]
 
 
+@gpus_for(2)
 def test_torch_and_veosnap_gather_a_strided_shard_alike() -> None:
     # The tp gradient gather for transformers' fused gate/up experts (torch 2.11 cannot; see probes.full).
     out = Path(os.environ.get("TMPDIR", "/tmp")) / f"veosnap-strided-{os.getpid()}"
@@ -179,10 +188,11 @@ def test_torch_and_veosnap_gather_a_strided_shard_alike() -> None:
 
 
 @pytest.mark.heavy
+@gpus_for(3)
 def test_three_ranks_take_positions_rows_and_parameters_that_do_not_divide(project: Project) -> None:
     # 32 positions and 86 packed tokens over 3 ranks (padded to 33 and 87), 4 rows over 3 ranks (2, 1, 1),
     # and hidden 64, vocab 256 parameters FSDP-sharded 3 ways; Ulysses cannot split 4 heads 3 ways.
-    reports = by_layout(check_layouts(project, GoldenKey("cpu", "llama", "step", "float32"), backends.resolve("eager"),
+    reports = by_layout(check_layouts(project, GoldenKey(CLASS, "llama", "step", "float32"), backends.resolve("eager"),
                                       ["cp", "cp_packed", "fsdp2", "ddp", "sp"], nproc=3, timeout_s=TIMEOUT_S))
     for name in ("cp", "cp_packed", "fsdp2", "ddp"):
         assert reports[name].passed, (name, reports[name].error, reports[name].worst)
@@ -190,8 +200,9 @@ def test_three_ranks_take_positions_rows_and_parameters_that_do_not_divide(proje
 
 
 @pytest.mark.heavy
+@gpus_for(4)
 def test_four_ranks_repeat_key_value_heads_and_pad_the_packed_row(project: Project) -> None:
-    reports = by_layout(check_layouts(project, GoldenKey("cpu", "qwen3_moe", "step", "float32"),
+    reports = by_layout(check_layouts(project, GoldenKey(CLASS, "qwen3_moe", "step", "float32"),
                                       backends.resolve("eager"), ["sp", "sp_packed", "sp_fsdp2", "sp_ep", "cp_packed"],
                                       nproc=4, timeout_s=TIMEOUT_S))
     for name, report in reports.items():
@@ -200,10 +211,11 @@ def test_four_ranks_repeat_key_value_heads_and_pad_the_packed_row(project: Proje
 
 
 @pytest.mark.heavy
+@gpus_for(2)
 def test_a_bfloat16_model_with_a_float32_router_is_sharded_and_sequence_parallel(project: Project) -> None:
     # DeepSeek-V3's router stays float32 in a bfloat16 model (as transformers builds it): fully_shard
     # refuses mixed dtypes in one group, so it gets its own.
-    reports = by_layout(check_layouts(project, GoldenKey("cpu", "deepseek_v3", "step", "bfloat16"),
+    reports = by_layout(check_layouts(project, GoldenKey(CLASS, "deepseek_v3", "step", "bfloat16"),
                                       backends.resolve("eager"), ["fsdp2", "hsdp", "sp", "sp_fsdp2", "sp_ep", "cp"],
                                       nproc=2, timeout_s=TIMEOUT_S))
     for name, report in reports.items():
@@ -211,8 +223,10 @@ def test_a_bfloat16_model_with_a_float32_router_is_sharded_and_sequence_parallel
 
 
 @pytest.mark.heavy
+@gpus_for(2)
 def test_sequence_parallel_layouts_train(project: Project) -> None:
-    reports = by_layout(check_layouts(project, GoldenKey("cpu", "llama", "train", "float32"), backends.resolve("eager"),
+    committed_golden("llama", "float32", "train")
+    reports = by_layout(check_layouts(project, GoldenKey(CLASS, "llama", "train", "float32"), backends.resolve("eager"),
                                       ["sp", "sp_fsdp2", "cp_packed", "sp_ep"], nproc=2, timeout_s=TIMEOUT_S))
     for name in ("sp", "sp_fsdp2", "cp_packed"):
         assert reports[name].passed, (name, reports[name].error, reports[name].worst)

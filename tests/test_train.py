@@ -1,4 +1,4 @@
-"""The train scenario: a few AdamW steps with clipping, checked against the committed cpu train goldens.
+"""The train scenario: a few AdamW steps with clipping, checked against the committed train goldens.
 
 Backends and layouts that compute the same steps pass; a clipping bug that leaves every gradient of
 the first step right (the `step` scenario passes) fails on the grad norms and the updates.
@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from golden_repo import CLASS, committed_golden, gpus_for
 
 from veosnap.candidates import backends
 from veosnap.golden import names, store
@@ -24,7 +25,8 @@ LOSS, GRAD_NORM, UPDATE = str(names.TRAIN_LOSS), str(names.TRAIN_GRAD_NORM), nam
 
 
 def key(model: str, dtype: str = "float32", scenario: str = "train") -> GoldenKey:
-    return GoldenKey("cpu", model, scenario, dtype)
+    committed_golden(model, dtype, scenario)  # the cuda-sm90 train goldens are recorded on the GPU
+    return GoldenKey(CLASS, model, scenario, dtype)
 
 
 def names_over(report) -> set[str]:  # noqa: ANN001 - a CheckReport
@@ -58,6 +60,7 @@ def test_microbatch_accumulation_passes_on_train(repo_project: Project, model: s
     assert report.passed, (report.error, report.worst)
 
 
+@gpus_for(2)
 def test_ddp_and_fsdp2_pass_on_train_and_tp_says_why_it_does_not_run(repo_project: Project) -> None:
     reports = check_layouts(repo_project, key("qwen3_moe"), backends.resolve("eager"),
                             ["ddp", "fsdp2", "tp"], nproc=2, timeout_s=TIMEOUT_S)
@@ -77,6 +80,7 @@ def test_clipping_per_micro_batch_fails_on_train_while_step_passes(repo_project:
     assert any(n.startswith(UPDATE) for n in names_over(report))
 
 
+@gpus_for(2)
 def test_clipping_by_the_local_shard_norm_fails_under_fsdp2_while_step_passes(repo_project: Project) -> None:
     eager, planted = backends.resolve("eager"), f"{FAULTS}:fsdp2_clip_local"
     step = check(repo_project, key("llama", scenario="step"), eager, planted, timeout_s=TIMEOUT_S)
@@ -96,4 +100,4 @@ def test_cli_records_and_checks_the_train_scenario(scratch_project: Project, cap
     assert "wrote" in out and "train-float32" in out and "unchanged" in out  # recording twice: the same bytes
     assert main(["check", *dirs, "--model", "qwen3", "--dtype", "float32", "--scenario", "train"]) == 0
     assert "train-float32" in capsys.readouterr().out
-    assert not (scratch_project.goldens / "cpu" / "qwen3" / "step-float32.safetensors.zst").exists()
+    assert not (scratch_project.goldens / CLASS / "qwen3" / "step-float32.safetensors.zst").exists()

@@ -137,8 +137,8 @@ def test_a_bug_planted_in_veomnis_model_fails_at_its_layer() -> None:
 
     veomni = backends.resolve(f"{PLUGIN}:veomni")
     project = Project.resolve(goldens=ROOT / "goldens", configs=ROOT / "toy_configs", testdata=ROOT / "testdata")
-    report = check(project, GoldenKey("cpu", "qwen3", "step", "float32"), backends.Backend("veomni+planted",
-                                                                                           (*veomni.steps, planted)))
+    report = check(project, GoldenKey(project.hardware_class, "qwen3", "step", "float32"),
+                   backends.Backend("veomni+planted", (*veomni.steps, planted)))
     assert report.status == "FAIL"
     assert report.first_divergence.startswith("layer 1")
 
@@ -152,7 +152,7 @@ def test_veomnis_own_ulysses_all_to_all_is_checked_through_the_exchange_hook() -
     from veosnap.runs.check import check_layouts
 
     project = Project.resolve(goldens=ROOT / "goldens", configs=ROOT / "toy_configs", testdata=ROOT / "testdata")
-    reports = check_layouts(project, GoldenKey("cpu", "llama", "step", "float32"),
+    reports = check_layouts(project, GoldenKey(project.hardware_class, "llama", "step", "float32"),
                             backends.resolve(f"{ROOT / PLUGIN}:veomni_ulysses"), ["sp", "sp_packed"], nproc=2,
                             timeout_s=300)
     for report in reports:

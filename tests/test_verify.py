@@ -1,4 +1,8 @@
-"""`veosnap verify`: corrupt, hand-edited or inconsistent goldens are named with their cause."""
+"""`veosnap verify`: corrupt, hand-edited or inconsistent goldens are named with their cause.
+
+Verifying runs no model, so these tests edit the cpu goldens on any machine (they carry the manifest
+hash the cuda-sm90 ones predate).
+"""
 
 from __future__ import annotations
 

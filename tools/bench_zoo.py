@@ -1,4 +1,5 @@
-"""Time the zoo: one forward+backward per model and dtype, a record, a check; golden sizes.
+"""Time the zoo: one forward+backward per model and dtype, a record (the reference and its float64 twin,
+then the legitimate variants it is checked with before it is written), a check; golden sizes.
 
     python tools/bench_zoo.py
 """
@@ -40,7 +41,7 @@ def main() -> None:
     project = Project.resolve(goldens=ROOT / "goldens", configs=ROOT / "toy_configs", testdata=ROOT / "testdata")
     batch = inputs.padded(inputs.load_sequences(project.testdata))
     table = Table(title=f"zoo timings on {torch.get_num_threads()} CPU threads (best of 5; record/check: one run)")
-    for col in ("model", "params", "dtype", "fwd+bwd", "record", "check (eager)", "golden size"):
+    for col in ("model", "params", "dtype", "fwd+bwd", "record", "of it: variants", "check (eager)", "golden size"):
         table.add_column(col, justify="right" if col != "model" else "left")
     with tempfile.TemporaryDirectory() as tmp:
         scratch = replace(project, goldens=Path(tmp))
@@ -52,12 +53,18 @@ def main() -> None:
                 t = time.perf_counter()
                 record.record(scratch, name, dtype)
                 rec = time.perf_counter() - t
+                golden = store.read(store.path_for(scratch.goldens, GoldenKey(scratch.hardware_class, name, "step",
+                                                                              dtype)))
                 t = time.perf_counter()
-                check(project, GoldenKey("cpu", name, "step", dtype), backends.resolve("eager"))
+                record.fragility(scratch, golden)  # what record spent on the variants before writing
+                variants = time.perf_counter() - t
+                t = time.perf_counter()
+                check(project, GoldenKey(project.hardware_class, name, "step", dtype), backends.resolve("eager"))
                 chk = time.perf_counter() - t
-                size = store.path_for(project.goldens, GoldenKey("cpu", name, "step", dtype)).stat().st_size
+                key = GoldenKey(project.hardware_class, name, "step", dtype)
+                size = store.path_for(project.goldens, key).stat().st_size
                 table.add_row(name, f"{sum(p.numel() for p in model.parameters()):,}", dtype, f"{step * 1000:.0f} ms",
-                              f"{rec:.2f} s", f"{chk:.2f} s", f"{size / 1024:.0f} KiB")
+                              f"{rec:.2f} s", f"{variants:.2f} s", f"{chk:.2f} s", f"{size / 1024:.0f} KiB")
     Console(width=120).print(table)
 
 

@@ -1,6 +1,6 @@
 """Everything veosnap does on a GPU machine, in phases that fit one device command each.
 
-    python tools/gpu_session.py record  --out DIR   # cuda-<sm> goldens (float32 TF32 off, bfloat16), verified:
+    python tools/gpu_session.py record  --out DIR   # this class's goldens, float32 and bfloat16, verified:
                                                     # every scenario each model runs (step, train, vision, audio)
     python tools/gpu_session.py matrix  --out DIR   # GPU backends x zoo; precision regression; cross-class
     python tools/gpu_session.py matrix --scenario vision --scenario audio --out DIR   # the multimodal goldens
@@ -35,6 +35,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from veosnap.candidates import backends  # noqa: E402
+from veosnap.errors import VeosnapError  # noqa: E402
 from veosnap.golden.key import GoldenKey  # noqa: E402
 from veosnap.reference import hardware, scenarios  # noqa: E402
 from veosnap.reference.zoo import Project, load_config  # noqa: E402
@@ -51,13 +52,15 @@ LAYOUTS = ["packed", "microbatch", "ddp", "fsdp2", "hsdp", "ep", "sp", "sp_packe
 
 
 def environment() -> dict:
-    import triton
+    env = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "transformers": transformers.__version__,
+           "python": platform.python_version(), "hardware_class": hardware.detect()}
+    if torch.cuda.is_available():  # the record phase also runs on the CPU (tools/simulate_class.py)
+        import triton
 
-    props = torch.cuda.get_device_properties(0)
-    return {"date": time.strftime("%Y-%m-%d"), "gpu": props.name, "gpus": torch.cuda.device_count(),
-            "capability": f"{props.major}.{props.minor}", "torch": torch.__version__, "cuda": torch.version.cuda,
-            "transformers": transformers.__version__, "triton": triton.__version__,
-            "python": platform.python_version(), "hardware_class": hardware.detect()}
+        props = torch.cuda.get_device_properties(0)
+        env.update(gpu=props.name, gpus=torch.cuda.device_count(), capability=f"{props.major}.{props.minor}",
+                   cuda=torch.version.cuda, triton=triton.__version__)
+    return env
 
 
 def save(out: Path, name: str, data: object) -> None:
@@ -84,11 +87,17 @@ def phase_record(project: Project, out: Path, models: list[str], chosen: list[st
             left.append((model, scenario))
             continue
         t = time.perf_counter()
-        outcome = record.record(project, model, dtype, scenario=scenario)
-        rows.append({"model": model, "scenario": scenario, "dtype": dtype,
+        try:
+            outcome = record.record(project, model, dtype, scenario=scenario)
+        except VeosnapError as exc:  # a fragile or near-tie golden: said, and the others still recorded
+            rows.append({"model": model, "dtype": dtype, "scenario": scenario, "error": str(exc)})
+            print(f"NOT recorded {model} {scenario} {dtype}: {exc}", flush=True)
+            continue
+        rows.append({"model": model, "dtype": dtype, "scenario": scenario, "written": outcome.written,
                      "seconds": round(time.perf_counter() - t, 2), "min_margin": outcome.min_margin,
                      "bytes": outcome.path.stat().st_size})
-        print(f"recorded {outcome.key} in {rows[-1]['seconds']} s, min margin {outcome.min_margin}", flush=True)
+        print(f"{'recorded' if outcome.written else 'unchanged'} {outcome.key} in {rows[-1]['seconds']} s, "
+              f"min margin {outcome.min_margin}", flush=True)
     if left:
         rest = " ".join(f"--model {m}" for m in dict.fromkeys(m for m, _ in left))
         print(f"budget of {budget_s:g} s spent: {len(left)} goldens left; record them with\n"

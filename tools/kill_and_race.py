@@ -1,5 +1,6 @@
 """Fault injection for golden writes: recorders SIGKILLed at random moments, and recorders racing
-each other and a reader. Prints a table (or JSON with --json); tests/test_crashes.py runs it small.
+each other and a reader, on the CPU on any machine (a GPU is hidden). Prints a table (or JSON with
+--json); tests/test_crashes.py runs it small.
 
     python tools/kill_and_race.py kill --kills 100 [--mode record|write] [--seed 0] [--dir DIR]
     python tools/kill_and_race.py race --rounds 6 [--dir DIR]
@@ -35,6 +36,9 @@ from pathlib import Path
 from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# Kills and races are about files, and forked children cannot use a CUDA context their parent made:
+# hide any GPU, so the recorders run on the CPU (class cpu) on every machine.
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 import torch  # noqa: E402
 

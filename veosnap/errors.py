@@ -21,12 +21,17 @@ class VeosnapError(Exception):
 
 
 class GoldenError(VeosnapError):
-    """A golden file that cannot be trusted: corrupt, truncated, mismatched or unsafe."""
+    """A golden file that cannot be trusted: corrupt, truncated, mismatched or unsafe.
 
-    def __init__(self, path: object, cause: str) -> None:
+    `fix`, when given, is how to replace it (a clause naming a command); a caller that knows the project
+    raises the error again with the project's flags in it, so the command runs as printed.
+    """
+
+    def __init__(self, path: object, cause: str, fix: str = "") -> None:
         self.path = str(path)
-        self.cause = cause
-        super().__init__(f"{self.path}: {cause}")
+        self.problem, self.fix = cause, fix
+        self.cause = f"{cause}; {fix}" if fix else cause
+        super().__init__(f"{self.path}: {self.cause}")
 
 
 class MissingGoldenError(VeosnapError):

@@ -29,12 +29,14 @@ import importlib.util
 import inspect
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
 from torch import nn
 
 from ..errors import Unsupported, VeosnapError
+from ..reference.zoo import shown
 from . import pristine, specs
 from .kernels.support import gpu_library
 
@@ -312,3 +314,32 @@ def _resolve_one(spec: str) -> BackendFn:
     except KeyError:
         known = ", ".join(builtin_names())
         raise VeosnapError(f"unknown backend {spec!r} (built in: {known}; or path/to/file.py:function, module:function)") from None
+
+
+# What the package itself registers; a name registered later (or registered again) exists in one process only.
+_SHIPPED = dict(_REGISTRY)
+
+
+def shipped(name: str) -> Backend:
+    """The built-in backend `name` as veosnap ships it, even where a conftest registered another under
+    that name (the recorder's fragility check runs veosnap's own variants only)."""
+    return Backend(spec=name, steps=(_SHIPPED[name].fn,))
+
+
+def portable(spec: str) -> str | None:
+    """`spec` as any process can resolve it: a backend registered at run time (a conftest's
+    `register_backend("mine", fn)`) becomes `path/to/file.py:fn`; None when there is no such path (a
+    lambda, a local function). Built-ins, files, modules and entry points are already portable."""
+    parts = []
+    for part in (p.strip() for p in spec.split("+")):
+        if part in _REGISTRY and _REGISTRY[part] is not _SHIPPED.get(part):
+            fn = _REGISTRY[part].fn
+            try:
+                source = inspect.getsourcefile(fn)
+            except TypeError:
+                source = None
+            if source is None or "<" in fn.__qualname__:
+                return None
+            part = f"{shown(Path(source))}:{fn.__qualname__}"
+        parts.append(part)
+    return "+".join(parts)

@@ -7,7 +7,11 @@ behind, so the report can say "candidate X left patches behind (restored): ..." 
 cell of a matrix runs the real reference.
 
 `touched()` says whether any candidate has run in this process: recording then moves to a fresh
-process (`runs/isolated.py`), since a snapshot cannot see what was patched before it was taken.
+process (`runs/isolated.py`), since a snapshot cannot see what was patched before it was taken (a
+backend's module patches when it is imported) nor outside what it watches. Veosnap's own variants of
+the reference (the recorder's fragility check: eager, sdpa, grouped_mm, batched_mm, as shipped) import
+nothing of the user's and only choose the model instance's implementations; run within `own_variants`,
+they leave the process as pristine as it was, unless `kept` finds they left patches behind after all.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ _REGISTRY_INSTANCES = (("transformers.modeling_utils", "ALL_ATTENTION_FUNCTIONS"
                        ("transformers.integrations.moe", "ALL_EXPERTS_FUNCTIONS"))
 
 _touched = False
+_left_behind = 0  # how many times a candidate left patches behind (restored) in this process
 _MISSING = object()
 
 
@@ -135,7 +140,7 @@ def kept(*modules: str, watched: bool = True) -> Iterator[list[str]]:
 
     `modules`: more modules to watch (the model family's modeling module); `watched=False` watches only those.
     """
-    global _touched
+    global _touched, _left_behind
     _touched = True
     names = tuple(dict.fromkeys((*(WATCHED if watched else ()), *modules)))
     saved = _snapshot(names)
@@ -145,3 +150,17 @@ def kept(*modules: str, watched: bool = True) -> Iterator[list[str]]:
     finally:
         for owner in saved:
             left.extend(owner.restore())
+        _left_behind += bool(left)
+
+
+@contextmanager
+def own_variants() -> Iterator[None]:
+    """Within the block only veosnap's own shipped variants of the reference run (`backends.shipped`);
+    after it, `touched()` is what it was before, unless one of them left patches behind."""
+    global _touched
+    before, left_before = _touched, _left_behind
+    try:
+        yield
+    finally:
+        if _left_behind == left_before:
+            _touched = before

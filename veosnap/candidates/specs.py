@@ -29,7 +29,7 @@ def load(spec: str, what: str, registry: dict[str, Any], group: str, accept: Cal
         return registry[spec]
     if ":" in spec:
         target, _, attr = spec.rpartition(":")
-        module = _load_file(target, what) if target.endswith(".py") or "/" in target else _import(target, spec, what)
+        module = _load_file(target, what) if is_file_spec(spec) else _import(target, spec, what)
         obj = getattr(module, attr, None)
         if obj is None or not accept(obj):
             raise VeosnapError(f"{what} {spec!r}: {target} has no {expected} {attr!r}")
@@ -45,6 +45,27 @@ def load(spec: str, what: str, registry: dict[str, Any], group: str, accept: Cal
                 raise VeosnapError(f"{what} {spec!r}: entry point {ep.value} is not {expected}")
             return obj
     raise KeyError(spec)
+
+
+def is_file_spec(spec: str) -> bool:
+    """`path/to/file.py:obj` (a file), as opposed to a registered name or `package.module:obj`."""
+    target = spec.rpartition(":")[0]
+    return ":" in spec and (target.endswith(".py") or "/" in target)
+
+
+def anchored(spec: str, root: Path) -> str:
+    """`spec` (parts joined with `+`) with each relative file path taken from `root` instead of the current
+    directory: what a path written in a test means whichever directory pytest was started from."""
+    here = Path.cwd().resolve()
+    if Path(root).resolve() == here:
+        return spec
+    parts = []
+    for part in spec.split("+"):
+        target, _, attr = part.strip().rpartition(":")
+        if is_file_spec(part.strip()) and not Path(target).is_absolute():
+            part = f"{Path(root).resolve() / target}:{attr}"
+        parts.append(part)
+    return "+".join(parts)
 
 
 def _import(module_name: str, spec: str, what: str) -> object:

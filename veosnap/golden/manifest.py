@@ -103,7 +103,8 @@ class Approval:
 ABSENCE_KINDS = {
     "frozen": "parameters that do not train: no gradient and no update (names: parameter names)",
     "forward_only": "the reference ran forward only: no gradients (names: none)",
-    "router_unread": "a router veosnap cannot read: no routes (names: the MoE block's module path)",
+    "router_unread": "routers veosnap cannot read: no routes (names: the routers' module paths, or an MoE "
+                     "block's where veosnap finds no router in it; reason: what they return)",
 }
 
 
@@ -138,7 +139,6 @@ class Manifest:
     # like a hand-edited tensor. Required: a golden without one is refused (it cannot be trusted).
     manifest_hash: str = ""
     absent: list[Absence] = field(default_factory=list)  # left out of the JSON when empty
-
 
     def own_hash(self) -> str:
         """What `manifest_hash` should be for the manifest as it stands."""
@@ -175,19 +175,21 @@ class Manifest:
             raise GoldenError(source, "manifest config hash does not match its config (corrupt or edited)")
         if not manifest.manifest_hash:
             raise GoldenError(source, "no manifest hash: its bounds and trail cannot be trusted (written before "
-                                      "veosnap hashed its manifests, or the hash was removed); "
-                                      f"{rerecord(manifest.key)}")
+                                      "veosnap hashed its manifests, or the hash was removed)",
+                              rerecord(manifest.key))
         if manifest.manifest_hash != manifest.own_hash():
             raise GoldenError(source, "manifest hash mismatch: the manifest was edited after recording "
                                       "(corrupt or edited)")
         return manifest
 
 
-def rerecord(key: GoldenKey) -> str:
-    """How to replace a golden that cannot be trusted (a clause of an error message)."""
+def rerecord(key: GoldenKey, command: str = "") -> str:
+    """How to replace a golden that cannot be trusted (a clause of an error message): `command`, else the
+    refresh that does it in the current directory's project."""
     scenario = "" if key.scenario == "step" else f" --scenario {key.scenario}"
-    return (f"re-record it on {key.hardware_class} hardware with `veosnap refresh --force --reason \"...\" "
-            f"--model {key.model} --dtype {key.dtype}{scenario}`")
+    command = command or (f"veosnap refresh --force --reason \"...\" --model {key.model} --dtype {key.dtype}"
+                          f"{scenario}")
+    return f"re-record it on {key.hardware_class} hardware with `{command}`"
 
 
 def json_object(section: object) -> dict[str, Any]:

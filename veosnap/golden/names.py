@@ -12,7 +12,11 @@
     train.loss, train.grad_norm        per train step                       TrainLoss, TrainGradNorm
     update.<param>                     a parameter's update over the steps  Update
 
-`parse(text)` gives the typed name, `str(name)` the text back exactly as goldens store it. A new kind
+`parse(text)` gives the typed name, `str(name)` the text back exactly as goldens store it. Every name
+also says where its tensor sits in the model, for reports laid out by layer: `stage` (forward,
+gradient or update), `group` (output, routes, logits, loss, train for forward tensors; attention, mlp,
+router, norm, embeddings, lm_head or other for a parameter's) and `layer` (the decoder layer, or None).
+A new kind
 (an encoder block's output, a sketched variant) is one small dataclass with a `pattern`, a `__str__`
 and the properties that differ from `TensorName`'s defaults, decorated with `@kind`.
 
@@ -27,6 +31,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 _IN_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+_ROUTER_RE = re.compile(r"\.(gate|router)\.(weight|bias)$")  # not gate_proj: that is a dense MLP's
 
 # The attribute names transformers gives the encoders of multimodal models (Qwen-VL's `visual`, LLaVA's
 # `vision_tower`, the audio-language models' `audio_tower`), by the tower they are. A parameter or module
@@ -58,6 +63,11 @@ class TensorName:
     pattern: ClassVar[re.Pattern[str]]
     token_rows: ClassVar[bool] = False  # one row per token of the batch: compared on real tokens only
     per_parameter: ClassVar[bool] = False  # one tensor per model parameter (gradients, updates)
+
+    stage: ClassVar[str] = "forward"  # forward | gradient | update
+    group: ClassVar[str] = "other"
+    # Every kind also has `layer`: the decoder layer the tensor belongs to, or None (logits, loss, the
+    # embeddings' gradient); a field of the kinds that name one, so not defined here.
 
     @property
     def compared(self) -> bool:
@@ -142,6 +152,7 @@ class Input(TensorName):
     field: str
 
     pattern = re.compile(r"inputs\.([A-Za-z0-9_]+)")
+    layer: ClassVar[None] = None
 
     @property
     def compared(self) -> bool:
@@ -160,6 +171,7 @@ class _Named(TensorName):
     """A tensor a golden holds once, under a name of its own."""
 
     text: ClassVar[str]
+    layer: ClassVar[None] = None
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
@@ -172,11 +184,13 @@ class _Named(TensorName):
 @kind
 class Loss(_Named):
     text = "loss"
+    group = "loss"
 
 
 @kind
 class Logits(_Named):
     text = "logits"
+    group = "logits"
     token_rows = True
 
 
@@ -187,6 +201,7 @@ class LayerOutput(TensorName):
 
     pattern = re.compile(r"layers\.(\d+)\.output")
     token_rows = True
+    group = "output"
 
     @classmethod
     def from_match(cls, match: re.Match[str]) -> LayerOutput:
@@ -211,6 +226,8 @@ class EncoderOutput(TensorName):
     part: str  # "N", "deepstack.N", "merger" or "proj"
 
     pattern = re.compile(r"(vision|audio)\.(\d+|deepstack\.\d+|merger|proj)\.output")
+    group = "output"
+    layer: ClassVar[None] = None  # in no decoder layer: before them all (`forward_order`)
 
     @property
     def block(self) -> int | None:
@@ -262,6 +279,24 @@ class _Parameter(TensorName):
         return encoder_of(self.param)
 
     @property
+    def group(self) -> str:  # type: ignore[override]
+        """What the parameter belongs to: norm, embeddings, lm_head, router, attention, mlp or other."""
+        module = self.module
+        if "norm" in module.rsplit(".", 1)[-1]:
+            return "norm"
+        if "embed" in module:
+            return "embeddings"
+        if "lm_head" in module:
+            return "lm_head"
+        if _ROUTER_RE.search(self.param):
+            return "router"
+        if ".self_attn." in f".{module}." or ".attn." in f".{module}.":
+            return "attention"
+        if ".mlp." in f".{module}." or "block_sparse_moe" in module:
+            return "mlp"
+        return "other"
+
+    @property
     def within_layer(self) -> str:
         """The module's path inside its decoder layer (`self_attn.o_proj`); the whole path outside one."""
         layer = self.layer
@@ -275,6 +310,7 @@ class _Parameter(TensorName):
 @dataclass(frozen=True)
 class Grad(_Parameter):
     prefix = "grad."
+    stage = "gradient"
     pattern = re.compile(r"grad\.(.+)")
 
 
@@ -282,6 +318,7 @@ class Grad(_Parameter):
 @dataclass(frozen=True)
 class Update(_Parameter):
     prefix = "update."
+    stage = "update"
     pattern = re.compile(r"update\.(.+)")
 
 
@@ -298,6 +335,7 @@ class Route(TensorName):
 
     pattern = re.compile(r"routes\.(\d+)\.(experts|weights|margin)")
     token_rows = True
+    group = "routes"
 
     @classmethod
     def from_match(cls, match: re.Match[str]) -> Route:
@@ -314,11 +352,13 @@ class Route(TensorName):
 @kind
 class TrainLoss(_Named):
     text = "train.loss"  # one element per train step
+    group = "train"
 
 
 @kind
 class TrainGradNorm(_Named):
     text = "train.grad_norm"  # the pre-clip total gradient norm, one element per train step
+    group = "train"
 
 
 LOSS, LOGITS, TRAIN_LOSS, TRAIN_GRAD_NORM = Loss(), Logits(), TrainLoss(), TrainGradNorm()

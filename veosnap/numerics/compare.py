@@ -31,6 +31,17 @@ class Tokens:
 
 
 @dataclass(frozen=True)
+class WorstRow:
+    """One of a tensor's worst rows: its row error and, for token tensors, which token it is."""
+
+    row: int  # row index in the flattened tensor (row * width + position for token tensors)
+    error: float
+    batch: int | None = None
+    pos: int | None = None
+    token: int | None = None
+
+
+@dataclass(frozen=True)
 class TensorResult:
     """One tensor's verdict: its error against its bound, and where the worst of it is."""
 
@@ -42,6 +53,12 @@ class TensorResult:
     rows_over: int = 0
     rows: int = 0
     problem: str = ""  # non-finite values, wrong shape or dtype, missing tensor
+    worst_rows: tuple[WorstRow, ...] = ()  # the few worst rows, worst first
+
+    @property
+    def parsed(self) -> names.TensorName:
+        """The typed name: where the tensor sits in the model (`stage`, `group`, `layer`)."""
+        return names.parse(self.name)
 
     @property
     def ratio(self) -> float:
@@ -105,7 +122,8 @@ def compare_tensors(golden: Golden, produced: Mapping[str, torch.Tensor], tokens
             token_mask = token_mask & same_routes.get(parsed.layer, torch.ones_like(token_mask))
         err = row_error(name, cand, gold, token_mask if is_token_tensor(name) else None, tol.bound)
         results.append(TensorResult(name, err.error, tol.bound, tol.noise, where=_where(name, err, gold, tokens),
-                                    rows_over=err.rows_over, rows=err.rows))
+                                    rows_over=err.rows_over, rows=err.rows,
+                                    worst_rows=tuple(_worst_row(name, row, e, tokens) for row, e in err.worst_rows)))
     return results
 
 
@@ -122,6 +140,14 @@ def _problem(name: str, cand: torch.Tensor | None, gold: torch.Tensor) -> str:
 
 def _dt(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
+
+
+def _worst_row(name: str, row: int, error: float, tokens: Tokens) -> WorstRow:
+    if not is_token_tensor(name):
+        return WorstRow(row, error)
+    b, s = divmod(row, tokens.width)
+    token = int(tokens.ids[row]) if row < tokens.ids.numel() else -1
+    return WorstRow(row, error, b, s, token)
 
 
 def _where(name: str, err: RowError, gold: torch.Tensor, tokens: Tokens) -> str:

@@ -17,6 +17,8 @@ import torch
 
 from ..golden import names
 
+WORST_ROWS = 5  # rows a comparison keeps for reports, besides its count of rows over the bound
+
 
 def is_token_tensor(name: str) -> bool:
     """Tensors with one row per token of the batch (compared on real tokens only)."""
@@ -55,6 +57,7 @@ class RowError:
     candidate_value: float
     rows_over: int  # rows whose error exceeds the bound given
     rows: int
+    worst_rows: tuple[tuple[int, float], ...] = ()  # (original row index, row error): the WORST_ROWS worst first
 
 
 def row_error(name: str, candidate: torch.Tensor, golden: torch.Tensor, token_mask: torch.Tensor | None,
@@ -70,6 +73,8 @@ def row_error(name: str, candidate: torch.Tensor, golden: torch.Tensor, token_ma
     errors = torch.where(torch.isfinite(errors), errors, torch.full_like(errors, float("inf")))
     worst = int(errors.argmax()) if errors.numel() else 0
     column = int(diff[worst].abs().nan_to_num(nan=float("inf")).argmax()) if errors.numel() else 0
+    # A stable sort, so equal errors keep row order and a report is the same on every run.
+    top = errors.sort(descending=True, stable=True).indices[:WORST_ROWS].tolist() if errors.numel() > 1 else []
     return RowError(
         error=float(errors[worst]) if errors.numel() else 0.0,
         row=int(index[worst]) if errors.numel() else 0,
@@ -78,4 +83,5 @@ def row_error(name: str, candidate: torch.Tensor, golden: torch.Tensor, token_ma
         candidate_value=float(c_rows[worst, column]) if errors.numel() else 0.0,
         rows_over=int((errors > bound).sum()),
         rows=int(errors.numel()),
+        worst_rows=tuple((int(index[i]), float(errors[i])) for i in top),
     )

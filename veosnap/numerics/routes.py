@@ -42,6 +42,10 @@ class RouteDiff:
     clear_flips: int
     near_tie_flips: int
     first_flipped_token: int | None
+    # Per expert id, over the clearly flipped tokens: how many the candidate sends to the expert that
+    # the golden does not (gained) and the other way round (lost). Indexed 0..highest id either chose.
+    gained: tuple[int, ...] = ()
+    lost: tuple[int, ...] = ()
 
     @property
     def passed(self) -> bool:
@@ -71,10 +75,23 @@ def compare_routes(
     near_tie = golden_margin < tie_epsilon
     clear = differs & ~near_tie
     flipped = clear.nonzero().flatten()
+    experts = max(int(golden_experts.max()), int(candidate_experts.max()), -1) + 1 if golden_experts.numel() else 0
+    golden_hot = _one_hot(golden_experts[clear], experts)
+    candidate_hot = _one_hot(candidate_experts[clear], experts)
     return RouteDiff(
         layer=layer,
         tokens=int(token_mask.sum()),
         clear_flips=int(clear.sum()),
         near_tie_flips=int((differs & near_tie).sum()),
         first_flipped_token=int(flipped[0]) if flipped.numel() else None,
+        gained=tuple(int(n) for n in (candidate_hot & ~golden_hot).sum(dim=0)),
+        lost=tuple(int(n) for n in (golden_hot & ~candidate_hot).sum(dim=0)),
     )
+
+
+def _one_hot(experts: torch.Tensor, count: int) -> torch.Tensor:
+    """[tokens, k] expert ids as a [tokens, count] bool mask of the experts each token went to.
+
+    A negative id (a token dropped by a capacity-limited router) goes to no expert."""
+    slots = experts.long().clamp_min(-1) + 1  # column 0 collects the dropped, then goes
+    return torch.zeros(experts.shape[0], count + 1, dtype=torch.bool).scatter_(1, slots, True)[:, 1:]

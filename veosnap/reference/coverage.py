@@ -8,13 +8,19 @@ describes is built on the meta device (no memory) and the golden must hold, besi
     train   each step's loss and gradient norm, every trainable parameter's update
     both    for every router the model has: its expert ids, weights and margins (train: the first step's)
 
-unless its manifest says why a tensor is absent (`Absence`: frozen parameters, a forward-only golden, a
-router veosnap cannot read). An excuse for something the model does not have, and a tensor the model
+unless its manifest says why a tensor is absent (`Absence`: frozen parameters, a forward-only golden,
+routers veosnap cannot read). An excuse for something the model does not have, and a tensor the model
 does not produce, are refused too.
+
+Routers: veosnap reads a router found beside an `experts` module that returns `(logits, weights,
+indices)` (`probes`). Any other router, and an MoE block where it finds none, must be excused by the
+manifest (`probes.found_unread` finds them from the modules alone); the recorder also excuses a router
+found by shape that returned another form, which only running it can tell.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from torch import nn
@@ -22,9 +28,9 @@ from torch import nn
 from ..errors import GoldenError
 from ..golden import names
 from ..golden.codec import Golden
-from ..golden.manifest import Absence
+from ..golden.manifest import Absence, Manifest
 from . import limits, models
-from .probes import decoder_layers, find_moe_layers
+from .probes import READ_FORM, decoder_layers, find_moe_layers, found_unread
 from .zoo import ToyConfig
 
 SHOWN = 3  # names listed per gap; the rest are counted
@@ -37,31 +43,38 @@ class Produces:
     trainable: tuple[str, ...]  # parameter names (each has a gradient, and an update in train)
     frozen: tuple[str, ...]  # parameters that do not train
     layers: int  # decoder layers (each has an output)
-    routers: tuple[int, ...]  # MoE layers whose router veosnap reads (each has routes)
-    unread: tuple[str, ...]  # MoE blocks whose router veosnap cannot read (module paths)
+    routers: dict[str, int]  # routers found by shape (module path: MoE layer); each has routes, or an excuse
+    unread: tuple[str, ...]  # routers (or MoE blocks) veosnap cannot read, by module path (`found_unread`)
 
 
 def produces(model: nn.Module) -> Produces:
     """What `model` (any device, meta included) produces in a step."""
     params = list(model.named_parameters())
-    routers = find_moe_layers(model)
-    read = {moe.router_name.rsplit(".", 1)[0] for moe in routers}
-    blocks = [name for name, module in model.named_modules() if isinstance(getattr(module, "experts", None), nn.Module)]
     return Produces(trainable=tuple(n for n, p in params if p.requires_grad),
                     frozen=tuple(n for n, p in params if not p.requires_grad),
-                    layers=len(decoder_layers(model)), routers=tuple(m.layer for m in routers),
-                    unread=tuple(b for b in blocks if b not in read))
+                    layers=len(decoder_layers(model)),
+                    routers={moe.router_name: moe.layer for moe in find_moe_layers(model)},
+                    unread=tuple(found_unread(model)))
 
 
-def absences(model: nn.Module) -> list[Absence]:
-    """What a golden recorded from `model` leaves out, and why (the recorder writes these)."""
-    made = produces(model)
+def absences(made: Produces, unread: Mapping[str, str]) -> list[Absence]:
+    """What a golden recorded from a model leaves out, and why (the recorder writes these): its frozen
+    parameters, and the routers it could not read (`probes.unread_routers`: module path to what each
+    returned), one absence per distinct answer."""
     found = []
     if made.frozen:
         found.append(Absence("frozen", made.frozen, "requires_grad is False in the reference model"))
-    if made.unread:
-        found.append(Absence("router_unread", made.unread, "no router with top_k and weight beside its experts"))
+    by_reason: dict[str, list[str]] = {}
+    for name, reason in sorted(unread.items()):
+        by_reason.setdefault(reason, []).append(name)
+    found += [Absence("router_unread", tuple(names), reason) for reason, names in by_reason.items()]
     return found
+
+
+def routes_not_captured(manifest: Manifest) -> str:
+    """What a record, a report and `show` say of the routers a golden holds no routes for ('' when none)."""
+    return "; ".join(f"routes not captured for {', '.join(a.names)} ({a.reason}; veosnap reads routers that return "
+                     f"{READ_FORM})" for a in manifest.absent if a.kind == "router_unread")
 
 
 def _listed(items: list[str]) -> str:
@@ -88,8 +101,8 @@ def gaps(golden: Golden, made: Produces) -> list[str]:
             excused |= set(absence.names)
         elif absence.kind == "router_unread":
             for name in absence.names:
-                if name not in made.unread:
-                    found.append(f"its manifest excuses the router of {name}, which veosnap reads or the model lacks")
+                if name not in made.unread and name not in made.routers:
+                    found.append(f"its manifest excuses the router of {name}, which the model lacks")
             unread |= set(absence.names)
         elif absence.kind == "forward_only":
             if not step:
@@ -106,8 +119,8 @@ def gaps(golden: Golden, made: Produces) -> list[str]:
         layers = [i for i in range(made.layers) if str(names.LayerOutput(i)) not in have]
         if layers:
             found.append(f"no output of {_numbers('decoder layer', layers)}")
-    routes = [layer for layer in made.routers
-              if any(str(names.Route(layer, part)) not in have for part in names.ROUTE_PARTS)]
+    routes = sorted({layer for router, layer in made.routers.items() if router not in unread
+                     and any(str(names.Route(layer, part)) not in have for part in names.ROUTE_PARTS)})
     if routes:
         found.append(f"no routes for {_numbers('MoE layer', routes)} (expert ids, weights, margins)")
     silent = [block for block in made.unread if block not in unread]
@@ -126,7 +139,7 @@ def _produced(name: str, made: Produces, step: bool) -> bool:
     if isinstance(parsed, names.LayerOutput):
         return step and parsed.layer < made.layers
     if isinstance(parsed, names.Route):
-        return parsed.layer in made.routers
+        return parsed.layer in made.routers.values()
     return True  # inputs, loss, logits, train losses: the codec checks those
 
 

@@ -1,23 +1,37 @@
 """The limits veosnap enforces on what it is given to run: stated here, once, and in docs/errors.md.
 
-Bad test data and absurd configs are refused up front with one line naming the file, before anything is
-allocated: a token id outside [0, vocab) or not an integer, an empty sequence, a sequence longer than the
-config's max_position_embeddings or `MAX_SEQUENCE_TOKENS`; more than `MAX_LAYERS` decoder layers, more
-than `MAX_PARAMETERS` parameters (counted on the meta device), or an estimated need of memory beyond
-what this machine has.
+Bad test data and absurd or too small configs are refused up front with one line naming the file, before
+anything is allocated:
+
+- test data: a token id that is not an integer or is negative, an empty sequence, a sequence over
+  `MAX_SEQUENCE_TOKENS`;
+- test data against the config: the vocabulary must hold every token id of the golden's batch, and
+  `max_position_embeddings` must reach its longest sequence. The bundled test data is known good (ids up
+  to 250, sequences 0-3 of 32 tokens at most), so there the config is at fault and the message says what
+  it needs; a project's own test data is named, with the sequence and position at fault;
+- the config: more than `MAX_LAYERS` decoder layers, more than `MAX_PARAMETERS` parameters (counted on the
+  meta device), an MoE `hidden_size` below the number of experts (the toy weights, `weights.py`, give each
+  expert of the first MoE layer one hidden dimension of every token's embedding), or an estimated need
+  of memory beyond what this machine has.
+
+What transformers itself refuses (heads that do not divide the hidden size, say) is its own one-line
+error, raised where the config is built (`models.hf_config`).
 """
 
 from __future__ import annotations
 
 import os
 from numbers import Integral
+from pathlib import Path
 
 import torch
 
 from ..errors import GoldenError, VeosnapError
 from ..golden.codec import Golden
 from . import models
-from .zoo import ToyConfig
+from .inputs import SEQUENCES_FILE
+from .probes import find_moe_layers
+from .zoo import ToyConfig, bundled_dir, same_dir
 
 MAX_LAYERS = 1024  # real models have at most a few hundred decoder layers
 MAX_PARAMETERS = 100e9  # a real-shape config keeps real widths but few layers
@@ -43,10 +57,18 @@ def check_config(toy: ToyConfig) -> int:
         if layers > MAX_LAYERS:
             raise VeosnapError(f"{toy.path}: num_hidden_layers {layers} is over veosnap's limit of {MAX_LAYERS} "
                                f"({WHERE})")
-    count = sum(p.numel() for p in models.skeleton(toy).parameters())
+    model = models.skeleton(toy)
+    count = sum(p.numel() for p in model.parameters())
     if count > MAX_PARAMETERS:
         raise VeosnapError(f"{toy.path}: about {count:.3g} parameters, over veosnap's limit of {MAX_PARAMETERS:.3g} "
                            f"({WHERE})")
+    moe = find_moe_layers(model)
+    hidden = getattr(model.config, "hidden_size", None) or getattr(model.get_input_embeddings(), "embedding_dim", 0)
+    if moe and moe[0].num_experts > hidden:
+        raise VeosnapError(
+            f"{toy.path}: hidden_size {hidden} is below the number of experts ({moe[0].num_experts}, top-"
+            f"{moe[0].top_k}): veosnap's toy routers give each expert one hidden dimension of the token code, "
+            f"so hidden_size must be at least {moe[0].num_experts}")
     return count
 
 
@@ -77,11 +99,15 @@ def _memory(device: torch.device) -> tuple[int, str]:
         return 0, "memory"
 
 
-def check_sequences(source: object, ids: tuple[int, ...], sequences: list[list], toy: ToyConfig) -> None:
-    """Refuse test data a model cannot run: ids outside [0, vocab) or not integers, empty or too long sequences."""
+def check_sequences(testdata: Path, ids: tuple[int, ...], sequences: list[list], toy: ToyConfig) -> None:
+    """Refuse test data a model cannot run (see the module docstring): ids outside [0, vocab) or not
+    integers, empty sequences, sequences beyond the config's positions or veosnap's cap."""
+    source = Path(testdata) / SEQUENCES_FILE
     text = models.hf_config(toy).get_text_config()
     vocab = getattr(text, "vocab_size", None)
     longest = getattr(text, "max_position_embeddings", None)
+    if same_dir(testdata, bundled_dir("testdata")):  # known good: a misfit is the config's
+        _check_config_fits(toy, vocab, longest, f"{source}, sequences {', '.join(map(str, ids))}", sequences)
     for sid, tokens in zip(ids, sequences):
         if not tokens:
             raise VeosnapError(f"{source}: sequence {sid} is empty")
@@ -98,6 +124,18 @@ def check_sequences(source: object, ids: tuple[int, ...], sequences: list[list],
             if token < 0 or (isinstance(vocab, int) and token >= vocab):
                 raise VeosnapError(f"{source}: sequence {sid} holds token id {token} at position {position}, outside "
                                    f"the vocabulary [0, {vocab}) of {toy.path}")
+
+
+def _check_config_fits(toy: ToyConfig, vocab: object, positions: object, batch: str, sequences: list[list]) -> None:
+    """Refuse a config too small for the bundled test data, saying what it needs."""
+    largest = max((max(tokens) for tokens in sequences if tokens), default=-1)
+    if isinstance(vocab, int) and largest >= vocab:
+        raise VeosnapError(f"{toy.path}: vocab_size {vocab} is too small for the test data: the golden's batch "
+                           f"({batch}) holds token ids up to {largest}, so vocab_size must be at least {largest + 1}")
+    longest = max(map(len, sequences), default=0)
+    if isinstance(positions, int) and longest > positions:
+        raise VeosnapError(f"{toy.path}: max_position_embeddings {positions} is below the longest sequence of the "
+                           f"golden's batch ({longest} tokens, {batch}); it must be at least {longest}")
 
 
 def check_batch(golden: Golden, toy: ToyConfig) -> None:

@@ -10,10 +10,15 @@ other module list named `*merger*`. Transformers 5 gives every MoE block a route
 weights, indices)` and an experts module taking `(hidden_states, top_k_index, top_k_weights)`, so routes
 are recorded at the router's output, and replayed (forced onto given experts) there too. Expert ids are
 sorted per token before storing or comparing.
+
+A router of another shape (JetMoE's returns sorted token indices, gates and expert sizes) is not
+read: `unread_routers` names it and what it returns, so the golden can say why it holds no routes for it
+(an `Absence` of kind `router_unread`; `found_unread` finds the same routers without running the model).
 """
 
 from __future__ import annotations
 
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
@@ -239,6 +244,82 @@ def find_moe_layers(model: nn.Module) -> list[MoeLayer]:
     return sorted(found, key=lambda m: m.layer)
 
 
+ROUTER_NAMES = ("router", "gate", "gating")
+_ROUTER_CLASS_RE = re.compile(r"Router|Gating|TopKGate")
+READ_FORM = "(logits, weights, indices)"
+
+
+def looks_like_router(name: str, module: nn.Module) -> bool:
+    """A module that picks `top_k` experts: named like a router, or of a router-like class."""
+    return isinstance(getattr(module, "top_k", None), int) and (
+        name.rsplit(".", 1)[-1] in ROUTER_NAMES or bool(_ROUTER_CLASS_RE.search(type(module).__name__)))
+
+
+def reads(output: object, moe: MoeLayer) -> bool:
+    """Whether a router's output is `(logits, weights, indices)`: scores over the experts, then the
+    chosen experts' weights and (integer) ids, `top_k` per token."""
+    if not isinstance(output, (tuple, list)) or len(output) < 3:
+        return False
+    logits, weights, indices = output[0], output[1], output[2]
+    return (all(isinstance(t, torch.Tensor) for t in (logits, weights, indices))
+            and logits.shape[-1] == moe.num_experts and weights.shape == indices.shape
+            and indices.shape[-1] == moe.top_k and not indices.is_floating_point() and weights.is_floating_point())
+
+
+def describe(output: object) -> str:
+    """What a module returned, for a message: `(int64 [172], float32 [86, 8], list)`."""
+    if isinstance(output, torch.Tensor):
+        return f"{str(output.dtype).removeprefix('torch.')} {list(output.shape)}"
+    if isinstance(output, (tuple, list)):
+        return "(" + ", ".join(describe(item) if isinstance(item, torch.Tensor) else type(item).__name__
+                               for item in output) + ")"
+    return type(output).__name__
+
+
+def found_unread(model: nn.Module) -> dict[str, str]:
+    """The routers veosnap will not read, found from the modules alone (the meta device will do), by
+    module path: why. Modules that look like routers (`looks_like_router`) but do not sit where
+    `find_moe_layers` looks, and MoE blocks (a module with `experts`) in which veosnap finds no router."""
+    read = {moe.router_name for moe in find_moe_layers(model)}
+    modules = dict(model.named_modules())
+    unread = {name: "not beside an experts module, where veosnap reads routers" for name, module in modules.items()
+              if name not in read and looks_like_router(name, module)}
+    routers = (*read, *unread)
+    for name, module in modules.items():
+        experts = isinstance(getattr(module, "experts", None), nn.Module)
+        if experts and not any(router.startswith(f"{name}.") for router in routers):
+            unread[name] = "no router with top_k and weight beside its experts"
+    return dict(sorted(unread.items()))
+
+
+@contextmanager
+def unread_routers(model: nn.Module) -> Iterator[dict[str, str]]:
+    """Within the block, the routers whose routes are not read, by module path: what each returns.
+
+    Those are the ones `found_unread` finds (one that does not run keeps its reason from there), and
+    routers found by shape whose output is not `(logits, weights, indices)`.
+    """
+    read = {moe.router_name: moe for moe in find_moe_layers(model)}
+    unread = found_unread(model)
+    said: set[str] = set()
+    handles = []
+    for name, module in model.named_modules():
+        if name not in read and name not in unread:
+            continue
+
+        def hook(module: nn.Module, _inputs: tuple, output: object, name: str = name) -> None:
+            if name not in said and (name not in read or not reads(output, read[name])):
+                said.add(name)
+                unread[name] = f"{type(module).__name__} returns {describe(output)}"
+
+        handles.append(module.register_forward_hook(hook))
+    try:
+        yield unread
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def selection_scores(router: nn.Module, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The scores a router ranks experts by (float32), and their slope against the logits.
 
@@ -295,7 +376,9 @@ def record_routes(model: nn.Module) -> Iterator[dict[int, RouteRecord]]:
     handles = []
     for moe in find_moe_layers(model):
 
-        def hook(module: nn.Module, _inputs: tuple, output: tuple, layer: int = moe.layer) -> None:
+        def hook(module: nn.Module, _inputs: tuple, output: tuple, layer: int = moe.layer, moe: MoeLayer = moe) -> None:
+            if not reads(output, moe):
+                return  # not a router veosnap reads (`unread_routers` says so)
             logits, weights, indices = output[0], output[1], output[2]
             experts, sorted_weights = sort_route(indices.detach(), weights.detach())
             flat = indices.reshape(-1, indices.shape[-1])

@@ -3,13 +3,21 @@ candidate is checked against.
 
 Lookup order for each directory: an explicit flag, else the project in the current directory
 (`./goldens`, `./toy_configs`, `./testdata`), else the zoo bundled with veosnap (inside the wheel
-after `pip install`, or the repository root for an editable install).
+after `pip install`, or the repository root for an editable install). Goldens follow one rule
+(`default_goldens`): `--goldens DIR`, else `./goldens` when the current directory is a project (it has
+`goldens/` or `toy_configs/`) or when recording, else (reading only) the bundled goldens. So `record`
+and `refresh` write into the project, created on first use, and never into the installed package.
+
+Models merge: a name is looked up in the configs directory first, then in the bundled zoo, so a
+project with models of its own still reaches `llama` by name (its golden is then recorded into the
+project like any other). Listing models (`--model` left out) lists the configs directory only.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +25,7 @@ from ..errors import GoldenError, MissingGoldenError, VeosnapError
 from ..golden import store
 from ..golden.codec import Golden
 from ..golden.key import GoldenKey, check_name
-from ..golden.manifest import config_hash
+from ..golden.manifest import config_hash, rerecord
 from . import hardware
 
 _PACKAGE = Path(__file__).resolve().parents[1]  # the veosnap package
@@ -38,7 +46,7 @@ def resolve_dir(kind: str, flag: str | Path | None = None) -> Path:
         if not path.is_dir():
             raise VeosnapError(f"{path}: not a directory (given for {kind})")
         return path
-    local = Path.cwd() / kind
+    local = Path(kind)  # relative: messages and listings read `goldens/cpu/...`
     if local.is_dir():
         return local
     return bundled_dir(kind)
@@ -65,12 +73,17 @@ def list_models(configs_dir: Path) -> list[str]:
 
 
 def load_config(configs_dir: Path, name: str) -> ToyConfig:
-    """Read `<configs_dir>/<name>/config.json`, with a one-line error for any problem."""
+    """Read `<configs_dir>/<name>/config.json`, else the bundled zoo's, with a one-line error for any problem."""
     check_name(name)
     path = configs_dir / name / "config.json"
+    bundled = bundled_dir("toy_configs")
+    if not path.is_file() and (bundled / name / "config.json").is_file():
+        path = bundled / name / "config.json"
     if not path.is_file():
         known = ", ".join(list_models(configs_dir)) or "none"
-        raise VeosnapError(f"{path}: no such toy config (models in {configs_dir}: {known})")
+        zoo = "" if same_dir(configs_dir, bundled) else f"; bundled: {', '.join(list_models(bundled)) or 'none'}"
+        raise VeosnapError(f"{configs_dir / name / 'config.json'}: no such toy config (models in {configs_dir}: "
+                           f"{known}{zoo})")
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -78,6 +91,21 @@ def load_config(configs_dir: Path, name: str) -> ToyConfig:
     if not isinstance(config, dict) or "model_type" not in config:
         raise VeosnapError(f"{path}: a HF config needs a 'model_type' field")
     return ToyConfig(name=name, config=config, path=path)
+
+
+def same_dir(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve()
+    except OSError:
+        return False
+
+
+def default_goldens(recording: bool = False) -> Path:
+    """`./goldens` in a project (a directory with `goldens/` or `toy_configs/`) and whenever `recording`,
+    else the bundled goldens (read only)."""
+    if recording or Path("goldens").is_dir() or Path("toy_configs").is_dir():
+        return Path("goldens")
+    return bundled_dir("goldens")
 
 
 @dataclass(frozen=True)
@@ -99,7 +127,7 @@ class Project:
     ) -> Project:
         return cls(
             # An explicit goldens directory may not exist yet: `record` creates it.
-            goldens=Path(goldens) if goldens is not None else resolve_dir("goldens"),
+            goldens=Path(goldens) if goldens is not None else default_goldens(),
             configs=resolve_dir("toy_configs", configs),
             testdata=resolve_dir("testdata", testdata),
             hardware_class=hardware.resolve(hardware_class),
@@ -115,12 +143,49 @@ class Project:
     ) -> Project:
         """A project whose goldens are written: `goldens` if given, else `./goldens` (created on the first
         write), never the bundled goldens (configs and test data still default to the bundled zoo)."""
-        return cls(goldens=writable(Path(goldens) if goldens is not None else Path.cwd() / "goldens"),
+        return cls(goldens=writable(Path(goldens) if goldens is not None else default_goldens(recording=True)),
                    configs=resolve_dir("toy_configs", configs), testdata=resolve_dir("testdata", testdata),
                    hardware_class=hardware.resolve(hardware_class))
 
     def models(self) -> list[str]:
         return list_models(self.configs)
+
+    def flags(self, hardware_class: bool = True, recording: bool = False) -> list[str]:
+        """The command-line flags that select this project from the current directory: the directories
+        (and, with `hardware_class`, the class) that differ from what a command would pick by itself.
+        Every command a message advises carries them, so it runs as printed. A `recording` command writes
+        to ./goldens by itself, and is not pointed at goldens it read by default (the bundled ones, outside
+        a project): it records into ./goldens, which the next command then reads."""
+        goldens = [default_goldens(), *([default_goldens(recording=True)] if recording else [])]
+        out = []
+        for flag, path, defaults in (("--goldens", self.goldens, goldens),
+                                     ("--configs", self.configs, [resolve_dir("toy_configs")]),
+                                     ("--testdata", self.testdata, [resolve_dir("testdata")])):
+            if not any(same_dir(path, default) for default in defaults):
+                out += [flag, shown(path)]
+        if hardware_class and self.hardware_class != hardware.resolve():
+            out += ["--hardware-class", self.hardware_class]
+        return out
+
+    def command(self, *args: str, hardware_class: bool = True) -> str:
+        """`veosnap <args> <this project's flags>`, quoted for a shell."""
+        recording = bool(args) and args[0] in ("record", "refresh")
+        return shlex.join(["veosnap", *args, *self.flags(hardware_class, recording)])
+
+    def recording_command(self, verb: str, key: GoldenKey, *options: str) -> str:
+        """`veosnap record` or `refresh` (`verb`, with `options`) for the golden of `key`, as run on the
+        hardware it describes (which detects its own class), with this project's flags."""
+        scenario = [] if key.scenario == "step" else ["--scenario", key.scenario]
+        return self.command(verb, *options, "--model", key.model, "--dtype", key.dtype, *scenario,
+                            hardware_class=False)
+
+
+def shown(path: Path) -> str:
+    """A path as a message shows it: relative to the current directory when inside it."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except (ValueError, OSError):
+        return str(path)
 
 
 def writable(goldens: Path) -> Path:
@@ -138,19 +203,25 @@ def load_golden(project: Project, key: GoldenKey) -> Golden:
     key = key.recorded  # a scenario checked against another's golden (`frozen_vision`: `vision`)
     path = store.path_for(project.goldens, key)
     if not os.path.lexists(path):  # anything there (a FIFO, a link) is for the reader to refuse
+        load_config(project.configs, key.model)  # no config either: say that, not how to record
+        record = project.recording_command("record", key)
         classes = sorted(p.name for p in project.goldens.iterdir() if p.is_dir()) if project.goldens.is_dir() else []
         if key.hardware_class not in classes:
             raise MissingGoldenError(
                 f"{project.goldens}: no goldens for hardware class {key.hardware_class} "
-                f"(present: {', '.join(classes) or 'none'}); record them on that hardware with "
-                f"`veosnap record --goldens {project.goldens}`, or pick a class with --hardware-class"
+                f"(present: {', '.join(classes) or 'none'}); record this one on that hardware with "
+                f"`{record}`, or pick a class with --hardware-class"
             )
-        raise MissingGoldenError(
-            f"{path}: no golden for {key}; record it with "
-            f"`veosnap record --model {key.model} --dtype {key.dtype}"
-            f"{'' if key.scenario == 'step' else f' --scenario {key.scenario}'}` on {key.hardware_class} hardware"
-        )
-    return store.read(path, root=project.goldens)
+        raise MissingGoldenError(f"{path}: no golden for {key}; record it with `{record}` on {key.hardware_class} "
+                                 "hardware")
+    try:
+        return store.read(path, root=project.goldens)
+    except GoldenError as exc:
+        if not exc.fix:
+            raise
+        # the same advice, with this project's flags, so it runs as printed
+        raise GoldenError(exc.path, exc.problem, rerecord(key, project.recording_command(
+            "refresh", key, "--force", "--reason", "<why>"))) from None
 
 
 def load_checked(project: Project, key: GoldenKey, cross_class: bool = False,
@@ -169,6 +240,8 @@ def load_checked(project: Project, key: GoldenKey, cross_class: bool = False,
         )
     toy = load_config(project.configs, key.model)
     if toy.hash != gold.manifest.config_hash:
+        # refresh, not record: the golden changes with an approval trail, reviewed in the diff
+        refresh = project.recording_command("refresh", key, "--reason", "config changed: <why>")
         raise GoldenError(gold.path, f"recorded from another config than {toy.path} (config hash differs); "
-                          f"re-record with `veosnap record --model {key.model} --dtype {key.dtype}`")
+                          f"if the change is intended, re-record it with `{refresh}`")
     return gold, toy

@@ -4,6 +4,7 @@
 - `text`: the terminal (checks, diffs, the support matrix, one golden).
 - `markdown`: a diff as a pull-request comment.
 - `json`: one JSON document per command, every tensor listed.
+- `html`: a check run as one self-contained page (charts per layer, route flips, worst rows).
 
 Deciding stays in `view` (and in `runs`); the renderers only lay things out. Numbers are formatted in
 one place, `numerics.fmt`.

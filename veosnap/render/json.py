@@ -1,6 +1,8 @@
 """One JSON document per command: checks (`passed`, `results`), a goldens diff, the support matrix.
 
-Every tensor is listed (worst first); numbers that are not finite are `null`.
+Every tensor is listed (worst first) with where it sits in the model (`stage`, `group`, `layer`) and its
+worst rows (for token tensors: batch row, position, token id); every MoE layer's route flips per expert
+(`gained`, `lost`); a failed check its `next` command. Numbers that are not finite are `null`.
 """
 
 from __future__ import annotations
@@ -9,10 +11,12 @@ import json
 from dataclasses import asdict
 
 from ..golden import names
+from ..numerics.compare import TensorResult
 from ..numerics.fmt import json_number
 from ..runs.diff import DiffReport, FieldChange, GoldenDiff
 from ..runs.matrix import Matrix
 from ..runs.verdict import CheckReport
+from .view import next_step
 
 
 def check_dict(report: CheckReport) -> dict:
@@ -33,16 +37,26 @@ def check_dict(report: CheckReport) -> dict:
         "route_replay": report.route_replay,
         "routes": [
             {"layer": r.layer, "tokens": r.tokens, "clear_flips": r.clear_flips, "near_tie_flips": r.near_tie_flips,
-             "passed": r.passed, "message": r.message()}
+             "passed": r.passed, "message": r.message(), "first_flipped_token": r.first_flipped_token,
+             "gained": list(r.gained), "lost": list(r.lost)}
             for r in report.routes
         ],
         "notes": report.notes,
-        "tensors": [
-            {"name": t.name, "error": json_number(t.error), "bound": t.bound, "noise": t.noise,
-             "ratio": json_number(t.ratio), "passed": t.passed, "where": t.where, "problem": t.problem or None,
-             **_encoder_place(t.name)}
-            for t in report.ranked()
-        ],
+        "next": None if report.passed or report.skipped else next_step(report),
+        "tensors": [tensor_dict(t) for t in report.ranked()],
+    }
+
+
+def tensor_dict(t: TensorResult) -> dict:
+    parsed = t.parsed
+    return {
+        "name": t.name, "error": json_number(t.error), "bound": t.bound, "noise": t.noise,
+        "ratio": json_number(t.ratio), "passed": t.passed, "where": t.where, "problem": t.problem or None,
+        "stage": parsed.stage, "group": parsed.group, "layer": parsed.layer, "rows_over": t.rows_over, "rows": t.rows,
+        "worst_rows": [{"row": w.row, "error": json_number(w.error),
+                        "ratio": json_number(w.error / t.bound if t.bound > 0 else float("inf")),
+                        "batch": w.batch, "pos": w.pos, "token": w.token} for w in t.worst_rows],
+        **_encoder_place(t.name),
     }
 
 

@@ -37,9 +37,10 @@ def checks(reports: list[CheckReport], width: int = 180, color: bool = False, sh
             for row in v.rows:
                 table.add_row(row.name, row.error, row.bound, row.ratio, row.status, row.where)
             console.print(table)
-        for line in (v.hidden, v.next):
-            if line:
-                console.print(f"  {line}")
+        if v.hidden:
+            console.print(f"  {v.hidden}")
+        if v.next:  # one line however long, so it copies and runs as printed
+            console.print(f"  {v.next}", soft_wrap=True)
         console.print()
     console.print(view.checks_summary(reports))
     return buf.getvalue()

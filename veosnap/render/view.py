@@ -1,20 +1,24 @@
 """The one view model: what a report says and which rows it shows, decided once for every renderer.
 
 `check_view`, `golden_change`, `matrix_view` and `golden_view` turn typed results into lines and rows
-of text (numbers formatted by `numerics.fmt`); `text`, `markdown` and (to come) `html` only lay them out.
+of text (numbers formatted by `numerics.fmt`); `text`, `markdown` and `html` only lay them out.
 A failed check shows every failing tensor then its closest passing ones, a passed one its closest calls;
+its worst rows (`worst_rows_sections`) are shown for the failing forward tensors in forward order, then
+for the failing gradients or updates worst first;
 a diff's terminal text cuts long lists where markdown folds them; a matrix groups repeated skips.
 """
 
 from __future__ import annotations
 
 import math
+import shlex
 from dataclasses import dataclass, field
 
 from ..golden import names
 from ..golden.codec import Golden
 from ..golden.manifest import Approval, json_object
 from ..numerics import fmt
+from ..reference.coverage import routes_not_captured
 from ..runs.diff import DiffReport, FieldChange, GoldenDiff, TrailChange
 from ..runs.matrix import Cell, Matrix
 from ..runs.verdict import CheckReport
@@ -62,6 +66,8 @@ def check_view(report: CheckReport, shown: int = SHOWN_ROWS) -> CheckView:
     if report.skipped:
         view.lines.append(f"skipped: {report.skipped}")
         return view
+    if not report.passed:  # every failed report says what to run next, however it failed
+        view.next = f"next: {next_step(report)}"
     if report.error:
         view.lines.append(f"error: {report.error}")
         return view
@@ -91,20 +97,60 @@ def check_view(report: CheckReport, shown: int = SHOWN_ROWS) -> CheckView:
     hidden = len(ranked) - len(view.rows)
     if hidden:
         view.hidden = f"... and {hidden} more tensors, all within bound (--format json lists every one)"
-    if not report.passed:
-        view.next = f"next: {next_step(report)}"
     return view
 
 
 def next_step(report: CheckReport) -> str:
-    """What to run next for a failed check."""
-    layout = "" if report.layout == "single" else f" --layout {report.layout}"
-    cmd = f"veosnap check --model {report.model} --dtype {report.dtype} --backend {report.backend}{layout} --format json"
+    """What to run next for a failed check: a command that runs as printed (the check's own selection)."""
+    layout = [] if report.layout == "single" else ["--layout", report.layout]
+    cmd = shlex.join(["veosnap", "check", "--model", report.model, "--dtype", report.dtype, *report.selection,
+                      "--backend", report.portable_backend or report.backend, *layout, "--format", "json"])
     if report.error:
         return f"fix the backend error, then {cmd}"
     if not report.routes_passed:
         return f"look at the router inputs of the first flipped layer; full detail: {cmd}"
     return f"{cmd}  (every tensor, worst rows; start from the first diverging layer)"
+
+
+@dataclass(frozen=True)
+class RowsSection:
+    """Tensors a report shows with their worst rows (by name, in order), and how many more there were."""
+
+    title: str
+    caption: str
+    tensors: list[str]
+    more: int = 0
+
+
+def forward_order(name: names.TensorName) -> tuple:
+    """Sort key: the order a forward pass computes tensors (the encoders' outputs first; per layer its routes
+    then its output; then logits, loss and the train curves)."""
+    if isinstance(name, names.EncoderOutput):
+        return (-1, *name.forward_order, str(name))
+    layer = name.layer
+    return (layer is None, layer if layer is not None else 0, {"routes": 0, "output": 1}.get(name.group, 2), str(name))
+
+
+def worst_rows_sections(report: CheckReport, shown: int = SHOWN_ROWS) -> list[RowsSection]:
+    """Which tensors a report shows with their worst rows: the failing forward tensors in forward order
+    (their worst rows are tokens), then the failing gradients or updates worst first (output rows); a
+    passed check, its closest calls."""
+    ranked = report.ranked()
+    failing = [t for t in ranked if not t.passed]
+    if not failing:
+        return [RowsSection("Closest calls", "The tensors nearest their bound, and their worst rows.",
+                            [t.name for t in ranked[:SHOWN_PASSING]])] if ranked else []
+    forward = sorted((t.parsed for t in failing if t.parsed.stage == "forward"), key=forward_order)
+    params = [t.name for t in failing if t.parsed.stage != "forward"]
+    sections = []
+    if forward:
+        sections.append(RowsSection("Worst tokens", "Failing forward tensors in forward order, each with its worst "
+                                    "tokens (b = batch row, p = position, t = token id).",
+                                    [str(n) for n in forward[:shown]], len(forward) - shown))
+    if params:
+        sections.append(RowsSection("Worst parameter rows", "Failing gradients or updates, worst first, each with its "
+                                    "worst output rows.", params[:shown], len(params) - shown))
+    return sections
 
 
 def checks_summary(reports: list[CheckReport]) -> str:
@@ -344,6 +390,11 @@ def golden_view(g: Golden, full: bool = False) -> GoldenView:
     if m.min_margin:
         margins = ", ".join(f"layer {layer}: {fmt.num(v)}" for layer, v in sorted(m.min_margin.items()))
         facts.append(("routers", f"min margin {margins}"))
+    if m.absent:  # what the golden leaves out on purpose: routers as every report says it, the rest as stored
+        unread = routes_not_captured(m)
+        facts += [("routers", unread)] if unread else []
+        facts += [("absent", f"{a.kind} {', '.join(a.names) or '(all)'}: {a.reason}") for a in m.absent
+                  if a.kind != "router_unread"]
     facts += [("approved", f"{a.reason!r} (replaced {a.previous_payload_hash})") for a in m.approvals]
     every = sorted(g.tensors)
     shown = every if full else [n for n in every if not names.parse(n).per_parameter]

@@ -8,7 +8,8 @@ skipped report); runs the in-process layouts here, deterministically, guarded (`
 exit or an overrun is the candidate's ERROR) and restored after (`candidates.pristine`), and every
 multi-process one in ONE torchrun; then judges each result against the golden (routes first, tensors
 under route replay when routes differ) and says what a report must say (forward-only candidates, the
-train scenario's routes, a cross-class check, patches a candidate left behind).
+train scenario's routes, a cross-class check, routers the golden has no routes for, patches a candidate
+left behind), and the selection a command it advises must carry to run as printed.
 
 Bad goldens, configs and SPECs raise `VeosnapError`; a candidate that raises, exits or hangs is an ERROR
 report and a backend or layout that declines a skipped one, so the other checks still run.
@@ -20,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..candidates import guard, pristine
+from ..candidates import backends, guard, pristine
 from ..candidates.backends import Backend
 from ..candidates.layouts import engine, registry, torchrun
 from ..candidates.layouts.engine import LayoutResult
@@ -39,9 +40,10 @@ from ..reference.zoo import Project, ToyConfig, load_checked, load_config
 from .verdict import CheckReport
 
 DEFAULT_TIMEOUT_S = torchrun.DEFAULT_TIMEOUT_S
+DEFAULT_NPROC = 2
 
 
-def check(project: Project, key: GoldenKey, backend: Backend, layout: str = "single", *, nproc: int = 2,
+def check(project: Project, key: GoldenKey, backend: Backend, layout: str = "single", *, nproc: int = DEFAULT_NPROC,
           timeout_s: float = DEFAULT_TIMEOUT_S, cross_class: bool = False, gold: Golden | None = None) -> CheckReport:
     """Check `backend` under one `layout` (a SPEC) against the golden for `key`; see `check_layouts`."""
     return check_layouts(project, key, backend, [layout], nproc=nproc, timeout_s=timeout_s,
@@ -49,7 +51,7 @@ def check(project: Project, key: GoldenKey, backend: Backend, layout: str = "sin
 
 
 def check_layouts(project: Project, key: GoldenKey, backend: Backend, layouts: Sequence[str] = ("single",), *,
-                  nproc: int = 2, timeout_s: float = DEFAULT_TIMEOUT_S, cross_class: bool = False,
+                  nproc: int = DEFAULT_NPROC, timeout_s: float = DEFAULT_TIMEOUT_S, cross_class: bool = False,
                   gold: Golden | None = None) -> list[CheckReport]:
     """Check `backend` under each of `layouts` (SPECs) against the golden for `key`: one report each, in order.
 
@@ -101,8 +103,15 @@ def check_layouts(project: Project, key: GoldenKey, backend: Backend, layouts: S
             reports[index] = (judge(golden, batch, outcome.result, fields, scenario) if outcome.result is not None
                               else _report(golden, fields, skipped=outcome.skipped, error=outcome.error))
     ordered = [reports[index] for index in range(len(chosen))]
+    selection = [*project.flags(), *(["--scenario", key.scenario] if key.scenario != "step" else []),
+                 *(["--cross-class"] if cross_class else []),
+                 *(["--nproc", str(nproc)] if spawned and nproc != DEFAULT_NPROC else []),
+                 *(["--timeout", f"{timeout_s:g}"] if timeout_s != DEFAULT_TIMEOUT_S else [])]  # every layout
+    portable = backends.portable(backend.spec) or ""
     for report in ordered:
-        report.notes[:0] = cross_class_notes(key)
+        report.notes[:0] = cross_class_notes(key) + routes_not_captured_notes(golden)
+        report.selection = list(selection)
+        report.portable_backend = portable if portable != backend.spec else ""
     return ordered
 
 
@@ -196,6 +205,12 @@ def cross_class_notes(key: GoldenKey) -> list[str]:
     if key.hardware_class == here:
         return []
     return [f"cross-class: a {key.hardware_class} golden checked on {here}; ratios measure how far the classes are apart"]
+
+
+def routes_not_captured_notes(golden: Golden) -> list[str]:
+    """The report note for a golden whose routers veosnap could not read (none when it read them all)."""
+    unread = coverage.routes_not_captured(golden.manifest)
+    return [f"{unread}: routing is not compared, a routing bug shows only in the outputs"] if unread else []
 
 
 def _report(golden: Golden, fields: dict[str, str], **outcome: str) -> CheckReport:

@@ -5,6 +5,8 @@ transformers' classes and torch's functions are the originals. `FreshRecorder` r
 one long-lived child (`python -m veosnap.runs.isolated`) that imports only veosnap, torch and
 transformers: it reads one JSON request per line on stdin, writes the golden's bytes to the file the
 request names, and answers one JSON line on its own channel (`{"ok": true}` or `{"error": "<one line>"}`).
+Asked to judge, the child also runs the recorder's fragility check there (`record.fragility`): the variants
+must run against the same pristine reference the golden came from, not in the touched parent.
 """
 
 from __future__ import annotations
@@ -45,12 +47,17 @@ class FreshRecorder:
 
     def record(self, project: Project, key: GoldenKey, seed: int = 0, allow_near_ties: bool = False) -> bytes:
         """The golden for `key` as the reference records it in a fresh process (its file bytes)."""
+        return self.record_judged(project, key, seed, allow_near_ties, judge=False)[0]
+
+    def record_judged(self, project: Project, key: GoldenKey, seed: int = 0, allow_near_ties: bool = False,
+                      judge: bool = True) -> tuple[bytes, list[str]]:
+        """The golden's bytes and, if `judge`, the fragility lines of the variants run in that same process."""
         proc = self._start()
         assert self._dir is not None and proc.stdin is not None and proc.stdout is not None
         out = Path(self._dir.name) / "golden.bin"
         request = {"goldens": str(project.goldens), "configs": str(project.configs), "testdata": str(project.testdata),
                    "hardware_class": project.hardware_class, "key": str(key), "seed": seed,
-                   "allow_near_ties": allow_near_ties, "out": str(out)}
+                   "allow_near_ties": allow_near_ties, "out": str(out), "judge": judge}
         try:
             proc.stdin.write(json.dumps(request) + "\n")
             proc.stdin.flush()
@@ -62,7 +69,7 @@ class FreshRecorder:
         reply = json.loads(answer)
         if "error" in reply:
             raise VeosnapError(reply["error"])
-        return out.read_bytes()
+        return out.read_bytes(), list(reply.get("fragile", []))
 
     def _last_log_line(self) -> str:
         try:
@@ -94,10 +101,11 @@ class FreshRecorder:
         self.close()
 
 
-def record_bytes(project: Project, key: GoldenKey, seed: int = 0, allow_near_ties: bool = False) -> bytes:
-    """One golden recorded in a fresh process."""
+def record_judged(project: Project, key: GoldenKey, seed: int = 0,
+                  allow_near_ties: bool = False) -> tuple[bytes, list[str]]:
+    """One golden recorded in a fresh process, and the fragility check's lines from that process."""
     with FreshRecorder() as recorder:
-        return recorder.record(project, key, seed, allow_near_ties)
+        return recorder.record_judged(project, key, seed, allow_near_ties)
 
 
 def main() -> int:
@@ -106,7 +114,7 @@ def main() -> int:
     os.dup2(2, 1)  # whatever else prints (warnings, progress) goes to the log, not the channel
     sys.stdout = sys.stderr
     from ..golden import codec
-    from .record import build_golden
+    from .record import build_golden, fragility
 
     for line in sys.stdin:
         request = json.loads(line)
@@ -116,7 +124,7 @@ def main() -> int:
             golden = build_golden(project, GoldenKey.from_name(request["key"]), seed=request["seed"],
                                   allow_near_ties=request["allow_near_ties"])
             Path(request["out"]).write_bytes(codec.encode(golden))
-            reply = {"ok": True}
+            reply = {"ok": True, "fragile": fragility(project, golden) if request.get("judge") else []}
         except VeosnapError as exc:
             reply = {"error": str(exc)}
         except Exception as exc:  # noqa: BLE001 - reported to the parent in one line

@@ -5,6 +5,16 @@ in a fresh one (`isolated`). A golden is written under the project's goldens dir
 or `--goldens`, never the installed package, never through a directory linked out of it), and a golden
 with an approval trail keeps it: recording it again is "unchanged" when the reference reproduces it, and
 refused when it would change it without an approval (that is what `veosnap refresh --reason` is for).
+
+Before a golden is written, the cheap legitimate variants of the reference that run here (`VARIANTS`:
+the reference itself run again, sdpa attention where the model has it, the grouped_mm and batched_mm
+experts kernels for MoE models; not compile, which takes a minute) are checked against it. A golden
+that one of them fails is fragile: its bounds do not cover what an equally good kernel does (a router
+deciding on a near-tie in a low precision, a tensor noisier than the float64 run says, a model that
+samples in training mode and so never reproduces itself), and every real candidate would fail it too.
+`record` refuses it, naming the variant, the tensor and the ratio, unless `allow_fragile`. The variants
+are veosnap's own, as shipped (not a same-named backend registered at run time), and leave the process
+pristine (`pristine.own_variants`): a later recording here still runs in this process.
 """
 
 from __future__ import annotations
@@ -30,7 +40,7 @@ from ..numerics.tolerance import ALPHA, FLOOR, TIE_EPSILON, noise, pooled_noises
 from ..reference import coverage, hardware, inputs, limits, models, scenarios, train
 from ..reference.capture import run_step
 from ..reference.determinism import deterministic
-from ..reference.probes import RouteRecord
+from ..reference.probes import RouteRecord, unread_routers
 from ..reference.zoo import Project, ToyConfig, load_config, writable
 
 
@@ -43,6 +53,9 @@ class RecordOutcome:
     written: bool  # False when the file already held exactly these bytes
     min_margin: float | None  # smallest router margin over all MoE layers (None: dense model)
     note: str = ""  # what else the user should know (a trail kept, an unreadable golden replaced)
+    fragile: tuple[str, ...] = ()  # variants that fail the golden (written anyway: allow_fragile)
+    routes_not_captured: str = ""  # the warning for routers whose routes the golden lacks ('' when none)
+    config: Path | None = None  # the toy config it was recorded from (the project's, or the bundled zoo's)
 
 
 def build_golden(project: Project, key: GoldenKey, seed: int = 0, allow_near_ties: bool = False) -> Golden:
@@ -74,15 +87,16 @@ def build_golden(project: Project, key: GoldenKey, seed: int = 0, allow_near_tie
     with deterministic() as settings:
         torch.manual_seed(seed)
         model = scenario.freeze(models.build(toy, dtype, device, seed))
-        absent = coverage.absences(model)
+        made = coverage.produces(model)
         batch = inputs.with_rope_positions(batch, model)
         high = scenario.freeze(models.upcast_copy(model, toy, torch.float64))  # before training moves the weights
-        if hyper is None:
-            reference = run_step(model, batch)
-            reference_steps = [reference.routes]
-        else:
-            run = train.run_train(model, batch, hyper)
-            reference, reference_steps = run.capture, run.step_routes
+        with unread_routers(model) as unread:
+            if hyper is None:
+                reference = run_step(model, batch)
+                reference_steps = [reference.routes]
+            else:
+                run = train.run_train(model, batch, hyper)
+                reference, reference_steps = run.capture, run.step_routes
         del model
         with models.KeepFloat64():
             if hyper is None:
@@ -137,7 +151,7 @@ def build_golden(project: Project, key: GoldenKey, seed: int = 0, allow_near_tie
         floor=FLOOR[key.dtype],
         tie_epsilon=TIE_EPSILON[key.dtype],
         min_margin=dict(min_margin),
-        absent=absent,
+        absent=coverage.absences(made, unread),
     )
     return Golden(manifest=manifest, tensors=tensors)
 
@@ -149,7 +163,7 @@ def scenario_batch(project: Project, toy: ToyConfig, scenario: scenarios.Scenari
     texts = tuple(row.text for row in scenario.rows if row.sample is None)
     if not scenario.multimodal:
         sequences = inputs.load_sequences(project.testdata, texts)
-        limits.check_sequences(Path(project.testdata) / inputs.SEQUENCES_FILE, texts, sequences, toy)
+        limits.check_sequences(project.testdata, texts, sequences, toy)
         batch = inputs.padded(sequences, side)
         return batch, BatchSpec(layout="padded", padding_side=side, sequences=texts, source=inputs.SEQUENCES_FILE)
     batch, family = inputs.multimodal_batch(project.testdata, list(scenario.rows), models.hf_config(toy), side)
@@ -176,29 +190,46 @@ def _check_routes(key: GoldenKey, reference: dict[int, RouteRecord], truth: dict
     return margins
 
 
-def recorded(project: Project, key: GoldenKey, seed: int = 0, allow_near_ties: bool = False) -> Golden:
-    """The golden for `key` from a pristine process: this one if no candidate ran here, else a fresh one."""
+@dataclass
+class Recorded:
+    """A new golden and, when it was recorded in a fresh process, its fragility lines judged there."""
+
+    golden: Golden
+    fragile: list[str] | None = None  # None: not judged yet (`judge` runs the variants here)
+
+    def judge(self, project: Project) -> list[str]:
+        """The fragility check's lines: from the fresh process that recorded it, else run here."""
+        if self.fragile is None:
+            self.fragile = fragility(project, self.golden)
+        return self.fragile
+
+
+def recorded(project: Project, key: GoldenKey, seed: int = 0, allow_near_ties: bool = False) -> Recorded:
+    """The golden for `key` from a pristine process: this one if no candidate ran here, else a fresh one
+    (which also judges it: the variants must run against the reference the golden came from)."""
     if pristine.touched():
-        from .isolated import record_bytes
+        from .isolated import record_judged
 
-        data = record_bytes(project, key, seed=seed, allow_near_ties=allow_near_ties)
-        return codec.decode(data, f"the fresh recording of {key}")
-    return build_golden(project, key, seed=seed, allow_near_ties=allow_near_ties)
+        data, fragile = record_judged(project, key, seed=seed, allow_near_ties=allow_near_ties)
+        return Recorded(codec.decode(data, f"the fresh recording of {key}"), fragile)
+    return Recorded(build_golden(project, key, seed=seed, allow_near_ties=allow_near_ties))
 
 
-def stored_bytes(new: Golden, path: Path, root: Path) -> tuple[bytes, str]:
-    """What recording `new` stores at `path` under `root`, and a note for the user.
+def stored_bytes(project: Project, new: Golden) -> tuple[bytes, str]:
+    """What recording `new` stores in `project`, and a note for the user.
 
     An existing golden's approval trail is kept: the new golden carries it, and must then reproduce the
     stored file byte for byte (a recording cannot extend the trail, having no reason to give). An
     unreadable golden is replaced (it has no trail anyone can trust), and the note says so.
     """
+    root = project.goldens
+    path = store.path_for(root, new.key)
     if not os.path.lexists(path):
         return codec.encode(new), ""
     try:
         old = store.read(path, root)
     except GoldenError as exc:
-        return codec.encode(new), f"replaced an unreadable golden: {exc.cause}"
+        return codec.encode(new), f"replaced an unreadable golden: {exc.problem}"
     trail = old.manifest.approvals
     if not trail:
         return codec.encode(new), ""
@@ -206,29 +237,76 @@ def stored_bytes(new: Golden, path: Path, root: Path) -> tuple[bytes, str]:
     data = codec.encode(new)
     if data != store.read_file(path):
         count = f"{len(trail)} approval{'s' if len(trail) > 1 else ''}"
-        scenario = "" if new.key.scenario == "step" else f" --scenario {new.key.scenario}"
+        refresh = project.recording_command("refresh", new.key, "--reason", "<why>")
         raise GoldenError(path, f"has an approval trail ({count}, last {trail[-1].reason!r}): recording it again "
-                                "would change it without an approval; re-record it with `veosnap refresh --reason "
-                                f"\"...\" --model {new.key.model} --dtype {new.key.dtype}{scenario}`")
+                                f"would change it without an approval; re-record it with `{refresh}`")
     return data, f"approval trail of {len(trail)} kept"
 
 
+# Cheap legitimate variants: eager is the reference run again (a golden it fails does not reproduce
+# itself); the experts kernels are tried on MoE models only.
+VARIANTS = ("eager", "sdpa", "grouped_mm", "batched_mm")
+_MOE_ONLY = ("grouped_mm", "batched_mm")
+
+
+def fragility(project: Project, golden: Golden) -> list[str]:
+    """The cheap legitimate variants (`VARIANTS`) that fail `golden`, one line each: the variant, then its
+    routing difference or its worst tensors over their bounds with their ratios.
+
+    They run here, as shipped, and leave this process as pristine as it was (`pristine.own_variants`)."""
+    from ..candidates import backends
+    from .check import check
+
+    moe = bool(golden.route_layers())
+    found = []
+    for variant in VARIANTS:
+        if variant in _MOE_ONLY and not moe:
+            continue
+        with pristine.own_variants():
+            report = check(project, golden.manifest.key, backends.shipped(variant), gold=golden)
+        if report.passed or report.skipped or report.error:
+            continue  # passed, does not apply, or could not run: nothing said about the golden
+        flipped = [r for r in report.routes if not r.passed]
+        over = [t for t in report.ranked() if not t.passed][:3]
+        parts = [f"routing differs in layer {r.layer} ({r.clear_flips} of {r.tokens} tokens)" for r in flipped]
+        parts += [f"{t.name} {fmt.times(t.ratio)}" for t in over]
+        name = "eager (the reference itself, run again)" if variant == "eager" else variant
+        found.append(f"{name}: {', '.join(parts)}")
+    return found
+
+
+def fragile_error(key: GoldenKey, fragile: list[str], command: str) -> VeosnapError:
+    return VeosnapError(
+        f"{key}: fragile golden, not written: legitimate variants of the reference exceed its bounds "
+        f"({'; '.join(fragile)}); every candidate would fail where they do. Look for near-tie routers or "
+        f"a precision the toy config cannot carry, or keep it with `{command} --allow-fragile`")
+
+
 def record(project: Project, model: str, dtype: str, scenario: str = "step", seed: int = 0,
-           allow_near_ties: bool = False) -> RecordOutcome:
+           allow_near_ties: bool = False, allow_fragile: bool = False) -> RecordOutcome:
     """Record one golden into the project's goldens directory; leaves an identical file untouched. A scenario
-    checked against another's golden (`frozen_vision`) records that one."""
+    checked against another's golden (`frozen_vision`) records that one.
+
+    A golden that cheap legitimate variants fail (`fragility`) is refused unless `allow_fragile`
+    (then written, and the outcome lists them)."""
     key = GoldenKey(project.hardware_class, model, scenario, dtype).recorded
     writable(project.goldens)
     path = store.path_for(project.goldens, key)
     store.check_writable(path, project.goldens)  # before the minutes a recording may take
-    new = recorded(project, key, seed=seed, allow_near_ties=allow_near_ties)
-    data, note = stored_bytes(new, path, project.goldens)
+    fresh = recorded(project, key, seed=seed, allow_near_ties=allow_near_ties)
+    new = fresh.golden
+    data, note = stored_bytes(project, new)
     try:
         written = store.read_file(path) != data
     except GoldenError:
         written = True
-    if written:
+    fragile: list[str] = []
+    if written:  # an identical golden on disk was judged when it was written
+        fragile = fresh.judge(project)
+        if fragile and not allow_fragile:
+            raise fragile_error(key, fragile, project.recording_command("record", key))
         store.write_bytes(data, path, project.goldens)
     margins = new.manifest.min_margin.values()
     return RecordOutcome(key=key, path=path, written=written, min_margin=min(margins) if margins else None,
-                         note=note)
+                         note=note, fragile=tuple(fragile), routes_not_captured=coverage.routes_not_captured(
+                             new.manifest), config=load_config(project.configs, model).path)

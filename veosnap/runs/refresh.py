@@ -5,7 +5,8 @@ beyond the reference's noise, so an unchanged model keeps a byte-identical file 
 touches only the goldens that really changed. It compares bounds too: a golden whose bounds are looser
 than the reference now measures (loosened by hand, say) is rewritten, never kept as "within noise".
 Each rewrite appends {reason, previous_payload_hash} to the manifest's approval trail (which `diff`
-shows), so the history of why a golden changed travels with it.
+shows), so the history of why a golden changed travels with it. The new golden is recorded as `record`
+records it: from a pristine process, and refused when fragile unless `allow_fragile` (`record.fragility`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from ..numerics import fmt
 from ..reference import hardware
 from ..reference.zoo import Project, writable
 from .diff import GoldenDiff, diff_goldens
-from .record import recorded
+from .record import fragile_error, recorded
 
 # Manifest fields whose change alone makes a refresh rewrite: the golden would describe another
 # function, batch, tolerance rule or format than the one on disk.
@@ -73,8 +74,12 @@ def reasons_to_rewrite(d: GoldenDiff) -> list[str]:
 
 
 def refresh(project: Project, model: str, dtype: str, reason: str, force: bool = False,
-            scenario: str = "step", seed: int | None = None, allow_near_ties: bool = False) -> RefreshOutcome:
-    """Re-record one golden from the reference; rewrite it only if it moved beyond noise (or `force`)."""
+            scenario: str = "step", seed: int | None = None, allow_near_ties: bool = False,
+            allow_fragile: bool = False) -> RefreshOutcome:
+    """Re-record one golden from the reference; rewrite it only if it moved beyond noise (or `force`).
+
+    A new golden that cheap legitimate variants fail is refused, as `record` refuses it, unless
+    `allow_fragile`."""
     reason = reason.strip()
     if not reason:
         raise VeosnapError("--reason: give the reason for this refresh (it is stored in the golden's approval trail)")
@@ -88,16 +93,21 @@ def refresh(project: Project, model: str, dtype: str, reason: str, force: bool =
     writable(project.goldens)
     path = store.path_for(project.goldens, key)
     store.check_writable(path, project.goldens)
-    old = _read_old(path, project.goldens, force)
+    old = _read_old(project, key, force, reason)
     if seed is None:  # keep the weights the old golden was recorded with
         seed = old.manifest.reference.seed if old is not None else 0
-    new = recorded(project, key, seed=seed, allow_near_ties=allow_near_ties)
+    fresh = recorded(project, key, seed=seed, allow_near_ties=allow_near_ties)
+    new = fresh.golden
+    why = reasons_to_rewrite(diff_goldens(old, new)) if old is not None else []
+    if (old is None or why or force) and not allow_fragile:
+        fragile = fresh.judge(project)
+        if fragile:
+            raise fragile_error(key, fragile, project.recording_command("refresh", key, "--reason", reason))
     if old is None:
         why = "replaced an unreadable golden (--force)" if os.path.lexists(path) else "no golden before"
         new.manifest.approvals = [Approval(reason, previous_payload_hash=None)]
         store.write_bytes(codec.encode(new), path, project.goldens)
         return RefreshOutcome(key, path, "created", why)
-    why = reasons_to_rewrite(diff_goldens(old, new))
     if not why and not force:
         return RefreshOutcome(key, path, "unchanged", "within noise of the recorded golden")
     new.manifest.approvals = [*old.manifest.approvals, Approval(reason, old.manifest.payload_hash)]
@@ -105,13 +115,15 @@ def refresh(project: Project, model: str, dtype: str, reason: str, force: bool =
     return RefreshOutcome(key, path, "rewrote", "; ".join(why) or "forced (--force)", diff_goldens(old, new))
 
 
-def _read_old(path: Path, root: Path, force: bool) -> Golden | None:
+def _read_old(project: Project, key: GoldenKey, force: bool, reason: str) -> Golden | None:
+    path = store.path_for(project.goldens, key)
     if not os.path.lexists(path):
         return None
     try:
-        return store.read(path, root=root)
+        return store.read(path, root=project.goldens)
     except GoldenError as exc:
         if force:
             return None  # --force replaces an unreadable golden; its trail is lost with it
-        raise GoldenError(path, f"cannot refresh over an unreadable golden ({exc.cause}); "
-                                "check it with `veosnap verify`, or pass --force to replace it") from None
+        replace = project.recording_command("refresh", key, "--force", "--reason", reason)
+        raise GoldenError(path, f"cannot refresh over an unreadable golden ({exc.problem}); check it with "
+                                f"`veosnap verify`, or pass --force to replace it: `{replace}`") from None

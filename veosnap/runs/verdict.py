@@ -30,6 +30,13 @@ class CheckReport:
     error: str = ""  # the candidate could not run: why
     skipped: str = ""  # the backend or layout does not apply to this model: why
     notes: list[str] = field(default_factory=list)
+    # The command-line flags that select this check besides model, dtype, backend and layout (the
+    # project's directories and class where not the defaults, the scenario, --cross-class, --nproc), so
+    # a command a report advises runs as printed.
+    selection: list[str] = field(default_factory=list)
+    # The backend as a SPEC any process resolves, where `backend` names one registered in this process
+    # only (a conftest's register_backend): `path/to/file.py:fn`. Empty: `backend` itself.
+    portable_backend: str = ""
 
     @property
     def routes_passed(self) -> bool:

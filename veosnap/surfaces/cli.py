@@ -9,18 +9,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
+from .. import __version__
 from ..candidates import backends, guard
 from ..candidates.layouts import registry as layouts
 from ..errors import VeosnapError
 from ..golden import store
 from ..golden.key import DTYPE_NAMES, SCENARIOS, GoldenKey
 from ..numerics import fmt
-from ..reference.zoo import Project, resolve_dir
+from ..reference.zoo import Project, default_goldens
 from ..render import json as render_json
 from ..render import markdown as render_markdown
 from ..render import text as render_text
@@ -35,7 +37,8 @@ def _project(args: argparse.Namespace) -> Project:
 
 
 def _recording_project(args: argparse.Namespace) -> Project:
-    """Where `record` and `refresh` write: --goldens, else ./goldens (never the bundled goldens)."""
+    """Where `record` and `refresh` write: --goldens, else ./goldens (never the bundled goldens; see
+    `zoo.default_goldens`)."""
     return Project.for_recording(goldens=args.goldens, configs=args.configs, testdata=args.testdata,
                                  hardware_class=args.hardware_class)
 
@@ -72,11 +75,18 @@ def cmd_record(args: argparse.Namespace) -> int:
     for model, dtype in _selection(args, project):
         for scenario in _scenarios(args, project, model, recording=True):
             outcome = record(project, model, dtype, scenario=scenario, seed=args.seed,
-                             allow_near_ties=args.allow_near_ties)
+                             allow_near_ties=args.allow_near_ties, allow_fragile=args.allow_fragile)
             margin = "" if outcome.min_margin is None else f"  min router margin {fmt.num(outcome.min_margin)}"
             note = f"  ({outcome.note})" if outcome.note else ""
             state = "wrote" if outcome.written else "unchanged"
-            print(f"{state:9s} {outcome.path}{margin}{note}")
+            bundled = outcome.config is not None and not outcome.config.is_relative_to(project.configs)
+            zoo = f"  (config from veosnap's bundled zoo: {outcome.config})" if bundled else ""
+            print(f"{state:9s} {outcome.path}{margin}{note}{zoo}")
+            if outcome.routes_not_captured:
+                print(f"veosnap: warning: {outcome.path}: {outcome.routes_not_captured}", file=sys.stderr)
+            if outcome.fragile:
+                print(f"veosnap: warning: {outcome.path}: fragile golden written (--allow-fragile): legitimate "
+                      f"variants exceed its bounds ({'; '.join(outcome.fragile)})", file=sys.stderr)
     return EXIT_OK
 
 
@@ -85,6 +95,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         return cmd_matrix(args)
     if args.backends or args.layouts:
         raise VeosnapError("--backends and --layouts go with --matrix (for one backend: --backend SPEC)")
+    html_path = _html_target(args.html) if args.html else None  # a bad path fails before the checks run
     from ..runs.check import check_layouts
 
     guard.check_timeout(args.timeout)
@@ -100,13 +111,27 @@ def cmd_check(args: argparse.Namespace) -> int:
     ]
     out = render_json.checks(reports) if args.format == "json" else render_text.checks(reports, color=sys.stdout.isatty())
     sys.stdout.write(out if out.endswith("\n") else out + "\n")
+    if html_path is not None:
+        from ..render import html as render_html
+
+        store.write_bytes(render_html.checks(reports).encode(), html_path)
+        print(f"wrote {html_path}", file=sys.stderr)
     return EXIT_OK if all(r.passed for r in reports) else EXIT_FAILED
+
+
+def _html_target(path: Path) -> Path:
+    """The file `--html` writes: a new or existing file in an existing directory."""
+    if path.is_dir():
+        raise VeosnapError(f"--html {path}: is a directory; name the page to write, e.g. {path / 'veosnap.html'}")
+    if not path.parent.is_dir():
+        raise VeosnapError(f"--html {path}: directory {path.parent} does not exist")
+    return path
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
     from ..runs.diff import diff
 
-    goldens = Path(args.goldens) if args.goldens else resolve_dir("goldens")
+    goldens = Path(args.goldens) if args.goldens else default_goldens()
     result = diff(args.base, args.head, goldens)
     render = {"text": render_text.diff, "markdown": render_markdown.diff, "json": render_json.diff}[args.format]
     out = render(result)
@@ -121,7 +146,7 @@ def cmd_refresh(args: argparse.Namespace) -> int:
     for model, dtype in _selection(args, project):
         for scenario in _scenarios(args, project, model, recording=True):
             outcome = refresh(project, model, dtype, args.reason, force=args.force, scenario=scenario,
-                              allow_near_ties=args.allow_near_ties)
+                              allow_near_ties=args.allow_near_ties, allow_fragile=args.allow_fragile)
             print(f"{outcome.action:9s} {outcome.path}  ({outcome.why})")
             if outcome.diff is not None:
                 print("\n".join(render_text.diff_golden(outcome.diff)))
@@ -131,7 +156,7 @@ def cmd_refresh(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     from ..runs.verify import verify
 
-    paths = args.paths or [Path(args.goldens) if args.goldens else resolve_dir("goldens")]
+    paths = args.paths or [Path(args.goldens) if args.goldens else default_goldens()]
     results = verify(paths)
     bad = [r for r in results if not r.ok]
     for r in bad:
@@ -143,6 +168,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_matrix(args: argparse.Namespace) -> int:
     from ..runs import matrix
 
+    if args.html:
+        raise VeosnapError("--html goes with a check of one backend (not --matrix)")
     if args.backend:
         raise VeosnapError("--matrix takes --backends a,b,c (not --backend)")
     guard.check_timeout(args.timeout)
@@ -155,7 +182,8 @@ def cmd_matrix(args: argparse.Namespace) -> int:
     layouts = _list_option(args.layouts, "--layouts") or [matrix.SINGLE]
     if args.backends:
         unavailable = {}
-    progress = _progress if sys.stderr.isatty() else None
+    # One line per cell on stderr, always: with stdout redirected (or in CI) nothing else shows for minutes.
+    progress = _progress
     result = matrix.run_matrix(project, models, dtypes, specs, layouts,
                                check_cells=matrix.default_check(args.nproc, args.timeout), on_cell=progress,
                                unavailable=unavailable, scenario=_one_scenario(args))
@@ -195,15 +223,22 @@ def cmd_ls(args: argparse.Namespace) -> int:
     scan = store.scan(project.goldens)
     for path, why in scan.skipped:  # named like goldens, but never read
         print(f"veosnap: skipped {path}: {why}", file=sys.stderr)
-    entries = scan.goldens
+    entries = [(key, path) for key, path in scan.goldens
+               if (args.hardware_class is None or key.hardware_class == project.hardware_class)
+               and (not args.model or key.model in args.model) and (not args.dtype or key.dtype in args.dtype)
+               and (args.scenario is None or key.scenario == args.scenario)]
     if args.format == "json":
         print(json.dumps([{"key": str(k), "path": str(p), "bytes": p.stat().st_size} for k, p in entries], indent=2))
         return EXIT_OK
     if not entries:
-        print(f"no goldens under {project.goldens}")
+        print(f"no goldens under {project.goldens}" + (" matching the filters" if _filtered(args) else ""))
     for key, path in entries:
         print(f"{str(key):45s} {path.stat().st_size / 1024:8.1f} KiB  {path}")
     return EXIT_OK
+
+
+def _filtered(args: argparse.Namespace) -> bool:
+    return bool(args.hardware_class or args.model or args.dtype or args.scenario)
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -230,6 +265,7 @@ def _scenario(p: argparse.ArgumentParser, repeatable: bool = True) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="veosnap", description="Golden-reference snapshot regression for HF models.")
+    parser.add_argument("--version", action="version", version=f"veosnap {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands: dict[str, Callable[[argparse.Namespace], int]] = {}
 
@@ -238,6 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
     _scenario(p)
     p.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     p.add_argument("--allow-near-ties", action="store_true", help="record even if a router has near-ties")
+    p.add_argument("--allow-fragile", action="store_true",
+                   help="write a golden even if cheap legitimate variants (sdpa, grouped_mm, batched_mm) exceed "
+                        "its bounds (warns, naming them)")
     commands["record"] = cmd_record
 
     p = sub.add_parser("check", help="check a backend against the goldens")
@@ -257,7 +296,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
                    help="seconds before a candidate that has not finished is ended as an error, in every layout "
                         "(default %(default)g)")
-    p.add_argument("--format", choices=("text", "json"), default="text")
+    p.add_argument("--format", choices=("text", "json"), default="text",
+                   help="text: the report, worst tensors first (default); json: one document with every tensor, "
+                        "its worst rows and the next command")
+    p.add_argument("--html", metavar="FILE", type=Path,
+                   help="also write the report as one self-contained HTML page: error/bound per layer, forward "
+                        "and backward, route flips per expert, worst rows")
     p.add_argument("--cross-class", action="store_true",
                    help="allow goldens of another hardware class than this machine's (measures the gap)")
     commands["check"] = cmd_check
@@ -266,7 +310,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("base", metavar="BASE", help="git revision (e.g. HEAD~1, origin/main) or goldens directory")
     p.add_argument("head", metavar="HEAD", nargs="?", help="git revision or directory (default: the working tree)")
     p.add_argument("--goldens", metavar="DIR", help="goldens directory in the working tree (default: ./goldens)")
-    p.add_argument("--format", choices=("text", "markdown", "json"), default="text")
+    p.add_argument("--format", choices=("text", "markdown", "json"), default="text",
+                   help="text: for a terminal (default); markdown: a pull-request comment, summary table first; "
+                        "json: every moved tensor, route and field")
     p.add_argument("--fail-on-change", action="store_true",
                    help="exit 1 on a material change (tensor over 1x bound, routes, config/inputs, goldens added/removed)")
     commands["diff"] = cmd_diff
@@ -277,6 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reason", required=True, metavar="TEXT", help="why the goldens change (kept in the approval trail)")
     p.add_argument("--force", action="store_true", help="rewrite even goldens that did not move beyond noise")
     p.add_argument("--allow-near-ties", action="store_true", help="record even if a router has near-ties")
+    p.add_argument("--allow-fragile", action="store_true",
+                   help="rewrite even if cheap legitimate variants exceed the new golden's bounds")
     commands["refresh"] = cmd_refresh
 
     p = sub.add_parser("verify", help="check golden files for corruption and inconsistency")
@@ -289,9 +337,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--full", action="store_true", help="every tensor with its tolerance")
     commands["show"] = cmd_show
 
-    p = sub.add_parser("ls", help="list goldens")
-    _common(p)
-    p.add_argument("--format", choices=("text", "json"), default="text")
+    p = sub.add_parser("ls", help="list goldens (every class; --hardware-class, --model, --dtype, --scenario filter)")
+    _common(p), _selectors(p)
+    p.add_argument("--scenario", choices=SCENARIOS, help="only goldens of this scenario (default: all)")
+    p.add_argument("--format", choices=("text", "json"), default="text",
+                   help="text: one line per golden (key, size, path); json: a list of {key, path, bytes}")
     commands["ls"] = cmd_ls
 
     parser.set_defaults(_commands=commands)
@@ -317,6 +367,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except VeosnapError as exc:
         print(f"veosnap: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except BrokenPipeError:  # `veosnap show ... | head`: the reader has gone, nothing is wrong
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush stays quiet
+        return EXIT_OK
     except OSError as exc:  # a directory or file the command could not use: still one line, no traceback
         where = f"{exc.filename}: " if exc.filename else ""
         print(f"veosnap: error: {where}{exc.strerror or exc}", file=sys.stderr)

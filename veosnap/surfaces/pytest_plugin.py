@@ -13,9 +13,11 @@ output is never written. Unused goldens (in the selected goldens directory, of t
 scenarios and dtypes the run used, used by no test of a full run) are reported the way syrupy reports
 unused snapshots, and deleted only with `--snapshot-update --veosnap-delete-unused`, each one listed.
 
-The project's directories default to `<root>/goldens` etc., where `<root>` is pytest's rootdir as it
-would be without veosnap's own options: pytest settles its rootdir before this plugin is loaded, so
-`--veosnap-configs DIR` (space-separated) would otherwise make DIR's tree the project.
+The project's directories default to `<root>/goldens` etc. where present (goldens: also when `<root>`
+has its own toy_configs/, and whenever recording), else veosnap's bundled zoo; `<root>` is pytest's
+rootdir as it would be without veosnap's own options: pytest settles its rootdir before this plugin is
+loaded, so `--veosnap-configs DIR` (space-separated) would otherwise make DIR's tree the project.
+`--veosnap-html DIR` writes one HTML page per failing check.
 
 Nothing here imports torch until a test asks for veosnap, so the plugin costs nothing to projects
 that merely have veosnap installed.
@@ -23,6 +25,8 @@ that merely have veosnap installed.
 
 from __future__ import annotations
 
+import hashlib
+import re
 import shlex
 from dataclasses import dataclass, field
 from itertools import product
@@ -80,6 +84,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--veosnap-delete-unused", action="store_true", default=False,
                     help="with --snapshot-update: delete unused goldens (of the hardware class, scenarios and dtypes "
                          "the run used), listing each one")
+    group.addoption("--veosnap-html", metavar="DIR", default=None,
+                    help="write one self-contained HTML page per failing veosnap check into DIR, named after the "
+                         "test's node id")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -87,6 +94,9 @@ def pytest_configure(config: pytest.Config) -> None:
                                        "(use veosnap.surfaces.pytest_plugin.matrix)")
     if config.getoption("veosnap_delete_unused") and not getattr(config.option, "update_snapshots", False):
         raise pytest.UsageError("veosnap: --veosnap-delete-unused goes with --snapshot-update")
+    html = config.getoption("veosnap_html", None)
+    if html and (config.invocation_params.dir / html).exists() and not (config.invocation_params.dir / html).is_dir():
+        raise pytest.UsageError(f"veosnap: --veosnap-html {html}: not a directory")
     state = VeosnapSession(config)
     config.stash[_STATE] = state
     if config.pluginmanager.hasplugin("xdist"):
@@ -171,8 +181,11 @@ class VeosnapSession:
                 else self.root
             return (base / str(ini)).resolve()
         local = self.root / ("toy_configs" if kind == "configs" else kind)
-        if local.is_dir() or (kind == "goldens" and (self.update or self.update_new_only)):
-            return local  # --snapshot-update records into the project, never into the bundled zoo
+        # The goldens rule of `zoo.default_goldens`, from the root: a project's goldens are its own (it has
+        # goldens/ or toy_configs/), and --snapshot-update records into the project, never the bundled zoo.
+        project = (self.root / "toy_configs").is_dir()
+        if local.is_dir() or (kind == "goldens" and (self.update or self.update_new_only or project)):
+            return local
         return None
 
     @property
@@ -204,7 +217,7 @@ class VeosnapSession:
     def recording(self, key: GoldenKey) -> bytes:
         """The golden for `key` as the reference records it now, in a fresh process (once per process and
         key), carrying the stored golden's approval trail (refused if it would change a trailed golden)."""
-        from ..golden import codec, store
+        from ..golden import codec
         from ..runs.isolated import FreshRecorder
         from ..runs.record import stored_bytes
 
@@ -213,8 +226,7 @@ class VeosnapSession:
             if self._recorder is None:
                 self._recorder = FreshRecorder()
             fresh = codec.decode(self._recorder.record(self.project, key), f"the fresh recording of {key}")
-            root = self.project.goldens
-            self._recordings[name], _ = stored_bytes(fresh, store.path_for(root, key), root)
+            self._recordings[name], _ = stored_bytes(self.project, fresh)
         return self._recordings[name]
 
     def close(self) -> None:
@@ -237,7 +249,7 @@ class VeosnapSession:
               dtype: str = "float32", *, layout: str | None = None, scenario: str = "step") -> CheckReport:
         """Check `backend` under `layout` on `model` in `dtype` against its golden; see `veosnap_check`."""
         __tracebackhide__ = True
-        from ..candidates import backends
+        from ..candidates import backends, specs
         from ..candidates.layouts import registry
         from ..errors import VeosnapError
         from ..golden import store
@@ -245,6 +257,9 @@ class VeosnapSession:
         from ..reference import hardware
 
         project = self.project
+        # A file path in a test is the project's, relative to the rootdir wherever pytest was started.
+        backend = specs.anchored(backend, self.config.rootpath)
+        layout = None if layout is None else specs.anchored(layout, self.config.rootpath)
         try:
             key = GoldenKey(project.hardware_class, model, scenario, dtype)
             resolved = backends.resolve(backend)
@@ -289,11 +304,27 @@ class VeosnapSession:
         _raise_for(snapshot)
         if candidate.report is None:
             raise GoldenMismatch(candidate.missing)
-        message = "\n" + "\n".join(candidate.diff_lines(None))
+        message = "\n" + "\n".join(candidate.diff_lines(None)) + self._write_html(request, candidate.report)
         if self.update:
             message += ("\n(--snapshot-update records goldens from the HF eager reference only; "
                         "this candidate was checked, not written)")
         raise GoldenMismatch(message, candidate.report)
+
+    def _write_html(self, request: pytest.FixtureRequest, report: CheckReport) -> str:
+        """With --veosnap-html DIR: the failing check's page, written to DIR/<node id>.html; the line saying so."""
+        html = self.config.getoption("veosnap_html")
+        if not html:
+            return ""
+        from ..errors import VeosnapError
+        from ..golden import store
+        from ..render import html as render_html
+
+        path = (self.config.invocation_params.dir / html).resolve() / html_name(request.node.nodeid)
+        try:
+            store.write_bytes(render_html.checks([report]).encode(), path)
+        except (OSError, VeosnapError) as exc:
+            return f"\nveosnap: HTML report not written: {exc}"
+        return f"\nHTML report: {_shown(path)}"
 
     def _missing_message(self, request: pytest.FixtureRequest, key: GoldenKey, path: Path) -> str:
         project = self.project
@@ -417,6 +448,14 @@ class VeosnapSession:
 
 
 _STATE = pytest.StashKey[VeosnapSession]()
+
+
+def html_name(nodeid: str) -> str:
+    """The file name of a test's HTML report: its node id with only letters, digits, '.', '-' and '_'."""
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", nodeid).strip("._") or "check"
+    if len(stem) > 200:  # file names end at 255 bytes; the digest keeps long parametrized ids apart
+        stem = stem[:190] + "-" + hashlib.sha256(nodeid.encode()).hexdigest()[:8]
+    return stem + ".html"
 
 
 def _raise_for(snapshot: SnapshotAssertion) -> None:
