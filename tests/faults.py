@@ -190,6 +190,48 @@ def loss_counts_padding(model: nn.Module) -> nn.Module:
     return model
 
 
+def _load_balancing(model: nn.Module):  # noqa: ANN202
+    """The transformers module whose `load_balancing_loss_func` this model's loss calls."""
+    if not getattr(model.config, "output_router_logits", False):
+        raise Unsupported("no load-balancing loss in this model's loss (output_router_logits is off)")
+    module = sys.modules[type(model).__module__]
+    if not hasattr(module, "load_balancing_loss_func"):
+        raise Unsupported(f"{module.__name__} has no load_balancing_loss_func")
+    return module
+
+
+def aux_loss_counts_padding(model: nn.Module):  # noqa: ANN201
+    """The MoE load-balancing loss counts the padding tokens (the attention mask is not passed to it)."""
+    module = _load_balancing(model)
+    original = module.load_balancing_loss_func
+
+    def unmasked(gate_logits, num_experts=None, top_k=2, attention_mask=None):  # noqa: ANN001, ANN202
+        return original(gate_logits, num_experts, top_k, None)
+
+    module.load_balancing_loss_func = unmasked
+    try:
+        yield model
+    finally:  # a process-wide patch: undone when the check is done
+        module.load_balancing_loss_func = original
+
+
+def aux_loss_coefficient_dropped(model: nn.Module) -> nn.Module:
+    """The load-balancing loss is added without its coefficient (router_aux_loss_coef taken as 1)."""
+    _load_balancing(model)
+    model.router_aux_loss_coef = 1.0
+    return model
+
+
+def aux_loss_left_out(model: nn.Module) -> nn.Module:
+    """The load-balancing loss is left out of the loss (a framework that computes only cross-entropy)."""
+    _load_balancing(model)
+    model.router_aux_loss_coef = 0.0
+    return model
+
+
+# Bugs in the MoE load-balancing (auxiliary) loss: checked against the `*_aux` goldens, whose loss holds it.
+AUX_LOSS_FAULTS = ["aux_loss_counts_padding", "aux_loss_coefficient_dropped", "aux_loss_left_out"]
+
 # Name -> (bug size, what the check must name). "large": fails in float32 and bfloat16;
 # "small": fails in float32, may hide under bfloat16 noise.
 FAULTS = {

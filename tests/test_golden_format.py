@@ -63,7 +63,7 @@ def committed() -> list:
             readable.append((key, path, store.read(path)))
         except GoldenError as exc:
             assert key.hardware_class != "cpu" and exc.cause.startswith("no manifest hash: "), exc
-    # every zoo model: each scenario with a golden file of its own that it can run, in both dtypes (88)
+    # every zoo model: each scenario with a golden file of its own that it can run, in both dtypes (100)
     expected = {GoldenKey("cpu", model, scenario.recorded, dtype)
                 for model in ZOO.models() for scenario in scenarios.applicable(load_config(ZOO.configs, model).config)
                 for dtype in ("float32", "bfloat16")}

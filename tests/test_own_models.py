@@ -89,8 +89,8 @@ def test_the_zoo_models_routers_are_all_read(repo_project):
      "vocab_size 128 is too small for the test data: the golden's batch ({data}, sequences 0, 1, 2, 3) holds token "
      "ids up to 250, so vocab_size must be at least 251"),
     ("many_experts", zoo_config("qwen3_moe", hidden_size=16, num_experts=64, num_experts_per_tok=8),
-     "hidden_size 16 is below the number of experts (64, top-8): veosnap's toy routers give each expert one hidden "
-     "dimension of the token code, so hidden_size must be at least 64"),
+     "hidden_size 16 is below the number of experts plus one (64, top-8): veosnap's toy routers give each expert one "
+     "hidden dimension of the token code and read one more as an offset, so hidden_size must be at least 65"),
     ("short", zoo_config("llama", max_position_embeddings=16),
      "max_position_embeddings 16 is below the longest sequence of the golden's batch (32 tokens, {data}, sequences "
      "0, 1, 2, 3); it must be at least 32"),
@@ -105,7 +105,8 @@ def test_a_config_below_a_limit_is_one_line_naming_the_file_and_the_limit(own_pr
 
 
 def test_a_config_at_the_limit_records(own_project, capsys):
-    own_project("at_limit", zoo_config("qwen3_moe", hidden_size=32, num_experts=32, num_experts_per_tok=4))
+    # The limit: one hidden dimension per expert for the token code, and one for the routers' offset.
+    own_project("at_limit", zoo_config("qwen3_moe", hidden_size=33, num_experts=32, num_experts_per_tok=4))
     code, out, err = run(capsys, "record", "--model", "at_limit", "--dtype", "float32")
     assert code == 0, err
     assert "min router margin" in out

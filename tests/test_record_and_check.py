@@ -154,7 +154,7 @@ def test_committed_moe_goldens_route_clearly_and_use_every_expert(repo_project, 
 
 
 def test_recorder_refuses_a_router_with_near_ties(scratch_project, monkeypatch):
-    monkeypatch.setattr(weights, "ROUTER_READ", 0.0)  # a random router: nothing keeps scores apart
+    monkeypatch.setattr(weights, "TIER_LOGITS", (weights.TAIL_LOGIT,) * 3)  # no token code raises an expert
     monkeypatch.setattr(weights, "ROUTER_NOISE", 1e-4)
     # Recorded here, in this process (build_golden), for the patched weights to apply: `record` would move to
     # a fresh process, this one having run candidates.

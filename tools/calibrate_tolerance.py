@@ -39,6 +39,8 @@ def run(project: Project, models: list[str]) -> list[tuple[str, str, str, str, f
     candidates = [(b, "legit", b) for b in LEGIT]
     candidates += [(f"tests/faults.py:{name}", size, name) for name, (size, _) in faults.FAULTS.items()]
     candidates += [(f"tests/faults.py:{name}", "precision", name) for name in faults.PRECISION_FAULTS]
+    # Bugs in the MoE load-balancing loss: only the `*_aux` models have one (the others decline them).
+    candidates += [(f"tests/faults.py:{name}", "aux bug", name) for name in faults.AUX_LOSS_FAULTS]
     for model in models:
         for dtype in ("float32", "bfloat16"):
             key = GoldenKey(project.hardware_class, model, "step", dtype)

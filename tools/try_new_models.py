@@ -141,6 +141,7 @@ def proposed_rules(model: nn.Module, seed: int, hf_init: dict[str, torch.Tensor]
     params = dict(model.named_parameters())
     moe = find_moe_layers(model)
     num_codes = moe[0].num_experts if moe else 0
+    reserved = weights.reserved(moe)  # the code dimensions and the routers' offset dimension
     prefix = lm_prefix(model)
     for name, p in params.items():
         init = hf_init.get(name)
@@ -168,23 +169,23 @@ def proposed_rules(model: nn.Module, seed: int, hf_init: dict[str, torch.Tensor]
                 w.copy_(new.to(w.dtype))
     for name, buf in model.named_buffers():
         if name.endswith("tid2eid"):
-            codes = weights.token_codes(seed, buf.shape[0], num_codes, buf.shape[1])
+            codes = weights.hashed_experts(seed, buf.shape[0], num_codes, buf.shape[1])
             notes.append(RuleNote(name, "token codes", f"{int(buf.unique().numel())} distinct", "codes"))
             buf.copy_(codes.to(buf.dtype))
     if not num_codes:
         return notes
     for name, p in params.items():
         if name.startswith(prefix) and name.endswith(("linear_attn.out_proj.weight", "self_attn.o_b_proj.weight")):
-            p[:num_codes] *= weights.CODE_NOISE
+            p[:reserved] *= weights.CODE_NOISE
             notes.append(RuleNote(name, "damp code dims (output projection)", "", ""))
     config = model.config
     tokens = {"visual": getattr(config, "image_token_id", None), "audio": getattr(config, "audio_token_id", None)}
     embed = model.get_input_embeddings().weight
     for path, token in projector_outputs(model, tokens):
         lin = model.get_submodule(path)
-        lin.weight[:num_codes] *= weights.CODE_NOISE
+        lin.weight[:reserved] *= weights.CODE_NOISE
         if lin.bias is not None and token is not None:
-            lin.bias[:num_codes] = embed[token, :num_codes]
+            lin.bias[:reserved] = embed[token, :reserved]
         notes.append(RuleNote(path, "projector writes the placeholder's code", "", f"token {token}"))
     return notes
 

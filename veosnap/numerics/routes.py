@@ -12,20 +12,68 @@ from dataclasses import dataclass
 import torch
 
 
-def margins(scores: torch.Tensor, chosen: torch.Tensor, slope: torch.Tensor | None = None) -> torch.Tensor:
-    """Per token, in logit units: how far the lowest chosen expert is from the best one not chosen.
+@dataclass(frozen=True)
+class GroupLimit:
+    """Group-limited routing (DeepSeek-V3's `n_group`, `topk_group`): the experts form `groups` equal
+    groups in index order, each scored by the sum of its two best scores, and only the `keep` best
+    groups' experts compete for the top-k."""
 
-    The score gap is divided by the mean slope of the two scores against their logits, so a
-    sigmoid router's margin reads on the same scale as a softmax router's logit gap, and one tie
-    epsilon serves both. For group-limited routers the group mask is ignored, which can only
-    understate a margin.
+    groups: int
+    keep: int
+
+
+def margins(scores: torch.Tensor, chosen: torch.Tensor, slope: torch.Tensor | None = None,
+            group_limit: GroupLimit | None = None) -> torch.Tensor:
+    """Per token, in logit units: how far the router's decision is from changing.
+
+    The lowest chosen expert against the best competing one not chosen. The score gap is divided by
+    the mean slope of the two scores against their logits, so a sigmoid router's margin reads on the
+    same scale as a softmax router's logit gap, and one tie epsilon serves both. Under a group limit
+    only experts of the kept groups compete, and the gap between the last kept group and the best
+    dropped one counts too when swapping the two would change the chosen experts; a group's score is
+    the sum of its two best experts', so that gap is divided by the mean slope of each pair's sum
+    (twice the mean of the four).
     """
     slope = torch.ones_like(scores) if slope is None else slope
     picked = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, chosen.long(), True)
+    competing = torch.ones_like(picked)
+    if group_limit is not None and group_limit.keep < group_limit.groups:
+        competing, group_margin = _group_decision(scores, picked, slope, group_limit, chosen.shape[-1])
     low_score, low_at = scores.masked_fill(~picked, float("inf")).min(dim=1)
-    high_score, high_at = scores.masked_fill(picked, float("-inf")).max(dim=1)
+    high_score, high_at = scores.masked_fill(picked | ~competing, float("-inf")).max(dim=1)
     mean_slope = (slope.gather(1, low_at[:, None]) + slope.gather(1, high_at[:, None])).squeeze(1) / 2
-    return (low_score - high_score) / mean_slope.clamp_min(1e-12)
+    margin = (low_score - high_score) / mean_slope.clamp_min(1e-12)
+    if group_limit is not None and group_limit.keep < group_limit.groups:
+        margin = torch.minimum(margin, group_margin)
+    return margin
+
+
+def _group_decision(scores: torch.Tensor, picked: torch.Tensor, slope: torch.Tensor, limit: GroupLimit,
+                    top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[tokens, experts] which experts compete (their group is kept, or they were chosen), and per token
+    the group margin in logit units (inf where swapping the last kept and best dropped group would
+    leave the chosen experts as they are)."""
+    tokens, experts = scores.shape
+    per_group = experts // limit.groups
+    best, best_at = scores.view(tokens, limit.groups, per_group).topk(min(2, per_group), dim=-1)
+    group_scores = best.sum(dim=-1)
+    order = group_scores.argsort(dim=1, descending=True, stable=True)
+    last_kept, first_dropped = order[:, limit.keep - 1], order[:, limit.keep]
+    kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, order[:, : limit.keep], True)
+
+    def experts_of(groups: torch.Tensor) -> torch.Tensor:
+        return groups.repeat_interleave(per_group, dim=1)
+
+    competing = experts_of(kept) | picked
+    swapped = kept.clone()
+    swapped.scatter_(1, last_kept[:, None], False).scatter_(1, first_dropped[:, None], True)
+    alternative = scores.masked_fill(~experts_of(swapped), float("-inf")).topk(top_k, dim=1).indices
+    moved = torch.zeros_like(picked).scatter_(1, alternative, True) != picked
+    gap = group_scores.gather(1, last_kept[:, None]) - group_scores.gather(1, first_dropped[:, None])
+    group_slope = slope.view(tokens, limit.groups, per_group).gather(2, best_at).sum(dim=-1)
+    boundary_slope = (group_slope.gather(1, last_kept[:, None]) + group_slope.gather(1, first_dropped[:, None])) / 2
+    group_margin = (gap / boundary_slope.clamp_min(1e-12)).squeeze(1)
+    return competing, torch.where(moved.any(dim=1), group_margin, torch.full_like(group_margin, float("inf")))
 
 
 def flips(golden_experts: torch.Tensor, candidate_experts: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor:

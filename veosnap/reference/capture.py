@@ -8,8 +8,9 @@ each weighted by its share of the loss); `run_step` is the golden's own step: th
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -92,6 +93,40 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(shift_logits, shift_labels, ignore_index=IGNORE_INDEX)
 
 
+@contextmanager
+def cross_entropy_in_logits_precision(model: nn.Module) -> Iterator[None]:
+    """Within the block, `model` computes its loss with `causal_lm_loss` as its cross-entropy.
+
+    Everything else the model adds to that loss, it still adds itself, by its own code: an MoE
+    model's load-balancing loss (`output_router_logits`) is part of the noise run's loss exactly as
+    it is part of the reference's, so a bug in it is measured against float64, not counted as noise.
+    """
+    had_own = "_loss_function" in vars(model)
+    previous = vars(model).get("_loss_function")
+    model.loss_function = lambda logits, labels, vocab_size=None, **kwargs: causal_lm_loss(logits, labels)
+    try:
+        yield
+    finally:
+        if had_own:
+            model.loss_function = previous
+        else:
+            del model._loss_function
+
+
+def auxiliary_loss(model: nn.Module) -> str:
+    """What `model` adds to its cross-entropy, in words ('' for nothing).
+
+    transformers' MoE models add a load-balancing loss over all the batch's real tokens when their
+    config sets `output_router_logits` (times `router_aux_loss_coef`). It is not a sum over tokens:
+    the loss of a batch split into parts is not the sum of the parts' losses.
+    """
+    config = getattr(model, "config", None)
+    if not getattr(config, "output_router_logits", False):
+        return ""
+    coef = getattr(config, "router_aux_loss_coef", None)
+    return "a load-balancing loss" + (f" (router_aux_loss_coef {coef:g})" if coef is not None else "")
+
+
 def forward_backward(model: nn.Module, batch: Batch, *, inner: nn.Module | None = None, share: float = 1.0,
                      grad_scale: float = 1.0, own_loss: bool = False, backward: bool = True,
                      forced: dict[int, torch.Tensor] | None = None) -> Part:
@@ -99,18 +134,19 @@ def forward_backward(model: nn.Module, batch: Batch, *, inner: nn.Module | None 
 
     `inner` is the HF model inside `model` (a DDP wrapper, say), where the hooks go; `share` is the
     batch's share of the golden's predictions (the returned loss is weighted by it); `grad_scale`
-    undoes a reducer's averaging over ranks. With `own_loss`, the loss is computed here in the logits'
-    precision (the float64 noise run); without `backward`, only the forward runs, under no_grad; with
+    undoes a reducer's averaging over ranks. With `own_loss`, the model's cross-entropy is taken in the
+    logits' precision (the float64 noise run; its other loss terms are its own); without `backward`, only the forward runs, under no_grad; with
     `forced`, the routers are forced onto those experts (route replay).
     """
     inner = model if inner is None else inner
     batch = batch.to(next(inner.parameters()).device)
     replay = replay_routes(inner, forced) if forced else nullcontext()
+    precise = cross_entropy_in_logits_precision(inner) if own_loss else nullcontext()
     with record_layer_outputs(inner) as layers, record_routes(inner) as routes, record_logits(inner) as produced, \
-            record_encoder_outputs(inner) as encoded, replay, torch.set_grad_enabled(backward):
-        output = model(**batch.model_kwargs(with_labels=not own_loss), use_cache=False)
+            record_encoder_outputs(inner) as encoded, replay, precise, torch.set_grad_enabled(backward):
+        output = model(**batch.model_kwargs(), use_cache=False)
         logits = produced["logits"] if "logits" in produced else full(output.logits.detach()).to("cpu", copy=True)
-        loss = causal_lm_loss(output.logits, batch.labels) if own_loss else output.loss
+        loss = output.loss
     weight = share * grad_scale
     if backward:
         (loss if weight == 1.0 else loss * weight).backward()
@@ -151,8 +187,8 @@ def gradients(model: nn.Module) -> dict[str, torch.Tensor]:
 def run_step(model: nn.Module, batch: Batch, *, own_loss: bool = False, backward: bool = True) -> Capture:
     """The golden's step: one forward and backward of `model` on the whole `batch`; everything captured.
 
-    With `own_loss`, the loss is computed here in the logits' precision instead of by the model
-    (used for the float64 noise run). Without `backward`, only the forward runs (under no_grad, for
+    With `own_loss`, the model's cross-entropy is taken in the logits' precision (the float64 noise
+    run); whatever else its loss holds (an MoE load-balancing loss), the model computes as always. Without `backward`, only the forward runs (under no_grad, for
     kernels that have no backward here) and no gradients are captured.
     """
     model.train()

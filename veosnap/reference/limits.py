@@ -10,8 +10,9 @@ anything is allocated:
   to 250, sequences 0-3 of 32 tokens at most), so there the config is at fault and the message says what
   it needs; a project's own test data is named, with the sequence and position at fault;
 - the config: more than `MAX_LAYERS` decoder layers, more than `MAX_PARAMETERS` parameters (counted on the
-  meta device), an MoE `hidden_size` below the number of experts (the toy weights, `weights.py`, give each
-  expert of the first MoE layer one hidden dimension of every token's embedding), or an estimated need
+  meta device), an MoE `hidden_size` below the number of experts plus one (the toy weights, `weights.py`,
+  give each expert of the first MoE layer one hidden dimension of every token's embedding, and one more
+  dimension is the routers' offset), or an estimated need
   of memory beyond what this machine has.
 
 What transformers itself refuses (heads that do not divide the hidden size, say) is its own one-line
@@ -64,11 +65,11 @@ def check_config(toy: ToyConfig) -> int:
                            f"({WHERE})")
     moe = find_moe_layers(model)
     hidden = getattr(model.config, "hidden_size", None) or getattr(model.get_input_embeddings(), "embedding_dim", 0)
-    if moe and moe[0].num_experts > hidden:
+    if moe and moe[0].num_experts + 1 > hidden:
         raise VeosnapError(
-            f"{toy.path}: hidden_size {hidden} is below the number of experts ({moe[0].num_experts}, top-"
-            f"{moe[0].top_k}): veosnap's toy routers give each expert one hidden dimension of the token code, "
-            f"so hidden_size must be at least {moe[0].num_experts}")
+            f"{toy.path}: hidden_size {hidden} is below the number of experts plus one ({moe[0].num_experts}, top-"
+            f"{moe[0].top_k}): veosnap's toy routers give each expert one hidden dimension of the token code and "
+            f"read one more as an offset, so hidden_size must be at least {moe[0].num_experts + 1}")
     return count
 
 

@@ -211,27 +211,44 @@ _LOWER_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _CASTS = {torch.Tensor.to, torch.Tensor.type}
 _SHORT_CASTS = {torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16}
 _SOFTMAXES = {F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, torch.Tensor.softmax, torch.Tensor.log_softmax}
+_FACTORIES = {torch.zeros, torch.ones, torch.full, torch.empty, torch.tensor, torch.arange, torch.linspace,
+              torch.zeros_like, torch.ones_like, torch.full_like, torch.empty_like}
+
+
+def _up(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """`args` and `kwargs` with every lower float dtype among them replaced by float64."""
+    if kwargs.get("dtype") in _LOWER_FLOATS:
+        kwargs["dtype"] = torch.float64
+    return tuple(torch.float64 if a in _LOWER_FLOATS else a for a in args), kwargs
 
 
 class KeepFloat64(TorchFunctionMode):
-    """Within this mode a float64 tensor is never cast down, nor soft-maxed in a lower precision.
+    """Within this mode nothing is computed below float64: a float64 tensor is never cast down nor
+    soft-maxed in a lower precision, and a float tensor made from scratch or from integers (a count,
+    a mask) is float64.
 
-    HF modeling code upcasts to float32 for stability (RMSNorm, eager softmax, routers, rotary);
-    in a float64 run those casts would round to float32 and both cap the run's precision near the
-    float32 reference's own and turn a padding row's float64 mask minimum into -inf. The noise run
-    computes the same function, just more precisely, under this mode.
+    HF modeling code upcasts to float32 for stability (RMSNorm, eager softmax, routers, rotary) and
+    builds some float32 tensors of its own (an MoE load-balancing loss's token counts); in a float64
+    run those would round to float32 and both cap the run's precision near the float32 reference's
+    own and turn a padding row's float64 mask minimum into -inf. The noise run computes the same
+    function, just more precisely, under this mode.
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         kwargs = dict(kwargs or {})
         first = args[0] if args else None
-        if isinstance(first, torch.Tensor) and first.dtype == torch.float64:
+        if func in _FACTORIES:
+            args, kwargs = _up(args, kwargs)
+        elif isinstance(first, torch.Tensor) and first.dtype == torch.float64:
             if func in _SHORT_CASTS:
                 return first
             if func in _CASTS or func in _SOFTMAXES:
-                args = tuple(torch.float64 if a in _LOWER_FLOATS else a for a in args)
-                if kwargs.get("dtype") in _LOWER_FLOATS:
-                    kwargs["dtype"] = torch.float64
+                args, kwargs = _up(args, kwargs)
+        elif isinstance(first, torch.Tensor) and not first.is_floating_point():
+            if func in _SHORT_CASTS:
+                return first.to(torch.float64)
+            if func in _CASTS:
+                args, kwargs = _up(args, kwargs)
         return func(*args, **kwargs)
 
 

@@ -28,7 +28,7 @@ from torch import nn
 
 from ..golden import names
 from ..golden.names import ENCODER_ATTRIBUTES, layer_of
-from ..numerics.routes import margins
+from ..numerics.routes import GroupLimit, margins
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
@@ -320,12 +320,28 @@ def unread_routers(model: nn.Module) -> Iterator[dict[str, str]]:
             handle.remove()
 
 
-def selection_scores(router: nn.Module, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The scores a router ranks experts by (float32), and their slope against the logits.
+@dataclass(frozen=True)
+class Selection:
+    """What a router ranks experts by: scores (float32), their slope against the logits, and its group
+    limit (None when every expert competes)."""
 
-    Softmax and plain top-k routers rank by logits (softmax is monotone; slope 1); a router with its own
-    score function (DeepSeek-V4's `score_fn`, sqrt-softplus) ranks by it, plus its score-correction bias
-    (slope by autograd); sigmoid routers with a score-correction bias (DeepSeek-V3) by sigmoid(logits) + bias.
+    scores: torch.Tensor
+    slope: torch.Tensor
+    group_limit: GroupLimit | None = None
+
+    def margins(self, chosen: torch.Tensor) -> torch.Tensor:
+        """Per token, in logit units: how far the choice `chosen` is from changing (see `routes.margins`)."""
+        return margins(self.scores, chosen, self.slope, self.group_limit)
+
+
+def selection(router: nn.Module, logits: torch.Tensor) -> Selection:
+    """How `router` ranks experts, read from its attributes (the logits it returned, flattened).
+
+    Softmax and plain top-k routers rank by logits (softmax is monotone; slope 1; a router bias is
+    already in its logits); a router with its own score function (DeepSeek-V4's `score_fn`,
+    sqrt-softplus) ranks by it, plus its score-correction bias (slope by autograd); sigmoid routers
+    with a score-correction bias (DeepSeek-V3) rank by sigmoid(logits) + bias, within their kept
+    groups when `n_group`/`topk_group` limit them.
     """
     logits = logits.detach().float()
     bias = getattr(router, "e_score_correction_bias", None)
@@ -336,11 +352,18 @@ def selection_scores(router: nn.Module, logits: torch.Tensor) -> tuple[torch.Ten
             x = logits.clone().requires_grad_(True)
             scores = score_fn(x)
             (slope,) = torch.autograd.grad(scores.sum(), x)
-        return scores.detach() + offset, slope
-    if isinstance(bias, torch.Tensor):
-        sig = logits.sigmoid()
-        return sig + offset, sig * (1 - sig)
-    return logits, torch.ones_like(logits)
+        return Selection(scores.detach() + offset, slope, group_limit(router))
+    if not isinstance(bias, torch.Tensor):
+        return Selection(logits, torch.ones_like(logits))
+    sig = logits.sigmoid()
+    return Selection(sig + offset, sig * (1 - sig), group_limit(router))
+
+
+def group_limit(router: nn.Module) -> GroupLimit | None:
+    """The router's group limit (`num_group` or `n_group` groups, `topk_group` kept), None without one."""
+    groups = int(getattr(router, "num_group", getattr(router, "n_group", 1)) or 1)
+    keep = int(getattr(router, "topk_group", groups) or groups)
+    return GroupLimit(groups, keep) if 1 < groups and keep < groups else None
 
 
 # A router that picks its experts from a table by token id (DeepSeek-V4's hash layers, `tid2eid`) makes no
@@ -385,8 +408,7 @@ def record_routes(model: nn.Module) -> Iterator[dict[int, RouteRecord]]:
             if is_table_router(module):
                 margin = torch.full((flat.shape[0],), NO_TIE_MARGIN)
             else:
-                scores, slope = selection_scores(module, logits.reshape(-1, logits.shape[-1]))
-                margin = margins(scores, flat, slope).cpu()
+                margin = selection(module, logits.reshape(-1, logits.shape[-1])).margins(flat).cpu()
             records[layer] = RouteRecord(
                 layer=layer,
                 experts=experts.reshape(-1, experts.shape[-1]).cpu(),

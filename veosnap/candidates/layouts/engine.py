@@ -20,7 +20,7 @@ from ...errors import Unsupported
 from ...golden import names
 from ...numerics.routes import flips
 from ...reference import train
-from ...reference.capture import Capture, Part, forward_backward, gradients
+from ...reference.capture import Capture, Part, auxiliary_loss, forward_backward, gradients
 from ...reference.inputs import Batch, Media
 from ...reference.probes import RouteRecord
 from ..backends import Backend
@@ -67,6 +67,17 @@ class _Runner:
         self.layout, self.ctx, self.setup, self.backward = layout, ctx, setup, backward
         self.shards = layout.shard(ctx, setup)
         self.total = ctx.batch.predictions
+        extra = auxiliary_loss(setup.inner)
+        if extra and not self.whole_batch():
+            raise Unsupported(f"the model's loss holds {extra}, which is not a sum over tokens: {layout.name} computes "
+                              "it per part of the batch, another function than the golden's whole-batch loss")
+
+    def whole_batch(self) -> bool:
+        """Whether one pass on one data share holds every real token of the golden's batch."""
+        if self.setup.data.size != 1 or len(self.shards) != 1:
+            return False
+        mask = self.ctx.batch.token_mask
+        return int(mask[self.shards[0].positions].sum()) == int(mask.sum())
 
     def passes(self, forced: dict[int, torch.Tensor] | None) -> list[Part]:
         """One step: every pass's forward and backward, gradients accumulating from zero."""
