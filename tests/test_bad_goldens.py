@@ -214,8 +214,8 @@ def test_tensor_offsets_out_of_range(capsys, goldens):
 # --- the manifest --------------------------------------------------------------------------------
 
 def test_unknown_schema_version(capsys, goldens):
-    (goldens / REL).write_bytes(with_manifest(lambda m: m.update(schema_version=2)))
-    assert_refused(capsys, goldens, "schema version 2 is not one this veosnap reads (it reads 1); upgrade veosnap")
+    (goldens / REL).write_bytes(with_manifest(lambda m: m.update(schema_version=3)))
+    assert_refused(capsys, goldens, "schema version 3 is not one this veosnap reads (it reads 1, 2); upgrade veosnap")
 
 
 def test_manifest_is_not_json(capsys, goldens):

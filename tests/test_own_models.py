@@ -57,7 +57,9 @@ def test_routers_veosnap_cannot_read_are_named_by_record_the_golden_and_every_re
     code, out, err = run(capsys, "record", "--model", "jetmoe", "--dtype", "float32")
     assert code == 0 and out.startswith(f"wrote     goldens/{CLASS}/jetmoe/step-float32.safetensors.zst")
     said = re.fullmatch(r"veosnap: warning: (\S+): routes not captured for (.*) \(JetMoeTopKGating returns "
-                        r"\((.*)\); veosnap reads routers that return \(logits, weights, indices\)\)\n", err)
+                        r"\((.*)\); veosnap reads routers that return their logits over the experts \(alone or "
+                        r"first\) to blocks that call their experts with \(hidden_states, top_k_index, top_k_weights\)\)\n",
+                        err)
     assert said, err
     assert said.group(1) == f"goldens/{CLASS}/jetmoe/step-float32.safetensors.zst"
     assert said.group(2).split(", ") == JETMOE_ROUTERS

@@ -23,11 +23,12 @@ PLUGIN = "examples/veomni/plugin.py"
 SCRIPT = ROOT / "tools" / "veomni_env.sh"
 VENV = Path(os.environ.get("VEOMNI_VENV", ROOT / ".venv-veomni"))
 HERE = importlib.util.find_spec("veomni") is not None
+QUICK = ("qwen3", "qwen3_moe", "deepseek_v3")  # the --quick run's models VeOmni implements
 MUST_PASS = {  # (model, dtype, backend, layout) of the --quick run that must pass
-    (m, "float32", "veomni", layout) for m in ("qwen3", "qwen3_moe", "deepseek_v3")
-    for layout in ("single", "packed", "microbatch", "fsdp2")
-} | {(m, "float32", b, "single") for m in ("qwen3", "qwen3_moe", "deepseek_v3")
-     for b in ("veomni_chunk_loss", "veomni_sdpa", "eager")} | {
+    (m, "float32", "veomni", layout) for m in QUICK for layout in ("single", "packed", "microbatch", "fsdp2")
+} | {(m, "float32", b, "single") for m in QUICK for b in ("veomni_chunk_loss", "veomni_sdpa", "eager")} | {
+    (m, "float32", "veomni_collator", layout) for m in QUICK for layout in ("single", "fsdp2")} | {
+    (m, "float32", "veomni_fsdp2", "fsdp2") for m in QUICK} | {
     (m, "bfloat16", "veomni", "single") for m in ("qwen3", "qwen3_moe")}
 
 
@@ -42,14 +43,22 @@ def _assert_quick_run(out: Path) -> None:
     assert MUST_PASS <= set(cells)
     failed = {k: (c["status"], c["reason"]) for k, c in cells.items() if k in MUST_PASS and c["status"] != "PASS"}
     assert not failed
-    # VeOmni's modeling equals HF's on the eager path: bit-identical where nothing is reordered.
+    # VeOmni's modeling equals HF's on the eager path: bit-identical where nothing is reordered, and its
+    # DeepSeek-V3 router (one tensor out) is read at the experts' inputs: routes compared, all the same.
     assert cells[("qwen3_moe", "float32", "veomni", "single")]["ratio"] == 0.0
-    # What the core cannot do yet is reported as what it is, not as a numerics failure.
+    assert cells[("deepseek_v3", "float32", "veomni", "single")]["ratio"] == 0.0
+    # VeOmni's chunked loss has no logits: everything else is compared, and the cell says so.
+    assert all(c["no_logits"] for k, c in cells.items() if k[2] == "veomni_chunk_loss" and k[0] in QUICK)
+    assert not cells[("qwen3", "float32", "veomni", "single")]["no_logits"]
+    # What does not apply is a skip with its reason, not a failure.
     assert all(c["status"] == "skip" and "no model class for 'mixtral'" in c["reason"]
                for k, c in cells.items() if k[0] == "mixtral" and k[2] != "eager")
-    own = cells[("qwen3_moe", "float32", "veomni_fsdp2", "fsdp2")]
-    assert own["status"] == "ERROR"  # issue 14 item 4: this assertion is to flip when the core lets a plugin shard
-    assert "skip" == cells[("qwen3_moe", "float32", "veomni", "ep")]["status"]
+    assert "fused MoE kernels" in cells[("qwen3_moe", "float32", "veomni", "ep")]["reason"]
+    # transformers 5.22 keeps DeepSeek-V3's router weight in bfloat16 (5.24, the golden's, in float32): said as
+    # a structure change naming the versions, before any number.
+    drift = cells[("deepseek_v3", "bfloat16", "veomni", "single")]
+    assert drift["status"] == "FAIL"
+    assert drift["reason"].startswith("structure differs from the golden (versions differ: ")
     assert table_ok(out)
 
 
@@ -111,10 +120,11 @@ def test_plugin_restores_transformers_loss_mapping() -> None:
     reference = models.build(load_config(Project.resolve(configs=ROOT / "toy_configs").configs, "qwen3"), torch.float32)
     with backends.resolve(f"{PLUGIN}:veomni").prepare(reference) as candidate:
         assert type(candidate.model).__module__.startswith("veomni.")
-        assert dict(LOSS_MAPPING) == before  # restored as soon as the model was built
+        assert dict(LOSS_MAPPING) != before  # VeOmni's losses, while its candidate runs
         ids = torch.arange(8)[None]
         loss = candidate.model(input_ids=ids, labels=ids).loss
-        assert loss.ndim == 0  # VeOmni's own loss, pinned on the instance
+        assert loss.ndim == 0
+    assert dict(LOSS_MAPPING) == before  # restored when the check is done
     from veomni.distributed.parallel_state import is_parallel_state_initialized
 
     assert not is_parallel_state_initialized()

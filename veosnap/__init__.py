@@ -7,6 +7,8 @@ The public API (see docs/api.md); everything else is reached through the subpack
     register_backend(name, fn)                        a backend under a short name (also a decorator)
     register_layout(layout)                           a Layout instance under its name
     Unsupported, forward_only                         what a backend or layout returns or raises
+    Candidate, Adapted, parallelizes                  what a framework's backend may say about its candidate
+    context(), Context                                where a candidate runs (layout, rank, world, mesh, device)
     GoldenKey, Project                                what a golden is for, where goldens and configs live
 
 Importing veosnap is cheap: torch and transformers load when one of these is first used.
@@ -20,18 +22,21 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 from .errors import Unsupported, VeosnapError
 
 __version__ = "0.1.0"
-__all__ = ["record", "check", "register_backend", "register_layout", "Unsupported", "forward_only", "GoldenKey",
-           "Project", "VeosnapError", "__version__"]
+__all__ = ["record", "check", "register_backend", "register_layout", "Unsupported", "forward_only", "Candidate",
+           "Adapted", "parallelizes", "context", "Context", "GoldenKey", "Project", "VeosnapError", "__version__"]
 
 if TYPE_CHECKING:
-    from .candidates.backends import forward_only
+    from .candidates.backends import Adapted, Candidate, forward_only, parallelizes
+    from .candidates.context import Context
     from .candidates.layouts.protocol import Layout
     from .golden.key import GoldenKey
     from .reference.zoo import Project
     from .runs.record import RecordOutcome
     from .runs.verdict import CheckReport
 
-_LAZY = {"forward_only": ".candidates.backends", "GoldenKey": ".golden.key", "Project": ".reference.zoo"}
+_LAZY = {"forward_only": ".candidates.backends", "Candidate": ".candidates.backends", "Adapted": ".candidates.backends",
+         "parallelizes": ".candidates.backends", "Context": ".candidates.context", "GoldenKey": ".golden.key",
+         "Project": ".reference.zoo"}
 
 
 def __getattr__(name: str) -> Any:
@@ -50,19 +55,22 @@ def _key(project: Project | None, model: str, dtype: str, scenario: str,
 
 
 def record(model: str, dtype: str = "float32", scenario: str = "step", *, project: Project | None = None,
-           seed: int = 0, allow_near_ties: bool = False, allow_fragile: bool = False) -> RecordOutcome:
+           seed: int = 0, allow_near_ties: bool = False, allow_fragile: bool = False,
+           sketch: str = "auto") -> RecordOutcome:
     """Record the golden of `model` in `dtype` for `scenario` on this machine (as `veosnap record` does).
 
     `project` says where the goldens, configs and test data are (default: `Project.for_recording()`:
     `./goldens`, created if need be; configs and test data the current directory's, else veosnap's
     bundled zoo). An identical golden is left untouched; a golden with an approval trail keeps it; one
     that cheap legitimate variants (sdpa, grouped_mm, batched_mm) fail is refused unless `allow_fragile`.
+    `sketch`: `auto` stores large tensors as sketches only when the golden would not fit its target
+    size, `always` sketches every sketchable tensor, `never` none (docs/scale.md).
     """
     from .runs.record import record as record_one
 
     project, key = _key(project, model, dtype, scenario, recording=True)
     return record_one(project, key.model, key.dtype, scenario=key.scenario, seed=seed, allow_near_ties=allow_near_ties,
-                      allow_fragile=allow_fragile)
+                      allow_fragile=allow_fragile, sketch=sketch)
 
 
 def check(model: str, backend: str = "eager", dtype: str = "float32", *, layouts: Sequence[str] = ("single",),
@@ -80,6 +88,17 @@ def check(model: str, backend: str = "eager", dtype: str = "float32", *, layouts
     project, key = _key(project, model, dtype, scenario)
     return check_layouts(project, key, resolve(backend), list(layouts), nproc=nproc,
                          timeout_s=DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s, cross_class=cross_class)
+
+
+def context() -> Context:
+    """Where the candidate running now runs: layout, rank, world, data-parallel share, device mesh, device.
+
+    Available in a backend, its hooks and its layout's run (in process and on torchrun ranks); a
+    backend may also take it as a second parameter, `def my_backend(model, ctx)`.
+    """
+    from .candidates.context import current
+
+    return current()
 
 
 def register_backend(name: str, fn: Callable | None = None, *, requires: Callable[[], str | None] | None = None) -> Any:

@@ -4,14 +4,21 @@ A backend is a callable that receives the built reference model (in the golden's
 device) and returns the model to run; it may patch the model in place and return it (or None).
 It may also:
 
-- return `forward_only(model, reason)` when the candidate cannot run a backward pass here: the check
-  then compares the forward tensors (loss, logits, layer outputs, routes) and says why gradients
-  were not checked;
-- return (or yield) `Candidate(model, notes=[...])` to say in the report what it replaced; a generator
-  may append to that list after its `yield` (what its kernels actually ran, counted during the check);
+- take a second parameter, `ctx`: where it runs (`context.Context`: layout, rank, world, data-parallel
+  share, device mesh, device); `veosnap.context()` gives the same from anywhere while it runs;
+- return `Candidate(model, ...)` to say more about the candidate: `forward_only=reason` when it cannot
+  run a backward pass here (the check then compares the forward tensors and says why gradients were
+  not checked; `forward_only(model, reason)` is the short form), `adapt_batch=fn` when it takes the
+  golden's batch in a form of its own (the comparison stays on the golden's tokens),
+  `full_gradients=fn` when it shards parameters outside DTensor, `notes=[...]` to say in the report
+  what it replaced (a generator may append to that list after its `yield`: what its kernels actually
+  ran, counted during the check);
+- be marked `@parallelizes` when it builds its own parallel model (its own FSDP2, EP, ...): every
+  layout then hands it the plain reference and does not wrap what it returns;
 - raise `Unsupported(reason)` when it does not apply to this model or machine: the check is skipped;
 - be a generator function that yields the model once: code after the `yield` (put it in a
   `finally`) runs when the check is done, to undo process-wide patches (as in a pytest fixture).
+  Whatever it patched stays applied while any layout runs the model (every pass, route replay).
 
 SPEC is:
 
@@ -30,36 +37,95 @@ import inspect
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import torch
 from torch import nn
 
 from ..errors import Unsupported, VeosnapError
 from ..reference.zoo import shown
-from . import pristine, specs
+from . import context, pristine, specs
 from .kernels.support import gpu_library
 
-BackendFn = Callable[[nn.Module], object]
+if TYPE_CHECKING:
+    from ..reference.inputs import Batch
+
+BackendFn = Callable[..., object]
 ENTRY_POINT_GROUP = "veosnap.backends"
 
 
 @dataclass(frozen=True)
-class Candidate:
-    """The model a backend made, and, when it cannot run backward here, why (gradients unchecked).
+class Adapted:
+    """A batch in a candidate's own form: the model's keyword arguments, and where each output token
+    stands in the batch it was adapted from.
 
-    `notes` go into the check's report (what the backend replaced, what its kernels ran); a generator
-    backend may append to the list after its `yield`, when the check's passes have run.
+    `positions[i]` is, for token slot `i` of the adapted call's outputs (row-major over its
+    `[rows, positions]`), the flat index `row * width + position` in the batch the adapter was given,
+    or -1 for a slot that stands for none (padding the adapted form added). Logits, layer outputs and
+    routes are put back through it, so the comparison stays on the golden's tokens; the loss is the
+    model's own, over the same predictions (labels in `kwargs`, pre-shifted if the framework wants).
+    """
+
+    kwargs: dict[str, Any]
+    positions: torch.Tensor  # [adapted rows * adapted positions] int64
+
+
+# fn(batch, ctx) -> Adapted: the batch (on the candidate's device) in the candidate's own form.
+AdaptBatch = Callable[["Batch", context.Context], Adapted]
+# fn(model) -> {parameter name: full gradient}: a collective every rank calls.
+FullGradients = Callable[[nn.Module], Mapping[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """The model a backend made, and what veosnap must know to run it.
+
+    - `forward_only`: why it cannot run backward here ('' when it can); gradients are then unchecked.
+    - `adapt_batch`: `fn(batch, ctx) -> Adapted`, called once per pass of the layout with the batch that
+      pass runs; the model is called with the adapted kwargs.
+    - `full_gradients`: `fn(model) -> {parameter name: full gradient}`, for parameters the candidate
+      shards outside DTensor (a framework's expert-parallel shards held as plain local tensors); every
+      rank calls it, rank 0's answer is compared. Parameters it leaves out are read as usual
+      (`DTensor.full_tensor()`, or the tensor itself).
+    - `notes` go into the check's report (what the backend replaced, what its kernels ran); a generator
+      backend may append to the list after its `yield`, when the check's passes have run.
     """
 
     model: nn.Module
     forward_only: str = ""
+    adapt_batch: AdaptBatch | None = None
+    full_gradients: FullGradients | None = None
     notes: list[str] = field(default_factory=list)
 
 
 def forward_only(model: nn.Module, reason: str) -> Candidate:
     """What a backend returns when `model` runs forward but not backward here (say why)."""
     return Candidate(model, forward_only=reason)
+
+
+def parallelizes(fn: BackendFn) -> BackendFn:
+    """Mark `fn` as a backend that builds its own parallel model (a framework's FSDP2, EP, ...).
+
+    Every layout then hands it the plain reference (never a model transformers already sharded, as the
+    tp and ep layouts otherwise load) with the context saying how the golden's rows are split, and
+    runs what it returns as it is: no DDP wrapper, no second `fully_shard`. The backend wraps, shards
+    and reduces as its framework does (reducers average over `ctx.dp_world` ranks, as DDP and FSDP2 do).
+    """
+    fn.veosnap_parallelizes = True  # type: ignore[attr-defined]
+    return fn
+
+
+def _wants_context(fn: Callable) -> bool:
+    """Whether `fn` takes the context as a second positional parameter (`def backend(model, ctx)`)."""
+    try:
+        params = [p for p in inspect.signature(fn).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+    if len(params) < 2:
+        return False
+    second = params[1]
+    return second.kind == second.VAR_POSITIONAL or second.name == "ctx" or second.default is second.empty
 
 
 @dataclass(frozen=True)
@@ -273,28 +339,46 @@ class Backend:
     spec: str
     steps: tuple[BackendFn, ...]
 
+    @property
+    def parallelizes(self) -> bool:
+        """Whether a step builds its own parallel model (`@parallelizes`): layouts then do not wrap it."""
+        return any(getattr(step, "veosnap_parallelizes", False) for step in self.steps)
+
     @contextmanager
-    def prepare(self, model: nn.Module) -> Iterator[Candidate]:
+    def prepare(self, model: nn.Module, ctx: context.Context | None = None) -> Iterator[Candidate]:
         """Apply every step to `model`; within the block the candidate runs, after it patches are undone.
 
-        Forward-only is sticky: if any step declares it, the combination is forward only.
+        `ctx` is where it runs (default: in process, on the model's device); it is `veosnap.context()`
+        within the block. Forward-only is sticky: if any step declares it, the combination is forward
+        only. At most one step may adapt the batch, and one read full gradients.
         """
+        ctx = ctx or context.in_process(model)
         reasons: list[str] = []
+        chosen: dict[str, tuple[str, object]] = {}  # what a step set -> (which step, the value)
         said: list[list[str]] = []  # each step's notes, read when every step has finished
-        with ExitStack() as stack:
+        with context.told(ctx), ExitStack() as stack:
             for step in self.steps:
+                args = (model, ctx) if _wants_context(step) else (model,)
                 if inspect.isgeneratorfunction(step):
-                    result = stack.enter_context(contextmanager(step)(model))
+                    result = stack.enter_context(contextmanager(step)(*args))
                 else:
-                    result = step(model)
+                    result = step(*args)
                 if isinstance(result, Candidate):
                     model = result.model
                     said.append(result.notes)
                     if result.forward_only:
                         reasons.append(result.forward_only)
+                    for what in ("adapt_batch", "full_gradients"):
+                        value, name = getattr(result, what), getattr(step, "__name__", repr(step))
+                        if value is not None and what in chosen:
+                            raise VeosnapError(f"backend {self.spec!r}: both {chosen[what][0]!r} and {name!r} set "
+                                               f"{what}; one step may")
+                        if value is not None:
+                            chosen[what] = (name, value)
                 elif result is not None:
                     model = result
-            combined = Candidate(model, forward_only="; ".join(reasons))
+            value = {what: chosen[what][1] if what in chosen else None for what in ("adapt_batch", "full_gradients")}
+            combined = Candidate(model, forward_only="; ".join(reasons), **value)  # type: ignore[arg-type]
             yield combined
         for notes in said:  # the generators have finished: their counts are final
             combined.notes.extend(notes)

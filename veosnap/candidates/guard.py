@@ -84,6 +84,7 @@ class _Run:
 
 _active: _Run | None = None
 _lock = threading.Lock()
+_report_fd = 1  # where the watchdog writes the check's ERROR block (`report_to`)
 
 
 def _where(frame: FrameType | None) -> str:
@@ -169,13 +170,25 @@ def real_exit(code: int) -> None:
     exit_(code)
 
 
+@contextmanager
+def report_to(fd: int) -> Iterator[None]:
+    """Within the block the watchdog writes its ERROR block to `fd`: the CLI points file descriptor 1 at
+    stderr while candidates run (what they print must not mix with the report) and gives the real stdout."""
+    global _report_fd
+    previous, _report_fd = _report_fd, fd
+    try:
+        yield
+    finally:
+        _report_fd = previous
+
+
 def _watchdog(run: _Run, timeout_s: float, extra_s: float, line: str) -> None:
     if run.done.wait(timeout_s + extra_s):
         return
     message = (f"{line}\n  error: timed out after {timeout_s:g} s and stuck outside Python for {extra_s:g} s more; "
                "veosnap ends the process\n")
     error = f"veosnap: error: {message.splitlines()[1].strip()}\n"
-    for fd, text in ((1, message), (2, error)) if line else ((2, error),):
+    for fd, text in ((_report_fd, message), (2, error)) if line else ((2, error),):
         try:
             os.write(fd, text.encode())
         except OSError:

@@ -2,9 +2,10 @@
 holds the JSON manifest.
 
 `zstd -d` yields a file any safetensors reader opens. Nothing is ever unpickled or executed; sizes
-are capped before anything is decompressed or parsed; every tensor the payload holds must be one a
-golden holds (see `names`), with its tolerance, and the stored inputs must be the ones the manifest
-describes. Same golden, same bytes.
+are capped before anything is decompressed or parsed (`limits`); every tensor the payload holds must
+be one a golden holds (see `names`), with its tolerance, and the stored inputs must be the ones the
+manifest describes. A sketched tensor is stored as its parts (`sketches`) and read back as a
+`GoldenSketch`, validated against its manifest entry. Same golden, same bytes.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import hashlib
 import json
 import struct
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from pathlib import Path
 
 import torch
@@ -20,22 +22,19 @@ import zstandard
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from ..errors import GoldenError
+from ..errors import GoldenError, VeosnapError
 from . import names
 from .key import GoldenKey
+from .limits import MAX_COMPRESSED, MAX_DECOMPRESSED, MAX_HEADER, MAX_RATIO, RATIO_SLACK, check_limits  # noqa: F401
 from .manifest import Manifest
+from .sketches import GoldenSketch, split_name
 
 METADATA_KEY = "veosnap"
 # What each scenario's golden must hold besides its inputs (train: per-step loss and gradient norm).
 REQUIRED = {"step": (names.LOSS, names.LOGITS), "train": (names.TRAIN_LOSS, names.TRAIN_GRAD_NORM)}
-MAX_COMPRESSED = 256 << 20
-MAX_DECOMPRESSED = 1 << 30
-MAX_HEADER = 16 << 20
-# Goldens compress about 1.2-1.5x (float tensors); a frame declaring far more content than its size
-# could hold is a decompression bomb, refused before anything is allocated.
-MAX_RATIO = 64
-RATIO_SLACK = 1 << 20
 ZSTD_LEVEL = 12
+# The kinds of tensor a golden may store as a sketch; the loss, routes and inputs are always whole.
+SKETCHABLE = (names.Logits, names.LayerOutput, names.Grad, names.Update)
 
 
 @dataclass
@@ -43,8 +42,9 @@ class Golden:
     """A golden in memory: its manifest and its tensors (CPU), by name."""
 
     manifest: Manifest
-    tensors: dict[str, torch.Tensor]
+    tensors: dict[str, torch.Tensor]  # whole tensors (inputs, routes, and every tensor not sketched)
     path: Path | None = None
+    sketches: dict[str, GoldenSketch] = dataclass_field(default_factory=dict)  # sketched tensors (schema 2)
 
     @property
     def key(self) -> GoldenKey:
@@ -60,8 +60,15 @@ class Golden:
         return {f"inputs.{field}": t for field, t in self.inputs().items()}
 
     def compared_names(self) -> list[str]:
-        """Tensors a check compares numerically (inputs, route ids and margins are not)."""
+        """Tensors a check compares numerically (inputs, route ids and margins are not), whole or sketched."""
         return sorted(self.manifest.tolerance)
+
+    def stored_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor the file holds: the whole ones and each sketched tensor's parts (`N#sketch`, ...)."""
+        stored = dict(self.tensors)
+        for name, sketch in self.sketches.items():
+            stored.update(sketch.tensors(name))
+        return stored
 
     def route_layers(self) -> list[int]:
         """The MoE layers whose routes the golden holds."""
@@ -94,9 +101,11 @@ def tensors_hash(tensors: dict[str, torch.Tensor]) -> str:
 def encode(golden: Golden) -> bytes:
     """The golden's file bytes (its payload and manifest hashes are set first). Same golden, same bytes."""
     manifest = golden.manifest
-    manifest.payload_hash = tensors_hash(golden.tensors)
+    _check_sketch_entries(golden)
+    stored = golden.stored_tensors()
+    manifest.payload_hash = tensors_hash(stored)
     manifest.manifest_hash = manifest.own_hash()
-    tensors = {name: t.detach().cpu().contiguous() for name, t in golden.tensors.items()}
+    tensors = {name: t.detach().cpu().contiguous() for name, t in stored.items()}
     raw = st_save(tensors, metadata={METADATA_KEY: manifest.to_json()})
     compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True, write_content_size=True, threads=0)
     return compressor.compress(raw)
@@ -107,8 +116,6 @@ def decode(data: bytes, source: object) -> Golden:
 
     Raises only `GoldenError`; nothing is allocated beyond the capped, declared content size.
     """
-    if len(data) > MAX_COMPRESSED:
-        raise GoldenError(source, f"file is over the {MAX_COMPRESSED} byte cap")
     raw = _decompress(data, source)
     metadata = _safetensors_metadata(raw, source)
     if METADATA_KEY not in metadata:
@@ -120,11 +127,52 @@ def decode(data: bytes, source: object) -> Golden:
         tensors = st_load(raw)
     except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
         raise GoldenError(source, f"malformed safetensors payload ({_first_line(exc)})") from None
-    golden = Golden(manifest=manifest, tensors=tensors)
     if tensors_hash(tensors) != manifest.payload_hash:
         raise GoldenError(source, "payload hash mismatch: the tensors are not the ones recorded (corrupt or edited)")
+    golden = _split_sketches(manifest, tensors, source)
     _check_tensor_set(golden, source)
     return golden
+
+
+def _check_sketch_entries(golden: Golden) -> None:
+    """The manifest's sketch entries are the golden's sketches (a recorder bug otherwise, not a user's)."""
+    entries = {} if golden.manifest.sketch is None else golden.manifest.sketch.tensors
+    ours = {name: sketch.entry for name, sketch in golden.sketches.items()}
+    if entries != ours:
+        raise VeosnapError(f"{golden.key}: the manifest's sketch entries do not match the golden's sketched tensors")
+
+
+def _split_sketches(manifest: Manifest, stored: dict[str, torch.Tensor], source: object) -> Golden:
+    """The payload as whole tensors and `GoldenSketch`es (validated against their manifest entries)."""
+    entries = {} if manifest.sketch is None else manifest.sketch.tensors
+    whole, parts = {}, {}
+    for name, t in stored.items():
+        split = split_name(name)
+        if split is None:
+            whole[name] = t
+            continue
+        if split[0] not in entries:
+            raise GoldenError(source, f"tensor {name!r} is not part of a golden (a sketch part of a tensor the "
+                                      "manifest does not list as sketched)")
+        parts[name] = t
+    sketches = {}
+    for name, entry in sorted(entries.items()):
+        if not isinstance(names.try_parse(name), SKETCHABLE):
+            raise GoldenError(source, f"tensor {name!r} is listed as sketched, but only logits, layer outputs, "
+                                      "gradients and updates are ever sketched")
+        try:
+            sketches[name] = GoldenSketch.from_entry(name, entry, parts, source)
+        except GoldenError:
+            raise
+        except VeosnapError as exc:
+            raise GoldenError(source, str(exc).removeprefix(f"{source}: ")) from None
+        if name in whole:
+            raise GoldenError(source, f"tensor {name!r} is stored both whole and sketched")
+    expected = {part for name, s in sketches.items() for part in s.tensors(name)}
+    extra = sorted(set(parts) - expected)
+    if extra:
+        raise GoldenError(source, f"tensor {extra[0]!r} is not part of a golden (extra or hand-added)")
+    return Golden(manifest=manifest, tensors=whole, sketches=sketches)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -132,24 +180,7 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _decompress(data: bytes, source: object) -> bytes:
-    if len(data) < 4 or data[:4] != b"\x28\xb5\x2f\xfd":
-        hint = " (this looks like an uncompressed safetensors file)" if data[8:10] == b'{"' else ""
-        raise GoldenError(source, f"not a zstd frame; a golden is zstd-compressed safetensors{hint}")
-    try:
-        params = zstandard.get_frame_parameters(data)
-    except zstandard.ZstdError:
-        raise GoldenError(source, "truncated or corrupt zstd frame header") from None
-    size = params.content_size
-    if size in (zstandard.CONTENTSIZE_UNKNOWN, zstandard.CONTENTSIZE_ERROR):
-        raise GoldenError(source, "zstd frame does not declare its content size; refusing (veosnap always writes it)")
-    if size == 0:
-        raise GoldenError(source, "zstd frame is empty")
-    if size > MAX_DECOMPRESSED:
-        raise GoldenError(source, f"zstd frame declares {size} bytes of content, over the {MAX_DECOMPRESSED} byte cap; "
-                                  "refusing (decompression bomb?)")
-    if size > MAX_RATIO * len(data) + RATIO_SLACK:
-        raise GoldenError(source, f"zstd frame declares {size} bytes of content from {len(data)} compressed bytes "
-                                  f"(over {MAX_RATIO}x); refusing (decompression bomb?)")
+    size = check_limits(data, source)
     # Streaming: memory grows with the content actually decoded (a lying header costs nothing), and
     # zstd stops with an error as soon as the content outgrows the declared size.
     decoder = zstandard.ZstdDecompressor().decompressobj()
@@ -199,13 +230,14 @@ def _check_tensor_set(golden: Golden, source: object) -> None:
     """The payload holds exactly what a golden holds: its known inputs, every toleranced tensor, and each
     MoE layer's expert ids and margins; an extra or missing tensor would blame the candidate for it."""
     present = set(golden.tensors)
+    held = present | set(golden.sketches)  # what the golden holds, whole or sketched
     tolerance = golden.manifest.tolerance
     for name in sorted(tolerance):
-        if name not in present:
+        if name not in held:
             raise GoldenError(source, f"tensor {name!r} has a tolerance but is missing from the payload")
     required_inputs = [f"inputs.{f.name}" for f in names.INPUT_FIELDS.values() if f.required]
     for required in (*map(str, REQUIRED.get(golden.key.scenario, REQUIRED["step"])), *required_inputs):
-        if required not in present:
+        if required not in held:
             raise GoldenError(source, f"tensor {required!r} is missing")
     route_layers = {parsed.layer for name in tolerance
                     if isinstance(parsed := names.try_parse(name), names.Route) and parsed.part == "weights"}

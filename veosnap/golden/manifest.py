@@ -16,9 +16,13 @@ from typing import Any
 
 from ..errors import GoldenError, VeosnapError
 from .key import GoldenKey
+from .sketches import SketchPlan
 
+# Schema 1: every tensor stored whole. Schema 2: some tensors stored as sketches (the `sketch` section).
+# A golden with nothing sketched is written as schema 1, byte for byte as before sketches existed.
 SCHEMA_VERSION = 1
-READABLE_SCHEMAS = (1,)
+SKETCHED_SCHEMA = 2
+READABLE_SCHEMAS = (1, 2)
 
 
 def config_hash(config: dict) -> str:
@@ -139,12 +143,20 @@ class Manifest:
     # like a hand-edited tensor. Required: a golden without one is refused (it cannot be trusted).
     manifest_hash: str = ""
     absent: list[Absence] = field(default_factory=list)  # left out of the JSON when empty
+    # Schema 2 only: how the golden chose whole or sketched tensors, and each sketched tensor's entry.
+    sketch: SketchPlan | None = None
+
+    def __post_init__(self) -> None:
+        if self.sketch is not None:
+            self.schema_version = SKETCHED_SCHEMA
 
     def own_hash(self) -> str:
         """What `manifest_hash` should be for the manifest as it stands."""
         return "sha256:" + hashlib.sha256(replace(self, manifest_hash="").to_json().encode()).hexdigest()
 
     def to_json(self) -> str:
+        if self.sketch is not None:
+            self.schema_version = SKETCHED_SCHEMA
         data = {f.name: getattr(self, f.name) for f in fields(self)}
         data.update(key=asdict(self.key), reference=json_object(self.reference), provenance=json_object(self.provenance),
                     tolerance={name: [t.noise, t.bound] for name, t in sorted(self.tolerance.items())},
@@ -153,6 +165,10 @@ class Manifest:
                     absent=[{"kind": a.kind, "names": list(a.names), "reason": a.reason} for a in self.absent])
         if not self.absent:
             del data["absent"]  # goldens that leave nothing out keep the bytes they always had
+        if self.sketch is None:
+            del data["sketch"]  # schema 1: no such field, so an all-whole golden keeps its old bytes
+        else:
+            data["sketch"] = self.sketch.to_dict()
         return json.dumps(data, sort_keys=True, separators=(",", ":"), allow_nan=False)
 
     @classmethod
@@ -210,9 +226,9 @@ _MANIFEST_TYPES: dict[str, type | tuple[type, ...]] = {
     "key": dict, "config": dict, "config_hash": str, "inputs_hash": str, "reference": dict, "provenance": dict,
     "tolerance": dict, "alpha": _NUMBER, "floor": _NUMBER, "tie_epsilon": _NUMBER,
     "min_margin": dict, "payload_hash": str, "approvals": list, "schema_version": int, "manifest_hash": str,
-    "absent": list,
+    "absent": list, "sketch": dict,
 }
-_OPTIONAL = {"payload_hash", "approvals", "manifest_hash", "absent"}
+_OPTIONAL = {"payload_hash", "approvals", "manifest_hash", "absent", "sketch"}
 
 
 def _finite_non_negative(value: object) -> bool:
@@ -358,6 +374,16 @@ def _parse(data: dict) -> Manifest:
         if not layer.isdigit() or str(int(layer)) != layer:
             raise ValueError(f"min_margin has layer {layer!r}, not a layer number")
         min_margin[int(layer)] = value
+    sketch = None
+    if data["schema_version"] == SKETCHED_SCHEMA:
+        if "sketch" not in data:
+            raise ValueError("a schema 2 manifest has no 'sketch' section")
+        sketch = SketchPlan.from_dict(data["sketch"])
+        unknown = sorted(set(sketch.tensors) - set(tolerance))
+        if unknown:
+            raise ValueError(f"sketched tensor {unknown[0]!r} has no tolerance")
+    elif "sketch" in data:
+        raise ValueError(f"a schema {data['schema_version']} manifest has a 'sketch' section (only schema 2 has one)")
     return Manifest(
         key=GoldenKey(**data["key"]), config=data["config"], config_hash=data["config_hash"],
         inputs_hash=data["inputs_hash"], reference=_reference(data["reference"], "reference"),
@@ -366,5 +392,5 @@ def _parse(data: dict) -> Manifest:
         payload_hash=data.get("payload_hash", ""),
         approvals=_approvals(data.get("approvals", [])),
         schema_version=data["schema_version"], manifest_hash=data.get("manifest_hash", ""),
-        absent=[_absence(a, f"absent[{i}]") for i, a in enumerate(data.get("absent", []))],
+        absent=[_absence(a, f"absent[{i}]") for i, a in enumerate(data.get("absent", []))], sketch=sketch,
     )

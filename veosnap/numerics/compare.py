@@ -3,12 +3,15 @@
 `compare_route_sets` says per MoE layer which tokens went to other experts; `compare_tensors` gives
 every toleranced tensor's row error against its bound, and where the worst of it is. Token tensors are
 compared on the batch's real tokens (`Tokens`); under route replay a layer's route weights are
-compared on the tokens the candidate routed as the golden.
+compared on the tokens the candidate routed as the golden. A tensor the golden holds as a sketch is
+compared sketch to sketch (`sketch.compare_sketch`, on the candidate's device): its error is an
+estimate and its worst place a group of rows, which the result says (`estimate`, `width`, `group`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +21,7 @@ from ..golden.codec import Golden
 from . import fmt
 from .metric import RowError, is_token_tensor, row_error
 from .routes import RouteDiff, compare_routes
+from .sketch import CandidateSketch, SketchError, SketchProblem, compare_sketch
 
 
 @dataclass(frozen=True)
@@ -50,10 +54,17 @@ class TensorResult:
     bound: float
     noise: float
     where: str = ""
-    rows_over: int = 0
-    rows: int = 0
+    rows_over: int = 0  # rows over the bound (a sketched tensor: groups, and exact rows outside its support)
+    rows: int = 0  # rows compared (a sketched tensor: groups)
     problem: str = ""  # non-finite values, wrong shape or dtype, missing tensor
-    worst_rows: tuple[WorstRow, ...] = ()  # the few worst rows, worst first
+    width: int = 0  # a sketched tensor: the sketch's width and rows per group (0: compared whole)
+    group: int = 0
+    estimate: bool = False  # the error is an estimate from the sketch (False: exact)
+    worst_rows: tuple[WorstRow, ...] = ()  # the few worst rows, worst first (a sketched tensor: none)
+
+    @property
+    def sketched(self) -> bool:
+        return self.width > 0
 
     @property
     def parsed(self) -> names.TensorName:
@@ -69,12 +80,18 @@ class TensorResult:
         return not self.problem and self.error <= self.bound
 
 
-def compare_route_sets(golden: Golden, experts: Mapping[int, torch.Tensor], tokens: Tokens) -> list[RouteDiff]:
+def compare_route_sets(golden: Golden, experts: Mapping[int, torch.Tensor], tokens: Tokens,
+                       unreadable: Mapping[int, str] | None = None) -> list[RouteDiff]:
     """Per MoE layer of the golden, tokens the candidate sent to other experts (clear flips and near-ties
-    apart); a layer the candidate has no routes for, or routes of another shape, flips every token."""
+    apart); a layer whose routes could not be read (`unreadable`: layer -> why) says so and compares
+    nothing; a layer the candidate has no routes for, or routes of another shape, flips every token."""
     count = int(tokens.mask.sum())
     diffs = []
+    unreadable = unreadable or {}
     for layer, gold in golden.experts().items():
+        if layer in unreadable:
+            diffs.append(RouteDiff(layer, count, 0, 0, None, unreadable=unreadable[layer]))
+            continue
         candidate = experts.get(layer)
         if candidate is None or candidate.shape != gold.shape:
             diffs.append(RouteDiff(layer, count, count, 0, 0))
@@ -93,18 +110,27 @@ def same_route_tokens(golden: Golden, experts: Mapping[int, torch.Tensor]) -> di
 
 def compare_tensors(golden: Golden, produced: Mapping[str, torch.Tensor], tokens: Tokens, *, gradients: bool = True,
                     same_routes: Mapping[int, torch.Tensor] | None = None,
+                    sketches: Mapping[str, CandidateSketch | SketchProblem] | None = None,
+                    absent: Mapping[str, str] | None = None,
                     skip: set[str] | frozenset[str] = frozenset()) -> list[TensorResult]:
-    """Every toleranced tensor of the golden (but those in `skip`) against `produced`, by row error.
+    """Every toleranced tensor of the golden (but those in `skip`) against `produced` (whole) or `sketches`
+    (the candidate's tensors the golden holds as sketches, reduced with their spec), by row error.
 
     `gradients=False`: a forward-only candidate, whose gradients are not compared (the report says so).
     `same_routes`: per MoE layer, the tokens whose route weights are comparable (see `same_route_tokens`).
+    `absent`: tensors the candidate says it does not produce, and why (not compared; the report says so).
     """
     results = []
+    sketches = sketches or {}
+    absent = absent or {}
     for name in golden.compared_names():
         parsed = names.parse(name)
-        if (isinstance(parsed, names.Grad) and not gradients) or name in skip:
+        if (isinstance(parsed, names.Grad) and not gradients) or name in absent or name in skip:
             continue
         tol = golden.manifest.tolerance[name]
+        if name in golden.sketches:
+            results.append(_compare_sketched(golden, name, sketches.get(name), tokens))
+            continue
         gold = golden.tensors[name]
         cand = produced.get(name)
         problem = _problem(name, cand, gold)
@@ -162,3 +188,99 @@ def _where(name: str, err: RowError, gold: torch.Tensor, tokens: Tokens) -> str:
     if gold.ndim == 1:
         return f"element {err.row}: golden {fmt.value(err.golden_value)} vs {fmt.value(err.candidate_value)}"
     return f"row {err.row} {values}"
+
+
+def _compare_sketched(golden: Golden, name: str, cand: CandidateSketch | SketchProblem | None,
+                      tokens: Tokens) -> TensorResult:
+    """A sketched golden tensor against the candidate's sketch of it."""
+    tol, gold = golden.manifest.tolerance[name], golden.sketches[name]
+    spec = gold.spec
+    kind = {"width": spec.width, "group": spec.group}
+    if cand is None or isinstance(cand, SketchProblem):
+        problem = "missing from the candidate" if cand is None else cand.problem
+        return TensorResult(name, float("inf"), tol.bound, tol.noise, problem=problem, **kind)
+    if cand.nonfinite_rows:
+        row = cand.first_nonfinite_row
+        where = _row_place(name, row, row, len(spec.shape), tokens)
+        return TensorResult(name, float("inf"), tol.bound, tol.noise, where=where, **kind,
+                            problem=f"{cand.nonfinite_rows} row(s) with non-finite values (NaN/Inf), first at {where}")
+    err = compare_sketch(gold, cand, bound=tol.bound, name=name)
+    where = _where_sketched(name, err, len(spec.shape), tokens)
+    return TensorResult(name, err.error, tol.bound, tol.noise, where=where, rows_over=err.rows_over, rows=err.groups,
+                        estimate=err.estimate, **kind)
+
+
+def _where_sketched(name: str, err: SketchError, ndim: int, tokens: Tokens) -> str:
+    """Where the worst group is: its rows (a token tensor's batch rows, positions and tokens)."""
+    place = _row_place(name, err.first_row, err.last_row, ndim, tokens)
+    return place if err.group >= 0 else f"{place}, outside the golden's non-zero rows"
+
+
+def _row_place(name: str, first: int, last: int, ndim: int, tokens: Tokens) -> str:
+    """Rows `first`..`last` of a tensor, named as a report names a row."""
+    if is_token_tensor(name):
+        (b0, s0), (b1, s1) = divmod(first, tokens.width), divmod(last, tokens.width)
+        ids = [int(tokens.ids[r]) for r in range(first, last + 1)
+               if r < tokens.ids.numel() and bool(tokens.mask[r])][:4]
+        shown = ", ".join(map(str, ids)) + (", ..." if last - first + 1 > len(ids) and ids else "")
+        token = f" (token{'s' if len(ids) > 1 else ''} {shown})" if ids else ""
+        if first == last:
+            return f"row {b0} pos {s0}{token}"
+        if b0 == b1:
+            return f"row {b0} pos {s0}-{s1}{token}"
+        return f"row {b0} pos {s0} to row {b1} pos {s1}{token}"
+    unit = "element" if ndim <= 1 else "row"
+    return f"{unit} {first}" if first == last else f"{unit}s {first}-{last}"
+
+
+SHOWN_NAMES = 3  # names a structure line lists before "and N more"
+
+
+def structure_changes(golden: Golden, produced: Mapping[str, torch.Tensor], route_layers: Iterable[int], *,
+                      parameters: bool = True) -> list[str]:
+    """How the candidate model's structure differs from the golden's, one line per kind ([] when it does not):
+    parameters missing, extra, or of another shape or dtype (from the gradients or updates each side has),
+    decoder layers, MoE blocks (`route_layers`: the MoE layers the candidate has, readable or not).
+
+    A report says these before any numbers: a model-structure change (a transformers version that keeps a
+    router weight in another dtype, a renamed parameter) is not a numerics failure.
+    """
+    lines = []
+    # What the golden's manifest says it leaves out on purpose (frozen parameters, unread routers) is the
+    # golden's structure too: a candidate that has it is not changed.
+    excused = {a.kind: set(a.names) for a in golden.manifest.absent}
+    if parameters:
+        gold, cand = _parameters(golden.tensors), _parameters(produced)
+        lines += _named("parameters missing from the candidate", sorted(set(gold) - set(cand)))
+        lines += _named("parameters the golden does not have",
+                        sorted(set(cand) - set(gold) - excused.get("frozen", set())))
+        dtypes = [f"{p} {_dt(cand[p])}, golden {_dt(gold[p])}" for p in sorted(set(gold) & set(cand))
+                  if cand[p].dtype != gold[p].dtype]
+        shapes = [f"{p} {tuple(cand[p].shape)}, golden {tuple(gold[p].shape)}" for p in sorted(set(gold) & set(cand))
+                  if tuple(cand[p].shape) != tuple(gold[p].shape)]
+        lines += _named("parameter dtype differs", dtypes) + _named("parameter shape differs", shapes)
+    gold_layers = {p.layer for n in golden.tensors if isinstance(p := names.try_parse(n), names.LayerOutput)}
+    cand_layers = {p.layer for n in produced if isinstance(p := names.try_parse(n), names.LayerOutput)}
+    if gold_layers != cand_layers:
+        lines.append(f"decoder layers: the candidate has {len(cand_layers)}, the golden {len(gold_layers)}")
+    # Layers whose router the golden excuses as unread are neither asked for nor unexpected.
+    unread = {int(m[1]) for block in excused.get("router_unread", ()) if (m := _LAYER.search(block))}
+    gold_moe, cand_moe = set(golden.route_layers()) - unread, set(route_layers) - unread
+    lines += _named("MoE blocks missing from the candidate in layers", sorted(map(str, gold_moe - cand_moe)))
+    lines += _named("MoE blocks the golden has no routes for in layers", sorted(map(str, cand_moe - gold_moe)))
+    return lines
+
+
+_LAYER = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")  # the layer index in a module path ("model.layers.3.mlp")
+
+
+def _parameters(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {parsed.param: t for name, t in tensors.items()
+            if isinstance(parsed := names.try_parse(name), (names.Grad, names.Update))}
+
+
+def _named(what: str, items: list[str]) -> list[str]:
+    if not items:
+        return []
+    more = f" (and {len(items) - SHOWN_NAMES} more)" if len(items) > SHOWN_NAMES else ""
+    return [f"{what}: {', '.join(items[:SHOWN_NAMES])}{more}"]

@@ -94,12 +94,16 @@ class RouteDiff:
     # the golden does not (gained) and the other way round (lost). Indexed 0..highest id either chose.
     gained: tuple[int, ...] = ()
     lost: tuple[int, ...] = ()
+    unreadable: str = ""  # why the candidate's routes in this layer could not be read ('' when they were)
 
     @property
     def passed(self) -> bool:
         return self.clear_flips == 0
 
     def message(self) -> str:
+        if self.unreadable:
+            return (f"routes not readable in layer {self.layer}: {self.unreadable}; expert ids and weights not "
+                    "compared, the tensors downstream are")
         if self.clear_flips:
             return (
                 f"routing differs: layer {self.layer} sends {self.clear_flips} of {self.tokens} tokens "

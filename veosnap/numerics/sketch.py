@@ -48,19 +48,28 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from veosnap.errors import VeosnapError
+from ..errors import VeosnapError
+from ..golden.limits import HARD_LIMIT, TARGET_BYTES
+from ..golden.sketches import (  # the stored form lives with the golden; re-exported here for tools
+    M32,
+    MAX_ROWS,
+    METHOD,
+    MODES,
+    SUFFIXES,
+    WIDTHS,
+    GoldenSketch,
+    SketchSpec,
+    row_layout,
+)
 
-METHOD = "rowsketch-v1"
-WIDTHS = tuple(1 << i for i in range(11))  # 1 .. 1024: powers of two, so a bucket is a mask
-MAX_ROWS = (1 << 31) - 1  # row and stripe indices are hashed as 32-bit words
+__all__ = ["GoldenSketch", "SketchSpec", "row_layout", "M32", "MAX_ROWS", "METHOD", "MODES", "SUFFIXES", "WIDTHS",
+           "HARD_LIMIT", "TARGET_BYTES"]
+
 SEED_SALT = 0x5EED5EED
 STRIPE_MULT = 0x9E3779B9
 WORD_MULT = 0x85EBCA6B
-M32 = 0xFFFFFFFF
 # Rows per chunk of the torch path are chosen so its temporaries stay near this many elements.
 CHUNK_ELEMENTS = 1 << 19
-
-SUFFIXES = ("#sketch", "#norms", "#support")  # stored tensor names: f"{name}{suffix}"
 
 
 def mix32(x):  # noqa: ANN001, ANN201 - a Python int, a torch int64 tensor, or a Triton uint32 tensor
@@ -85,14 +94,6 @@ def seed_for(name: str, seed: int = 0) -> int:
     return (zlib.crc32(name.encode()) ^ (seed * 0x9E3779B1)) & M32
 
 
-def row_layout(shape: Sequence[int]) -> tuple[int, int]:
-    """(rows, columns) of a tensor as the row-error metric cuts it."""
-    shape = tuple(int(s) for s in shape)
-    if len(shape) == 0:
-        return 1, 1
-    if len(shape) == 1:
-        return shape[0], 1
-    return math.prod(shape[:-1]), shape[-1]
 
 
 def as_rows(x: torch.Tensor) -> torch.Tensor:
@@ -114,89 +115,6 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 def storage_dtype(dtype: torch.dtype) -> torch.dtype:
     """How a sketch of a `dtype` tensor is stored: float64 for the float64 noise run, else float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-# --- the spec ----------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SketchSpec:
-    """How one tensor was sketched: enough for any tool to recompute the sketch."""
-
-    seed: int
-    width: int  # k: numbers per group
-    group: int  # m: consecutive rows (or support rows) summed per group
-    shape: tuple[int, ...]  # the original tensor's shape
-    support: int | None = None  # rows of the golden's support (its non-zero rows), or None: all rows
-    method: str = METHOD
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
-        problems = []
-        if self.method != METHOD:
-            problems.append(f"method {self.method!r} is not one this veosnap computes ({METHOD}); upgrade veosnap")
-        if not _is_int(self.seed) or not 0 <= self.seed <= M32:
-            problems.append(f"seed {self.seed!r} is not an integer in 0..2^32-1")
-        if not _is_int(self.width) or self.width not in WIDTHS:
-            problems.append(f"width {self.width!r} is not a power of two in 1..{WIDTHS[-1]}")
-        if not _is_int(self.group) or self.group < 1:
-            problems.append(f"group {self.group!r} is not a positive integer")
-        if any(s < 0 for s in self.shape):
-            problems.append(f"shape {list(self.shape)} has a negative size")
-        elif self.rows > MAX_ROWS:
-            problems.append(f"{self.rows} rows: over the {MAX_ROWS} rows a sketch can index")
-        if self.support is not None and (not _is_int(self.support) or not 0 <= self.support <= self.rows):
-            problems.append(f"support {self.support!r} is not a row count in 0..{self.rows}")
-        if problems:
-            raise VeosnapError(f"sketch spec: {'; '.join(problems)}")
-
-    @property
-    def rows(self) -> int:
-        return row_layout(self.shape)[0]
-
-    @property
-    def columns(self) -> int:
-        return row_layout(self.shape)[1]
-
-    @property
-    def sketched_rows(self) -> int:
-        """Rows that enter the sketch: the support's, or all."""
-        return self.rows if self.support is None else self.support
-
-    @property
-    def groups(self) -> int:
-        return -(-self.sketched_rows // self.group)
-
-    def to_dict(self) -> dict:
-        """JSON-ready; `rows` and `columns` are written for readers and checked on load."""
-        return {"method": self.method, "seed": self.seed, "width": self.width, "group": self.group,
-                "shape": list(self.shape), "rows": self.rows, "columns": self.columns, "support": self.support}
-
-    @classmethod
-    def from_dict(cls, data: object, source: object = "sketch spec") -> SketchSpec:
-        """Parse and validate; any problem is one `VeosnapError` line naming `source`."""
-        try:
-            if not isinstance(data, dict):
-                raise TypeError("not a JSON object")
-            unknown = set(data) - {"method", "seed", "width", "group", "shape", "rows", "columns", "support"}
-            if unknown:
-                raise ValueError(f"unknown field(s) {sorted(unknown)}")
-            shape = data["shape"]
-            if not isinstance(shape, list) or not all(_is_int(s) for s in shape):
-                raise TypeError(f"shape {shape!r} is not a list of integers")
-            spec = cls(seed=data["seed"], width=data["width"], group=data["group"], shape=tuple(shape),
-                       support=data.get("support"), method=data["method"])
-            if (data.get("rows"), data.get("columns")) != (spec.rows, spec.columns):
-                raise ValueError(f"rows/columns {data.get('rows')}x{data.get('columns')} do not match shape {shape}")
-        except VeosnapError as exc:
-            raise VeosnapError(f"{source}: {exc}") from None
-        except (KeyError, TypeError, ValueError) as exc:
-            raise VeosnapError(f"{source}: malformed sketch spec ({type(exc).__name__}: {exc})") from None
-        return spec
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 # --- per-row sketches (the device-side reduction) ---------------------------------------------------
@@ -332,74 +250,6 @@ def _groups(rs: RowSketch, spec: SketchSpec, row_mask: torch.Tensor | None, supp
 # --- what a golden stores ----------------------------------------------------------------------------
 
 
-@dataclass
-class GoldenSketch:
-    """A sketched golden tensor: its spec, group sketches, exact group norms, support, and tau."""
-
-    spec: SketchSpec
-    values: torch.Tensor  # (groups, width), float32 (float64 for a float64 tensor)
-    norms: torch.Tensor  # (groups,): the exact L2 norm of each golden group, same dtype
-    support: torch.Tensor | None  # (spec.support,) int64, sorted: the rows sketched (None: all)
-    tau: float  # RMS of the golden's exact row norms over the counted rows
-    rows_counted: int  # rows the metric counts (token tensors: real tokens)
-
-    def tensors(self, name: str) -> dict[str, torch.Tensor]:
-        """The tensors a golden file holds for the sketched tensor `name`."""
-        out = {f"{name}#sketch": self.values.cpu().contiguous(), f"{name}#norms": self.norms.cpu().contiguous()}
-        if self.support is not None:
-            out[f"{name}#support"] = self.support.cpu().contiguous()
-        return out
-
-    def meta(self) -> dict:
-        """JSON-ready manifest entry: the spec, tau and the counted rows."""
-        return {"spec": self.spec.to_dict(), "tau": self.tau, "rows_counted": self.rows_counted}
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors("_").values())
-
-    @classmethod
-    def from_parts(cls, name: str, meta: object, tensors: dict[str, torch.Tensor], source: object = "golden") -> GoldenSketch:
-        """Rebuild from a manifest entry and a golden's tensors, refusing anything inconsistent."""
-        where = f"{source}: sketched tensor {name!r}"
-        if not isinstance(meta, dict) or set(meta) != {"spec", "tau", "rows_counted"}:
-            raise VeosnapError(f"{where}: malformed sketch entry (expected spec, tau, rows_counted)")
-        spec = SketchSpec.from_dict(meta["spec"], where)
-        tau, counted = meta["tau"], meta["rows_counted"]
-        if not isinstance(tau, (int, float)) or isinstance(tau, bool) or not math.isfinite(tau) or tau < 0:
-            raise VeosnapError(f"{where}: tau {tau!r} is not a finite non-negative number")
-        if not _is_int(counted) or not 0 <= counted <= spec.sketched_rows:
-            raise VeosnapError(f"{where}: rows_counted {counted!r} is not in 0..{spec.sketched_rows}")
-        values, norms = tensors.get(f"{name}#sketch"), tensors.get(f"{name}#norms")
-        support = tensors.get(f"{name}#support")
-        if values is None or norms is None:
-            raise VeosnapError(f"{where}: its #sketch or #norms tensor is missing")
-        floats = (torch.float32, torch.float64)
-        if values.dtype not in floats or tuple(values.shape) != (spec.groups, spec.width):
-            raise VeosnapError(f"{where}: #sketch is {_describe(values)}, expected float32 [{spec.groups}, {spec.width}]")
-        if norms.dtype != values.dtype or tuple(norms.shape) != (spec.groups,):
-            raise VeosnapError(f"{where}: #norms is {_describe(norms)}, expected {_describe_dtype(values.dtype)} [{spec.groups}]")
-        if not torch.isfinite(values).all() or not torch.isfinite(norms).all() or (norms < 0).any():
-            raise VeosnapError(f"{where}: non-finite sketch values or negative norms (corrupt)")
-        if (support is None) != (spec.support is None):
-            raise VeosnapError(f"{where}: #support tensor {'missing' if support is None else 'present'} but the spec "
-                               f"says support={spec.support}")
-        if support is not None:
-            if support.dtype != torch.int64 or tuple(support.shape) != (spec.support,):
-                raise VeosnapError(f"{where}: #support is {_describe(support)}, expected int64 [{spec.support}]")
-            if support.numel() and (support[0] < 0 or support[-1] >= spec.rows or (support[1:] <= support[:-1]).any()):
-                raise VeosnapError(f"{where}: #support is not sorted distinct rows in 0..{spec.rows - 1}")
-        return cls(spec, values, norms, support, float(tau), int(counted))
-
-
-def _describe(t: torch.Tensor) -> str:
-    return f"{_describe_dtype(t.dtype)} {list(t.shape)}"
-
-
-def _describe_dtype(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def _check_shape(x: torch.Tensor, spec: SketchSpec, name: str) -> None:
     if tuple(x.shape) != spec.shape:
         raise VeosnapError(f"{name}: shape {list(x.shape)} but the sketch spec says {list(spec.shape)}")
@@ -420,8 +270,16 @@ def record_sketch(x: torch.Tensor, spec: SketchSpec, *, row_mask: torch.Tensor |
     many); if it has more, all rows are sketched with groups widened to fit the planned bytes.
     """
     _check_shape(x, spec, name)
-    _check_mask(row_mask, spec, name)
     rs = rowsketch(as_rows(x.detach()), spec.width, spec.seed, impl=impl)
+    return golden_from_rows(rs, spec, row_mask=row_mask, support_limit=support_limit, name=name, dtype=x.dtype)
+
+
+def golden_from_rows(rs: RowSketch, spec: SketchSpec, *, dtype: torch.dtype, row_mask: torch.Tensor | None = None,
+                     support_limit: int | None = None, name: str = "tensor") -> GoldenSketch:
+    """`record_sketch` from the tensor's per-row sketches (every row of `spec.shape`, in order), as
+    capture hooks and sharded layouts produce them; `dtype` is the tensor's own."""
+    _check_rows(rs, spec, name)
+    _check_mask(row_mask, spec, name)
     if not bool(torch.isfinite(rs.sumsq).all()) or not bool(torch.isfinite(rs.values).all()):
         raise VeosnapError(f"{name}: the golden has non-finite values (NaN/Inf); a golden must be finite")
     support = None
@@ -438,12 +296,71 @@ def record_sketch(x: torch.Tensor, spec: SketchSpec, *, row_mask: torch.Tensor |
             spec = replace(spec, support=int(nonzero.numel()))
         elif spec.rows > support_limit:  # denser than planned: wider groups keep the planned bytes
             spec = replace(spec, group=spec.group * -(-spec.rows // max(1, support_limit)))
-    values, sq, counts = _groups(rs, spec, row_mask, support, storage_dtype(x.dtype))
+    values, sq, counts = _groups(rs, spec, row_mask, support, storage_dtype(dtype))
     counted = int(counts.sum())
     total = float(pairwise_sum(sq.double(), 0)) if sq.numel() else 0.0
     tau = math.sqrt(total / counted) if counted else 0.0
     return GoldenSketch(spec=spec, values=values.cpu(), norms=sq.sqrt().to(values.dtype).cpu(),
-                        support=None if support is None else support.cpu(), tau=tau, rows_counted=counted)
+                        support=None if support is None else support.cpu(), tau=tau, rows_counted=counted,
+                        dtype=str(dtype).removeprefix("torch."))
+
+
+def _check_rows(rs: RowSketch, spec: SketchSpec, name: str) -> None:
+    if tuple(rs.values.shape) != (spec.rows, spec.width):
+        raise VeosnapError(f"{name}: {rs.values.shape[0]} row sketches of width {rs.values.shape[-1]} but the sketch "
+                           f"spec says {spec.rows} rows of width {spec.width}")
+
+
+def rowsketch_at(x2d: torch.Tensor, width: int, seed: int, positions: torch.Tensor | None = None,
+                 impl: str = "auto") -> RowSketch:
+    """Per-row sketches of `x2d` whose row i is row `positions[i]` of a larger tensor (a layout's shard
+    of a batch: a slice of positions, rows of a micro-batch, packed sequences). The hash uses the
+    global index, so these are exactly those rows' sketches in the whole tensor. `positions` (CPU
+    int64) is cut into runs of consecutive indices, one kernel call each; None: rows 0, 1, ...
+    """
+    if positions is None:
+        return rowsketch(x2d, width, seed, impl=impl)
+    positions = positions.reshape(-1).cpu()
+    if positions.numel() != x2d.shape[0]:
+        raise VeosnapError(f"rowsketch_at: {positions.numel()} positions for {x2d.shape[0]} rows")
+    if positions.numel() == 0:
+        return rowsketch(x2d, width, seed, impl=impl)
+    breaks = ((positions[1:] - positions[:-1]) != 1).nonzero().flatten().add(1).tolist()
+    starts, stops = [0, *breaks], [*breaks, positions.numel()]
+    if len(starts) == 1:
+        return rowsketch(x2d, width, seed, row_offset=int(positions[0]), impl=impl)
+    parts = [rowsketch(x2d[a:b], width, seed, row_offset=int(positions[a]), impl=impl) for a, b in zip(starts, stops)]
+    return RowSketch(torch.cat([p.values for p in parts]), torch.cat([p.sumsq for p in parts]))
+
+
+def scatter_rows(parts: Sequence[tuple[RowSketch, torch.Tensor]], rows: int) -> RowSketch:
+    """Per-row sketches of a whole tensor of `rows` rows from parts that cover some of its rows (each
+    with the global row index of each of its rows); rows no part covers are zero (padding)."""
+    first = parts[0][0]
+    values = torch.zeros((rows, first.values.shape[1]), dtype=first.values.dtype, device=first.values.device)
+    sumsq = torch.zeros((rows,), dtype=first.sumsq.dtype, device=first.sumsq.device)
+    for part, positions in parts:
+        index = positions.reshape(-1).to(values.device)
+        values[index] = part.values.to(values.device)
+        sumsq[index] = part.sumsq.to(values.device)
+    return RowSketch(values, sumsq)
+
+
+def zero_rows(spec: SketchSpec, dtype: torch.dtype, device: torch.device | str = "cpu") -> RowSketch:
+    """The per-row sketches of an all-zero tensor of `spec.shape` (a parameter without a gradient)."""
+    acc = accumulation_dtype(dtype)
+    return RowSketch(torch.zeros((spec.rows, spec.width), dtype=acc, device=device),
+                     torch.zeros((spec.rows,), dtype=acc, device=device))
+
+
+def group_counts(spec: SketchSpec, row_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows counted per group (what `CandidateSketch.counts` holds for a candidate reduced with `spec`)."""
+    if spec.support is not None or row_mask is None:
+        counts = torch.ones(spec.sketched_rows, dtype=torch.int64)
+    else:
+        counts = row_mask.reshape(-1).to(torch.int64).cpu()
+    pad = spec.groups * spec.group - counts.numel()
+    return F.pad(counts, (0, pad)).view(spec.groups, spec.group).sum(1)
 
 
 # --- a candidate, and the comparison -----------------------------------------------------------------
@@ -463,20 +380,37 @@ class CandidateSketch:
 def sketch_candidate(x: torch.Tensor, golden: GoldenSketch, *, row_mask: torch.Tensor | None = None,
                      name: str = "tensor", impl: str = "auto") -> CandidateSketch:
     """Reduce a candidate tensor (or the float64 noise run) with its golden's spec, on its device."""
+    _check_shape(x, golden.spec, name)
+    rs = rowsketch(as_rows(x.detach()), golden.spec.width, golden.spec.seed, impl=impl)
+    return candidate_from_rows(rs, golden, row_mask=row_mask, name=name, dtype=x.dtype)
+
+
+def candidate_from_rows(rs: RowSketch, golden: GoldenSketch, *, dtype: torch.dtype,
+                        row_mask: torch.Tensor | None = None, name: str = "tensor") -> CandidateSketch:
+    """`sketch_candidate` from the tensor's per-row sketches (every row, in order); `dtype` is the
+    tensor's own. Stays on the sketches' device."""
     spec = golden.spec
-    _check_shape(x, spec, name)
+    _check_rows(rs, spec, name)
     _check_mask(row_mask, spec, name)
-    rs = rowsketch(as_rows(x.detach()), spec.width, spec.seed, impl=impl)
+    # Non-finite values anywhere fail, padding included, as they do for a whole tensor.
     bad = ~(torch.isfinite(rs.sumsq) & torch.isfinite(rs.values).all(dim=1))
     nonfinite = int(bad.sum())
     first = int(bad.nonzero()[0, 0]) if nonfinite else -1
     support = None if golden.support is None else golden.support.to(rs.values.device)
-    values, _, counts = _groups(rs, spec, row_mask, support, storage_dtype(x.dtype))
+    values, _, counts = _groups(rs, spec, row_mask, support, storage_dtype(dtype))
     off = None
     if support is not None:
         off = rs.sumsq.index_fill(0, support, 0).clamp(min=0).sqrt()
     return CandidateSketch(values=values, counts=counts, off_support=off, nonfinite_rows=nonfinite,
                            first_nonfinite_row=first)
+
+
+@dataclass(frozen=True)
+class SketchProblem:
+    """Why a candidate's tensor could not be reduced with its golden's spec (another shape or dtype):
+    the check reports it as the tensor's problem, as it does for a whole tensor."""
+
+    problem: str
 
 
 @dataclass(frozen=True)
@@ -491,7 +425,7 @@ class SketchError:
     rows_over: int  # groups, and off-support rows, whose error exceeds the bound
     groups: int  # groups compared (with a counted row), plus off-support rows
     rows: int  # rows compared
-    estimate: bool  # True: the worst figure is an estimate from a sketch
+    estimate: bool  # True: the worst figure is an estimate from a sketch (False: exact, e.g. rows no wider than it)
     width: int
     group_size: int
     nonfinite_rows: int = 0
@@ -530,8 +464,10 @@ def compare_sketch(golden: GoldenSketch, candidate: torch.Tensor | CandidateSket
     error = float(errors[worst]) if errors.numel() else 0.0
     over = int((errors > bound).sum())
     first, last = _group_rows(golden, worst)
+    # One row per group no wider than the sketch: a signed permutation of the row, so the error is exact.
+    estimate = not (spec.group == 1 and spec.columns <= spec.width)
     result = SketchError(error, worst, first, last, int(counts[worst]) if errors.numel() else 0, over, compared,
-                         counted, True, **common)
+                         counted, estimate, **common)
     if candidate.off_support is None:
         return result
     off = candidate.off_support.double() / scale
@@ -556,6 +492,18 @@ def _group_rows(golden: GoldenSketch, group: int) -> tuple[int, int]:
     return start, stop - 1
 
 
+def compare_golden_sketches(old: GoldenSketch, new: GoldenSketch, *, row_mask: torch.Tensor | None = None,
+                            name: str = "tensor") -> SketchError | None:
+    """How far `new` moved from `old`, both golden sketches of one tensor with the same spec and support:
+    the estimated row error in `old`'s units (what a check of `new` against `old` would say). None when
+    their specs or supports differ (re-sketched: not comparable)."""
+    if new.spec != old.spec or (old.support is not None and not torch.equal(old.support, new.support)):
+        return None
+    counts = group_counts(old.spec, row_mask)
+    candidate = CandidateSketch(values=new.values, counts=counts, off_support=None)
+    return compare_sketch(old, candidate, name=name)
+
+
 def sketch_noise(golden: GoldenSketch, high_precision: torch.Tensor, *, row_mask: torch.Tensor | None = None,
                  name: str = "tensor") -> SketchError:
     """The reference's own noise in the currency of the check: its sketch against the float64 run's,
@@ -565,8 +513,6 @@ def sketch_noise(golden: GoldenSketch, high_precision: torch.Tensor, *, row_mask
 
 # --- the planner -------------------------------------------------------------------------------------
 
-TARGET_BYTES = 16 << 20
-HARD_LIMIT = 64 << 20
 # (width, group) from the finest to the coarsest; each step about halves a tensor's bytes. Width 64
 # estimates a row's error within about 9% (1/sqrt(2k)); groups grow to 64 rows at width 32 before the
 # width drops to 16, and never below (docs/sketch.md has the measurements behind these).
@@ -574,7 +520,6 @@ LADDER: tuple[tuple[int, int], ...] = (
     (64, 1), (32, 1), (32, 2), (32, 4), (32, 8), (32, 16), (32, 32), (32, 64),
     (16, 64), (16, 128), (16, 256), (16, 512), (16, 1024),
 )
-MODES = ("auto", "always", "never")
 # A tensor's bound is alpha x a maximum over its groups; over a handful of groups that maximum is a
 # poor estimate of the noise (tolerance.MIN_SAMPLED_ROWS says the same of rows), so groups are
 # narrowed until a tensor has at least this many (a tensor with fewer rows keeps one row per group).

@@ -8,6 +8,9 @@ accurate than the reference), stored in the golden so every check uses the same 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
+
 import torch
 
 from ..golden import names
@@ -41,9 +44,18 @@ def noise(name: str, reference: torch.Tensor, high_precision: torch.Tensor, toke
 MIN_SAMPLED_ROWS = 32
 
 
-def pooled_noises(measured: dict[str, RowError]) -> dict[str, float]:
+@dataclass(frozen=True)
+class Sample:
+    """A measured noise and how many independent values its maximum is over: rows for a whole tensor,
+    groups for a sketched one (a sketched tensor's noise is a maximum over its groups)."""
+
+    error: float
+    rows: int
+
+
+def pooled_noises(measured: Mapping[str, RowError | Sample]) -> dict[str, float]:
     """Each tensor's noise, with few-row per-parameter tensors (gradients, updates) raised to the median
-    of the well-sampled ones of their kind."""
+    of the well-sampled ones of their kind (rows, or groups for a sketched tensor)."""
     kinds = {name: type(parsed) for name in measured if (parsed := names.parse(name)).per_parameter}
     medians = {}
     for kind in set(kinds.values()):

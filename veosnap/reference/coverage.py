@@ -12,10 +12,11 @@ unless its manifest says why a tensor is absent (`Absence`: frozen parameters, a
 routers veosnap cannot read). An excuse for something the model does not have, and a tensor the model
 does not produce, are refused too.
 
-Routers: veosnap reads a router found beside an `experts` module that returns `(logits, weights,
-indices)` (`probes`). Any other router, and an MoE block where it finds none, must be excused by the
-manifest (`probes.found_unread` finds them from the modules alone); the recorder also excuses a router
-found by shape that returned another form, which only running it can tell.
+Routers: veosnap reads a router found beside an `experts` module whose output holds `[tokens, experts]`
+logits, the choice read at the experts' inputs (`probes`). Any other router, and an MoE block where it
+finds none, must be excused by the manifest (`probes.found_unread` finds them from the modules alone);
+the recorder also excuses a router found by shape that returned another form, which only running it
+can tell.
 """
 
 from __future__ import annotations
@@ -53,7 +54,9 @@ def produces(model: nn.Module) -> Produces:
     return Produces(trainable=tuple(n for n, p in params if p.requires_grad),
                     frozen=tuple(n for n, p in params if not p.requires_grad),
                     layers=len(decoder_layers(model)),
-                    routers={moe.router_name: moe.layer for moe in find_moe_layers(model)},
+                    # A block without a router (its routes read only at its experts' inputs) has no margins to
+                    # record: `found_unread` names it.
+                    routers={moe.router_name: moe.layer for moe in find_moe_layers(model) if moe.router is not None},
                     unread=tuple(found_unread(model)))
 
 
@@ -88,7 +91,7 @@ def _numbers(what: str, values: list[int]) -> str:
 
 def gaps(golden: Golden, made: Produces) -> list[str]:
     """Each way `golden` falls short of what the model produces (empty: it covers the model)."""
-    manifest, have = golden.manifest, set(golden.tensors)
+    manifest, have = golden.manifest, set(golden.tensors) | set(golden.sketches)  # whole or sketched
     step = golden.key.scenario != "train"
     found: list[str] = []
     excused, unread, forward_only = set(), set(), False

@@ -6,14 +6,23 @@ transformers names with `get_decoder()` (a vision-language model's `model.langua
 causal LM's `model.layers`). An encoder is a submodule under one of transformers' encoder attribute names
 (`golden.names.ENCODER_ATTRIBUTES`: `visual`, `audio_tower`, ...) holding a list of blocks; its projection
 into the language model is its `merger` (vision) or last `proj*` Linear (audio), its DeepStack mergers any
-other module list named `*merger*`. Transformers 5 gives every MoE block a router returning `(logits,
-weights, indices)` and an experts module taking `(hidden_states, top_k_index, top_k_weights)`, so routes
-are recorded at the router's output, and replayed (forced onto given experts) there too. Expert ids are
-sorted per token before storing or comparing.
+other module list named `*merger*`.
 
-A router of another shape (JetMoE's returns sorted token indices, gates and expert sizes) is not
-read: `unread_routers` names it and what it returns, so the golden can say why it holds no routes for it
-(an `Absence` of kind `router_unread`; `found_unread` finds the same routers without running the model).
+Every MoE block of transformers 5 (and of frameworks built on it, VeOmni's among them) calls an experts
+module (3-D expert weights) with `(hidden_states, top_k_index, top_k_weights)`, whatever its router
+returns (transformers' routers return `(logits, weights, indices)`; DeepSeek-V3's in transformers
+5.9-5.12 and VeOmni's return the logits alone and leave the choice to the block). So routes are read
+from the experts' inputs (a forward pre-hook) and replayed (forced onto given experts) there too; the
+router's logits, read at its output where it has a `[tokens, experts]` one, give the margins and the
+replayed weights (a router with a score function of its own, DeepSeek-V4's, is ranked by it; one that
+picks experts from a table by token id, DeepSeek-V4's hash layers, has no margin to lose). Expert ids
+are sorted per token before storing or comparing. A block whose routes cannot be read is said to be,
+with the reason, never taken for one that routed every token elsewhere.
+
+A router whose output holds no `[tokens, experts]` logits (JetMoE's returns sorted token indices, gates
+and expert sizes) cannot be recorded (a golden needs margins): `unread_routers` names it and what it
+returns, so the golden can say why it holds no routes for it (an `Absence` of kind `router_unread`;
+`found_unread` finds the routers that are not beside an experts module without running the model).
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ from __future__ import annotations
 import re
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -164,17 +173,32 @@ def record_encoder_outputs(model: nn.Module) -> Iterator[dict[str, list[torch.Te
             handle.remove()
 
 
+def host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy on the host, made now: a kernel may reuse the buffer in place later (on the CPU `.cpu()`
+    would be no copy)."""
+    return tensor.detach().to("cpu", copy=True)
+
+
+# What a hook keeps of a tensor it sees, given the tensor's golden name: a host copy by default; capture
+# passes its reducer's (a sketch made on the tensor's device for a sketched tensor).
+Keep = Callable[[str, torch.Tensor], object]
+
+
+def _host_copy(_name: str, tensor: torch.Tensor) -> torch.Tensor:
+    return host_copy(tensor)
+
+
 @contextmanager
-def record_layer_outputs(model: nn.Module) -> Iterator[dict[int, torch.Tensor]]:
-    """Within the block, each decoder layer's output hidden states are recorded by index."""
-    outputs: dict[int, torch.Tensor] = {}
+def record_layer_outputs(model: nn.Module, keep: Keep = _host_copy) -> Iterator[dict[int, object]]:
+    """Within the block, each decoder layer's output hidden states are recorded by index (what `keep`
+    keeps of them, at once, before a later kernel can reuse the buffer)."""
+    outputs: dict[int, object] = {}
     handles = []
     for index, layer in enumerate(decoder_layers(model)):
 
         def hook(_module: nn.Module, _inputs: tuple, output: object, index: int = index) -> None:
             hidden = output[0] if isinstance(output, (tuple, list)) else output
-            # A copy now: a kernel may reuse this buffer in place later (on the CPU .cpu() is no copy).
-            outputs[index] = hidden.detach().to("cpu", copy=True)
+            outputs[index] = keep(f"layers.{index}.output", hidden)
 
         handles.append(layer.register_forward_hook(hook))
     try:
@@ -185,20 +209,20 @@ def record_layer_outputs(model: nn.Module) -> Iterator[dict[int, torch.Tensor]]:
 
 
 @contextmanager
-def record_logits(model: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
-    """The logits as the LM head produced them, copied at once.
+def record_logits(model: nn.Module, keep: Keep = _host_copy) -> Iterator[dict[str, object]]:
+    """The logits as the LM head produced them, kept (`keep`) at once.
 
     Fused cross-entropy kernels (liger's) write the gradient into the logits' own buffer inside the
     model's forward, so by the time the forward returns `output.logits` holds something else.
     """
-    produced: dict[str, torch.Tensor] = {}
+    produced: dict[str, object] = {}
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is None:
         yield produced
         return
 
     def hook(_module: nn.Module, _inputs: tuple, output: torch.Tensor) -> None:
-        produced["logits"] = full(output.detach()).to("cpu", copy=True)
+        produced["logits"] = keep("logits", full(output.detach()))
 
     handle = head.register_forward_hook(hook)
     try:
@@ -207,63 +231,81 @@ def record_logits(model: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
         handle.remove()
 
 
-# --- MoE routers ------------------------------------------------------------------------------------
+# --- MoE blocks: routes from the experts' inputs -------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class MoeLayer:
-    """One MoE block of a model: its decoder layer index and its router."""
+    """One MoE block of a model: its decoder layer index, its experts module, and its router (if found)."""
 
     layer: int
-    router_name: str
-    router: nn.Module
+    router_name: str  # '' when no router was found
+    router: nn.Module | None  # the child whose [experts, hidden] weight scores the experts
     num_experts: int
-    top_k: int
+    top_k: int | None  # from the router or its block; None when neither says (read from the routes)
+    block: nn.Module
+    experts: nn.Module
+
+    def attr(self, name: str, default: object = None) -> object:
+        """A routing setting (`norm_topk_prob`, `routed_scaling_factor`, ...) from the router, else its block."""
+        for owner in (self.router, self.block):
+            if owner is not None and hasattr(owner, name):
+                return getattr(owner, name)
+        return default
+
+
+def _expert_counts(experts: nn.Module) -> set[int]:
+    """How many experts an experts module holds: its 3-D weights' first dimension (global, under DTensor)
+    and its `num_experts` (local under transformers' expert parallel); empty when it is no experts module."""
+    counts = {int(p.shape[0]) for p in experts.parameters(recurse=False) if p.ndim == 3}
+    if counts and isinstance(getattr(experts, "num_experts", None), int):
+        counts.add(experts.num_experts)
+    return counts
 
 
 def find_moe_layers(model: nn.Module) -> list[MoeLayer]:
-    """Every MoE block in `model`, found by shape (a router with `top_k` beside an `experts` module)."""
+    """Every MoE block in `model`, found by shape: an `experts` child with 3-D expert weights; its router
+    is the other child whose 2-D `weight` has a row per expert."""
     found = []
     for name, module in model.named_modules():
         experts = getattr(module, "experts", None)
         if not isinstance(experts, nn.Module):
             continue
+        counts = _expert_counts(experts)
+        if not counts:
+            continue
+        router_name, router = "", None
         for child_name, child in module.named_children():
-            if child is experts or not hasattr(child, "top_k") or not hasattr(child, "weight"):
-                continue
-            layer = layer_of(name)
-            found.append(
-                MoeLayer(
-                    layer=len(found) if layer is None else layer,
-                    router_name=f"{name}.{child_name}" if name else child_name,
-                    router=child,
-                    num_experts=int(child.weight.shape[0]),
-                    top_k=int(child.top_k),
-                )
-            )
+            weight = getattr(child, "weight", None)
+            if child is not experts and isinstance(weight, torch.Tensor) and weight.ndim == 2 \
+                    and int(weight.shape[0]) in counts:
+                router_name, router = (f"{name}.{child_name}" if name else child_name), child
+                break
+        top_k = getattr(router, "top_k", None) if router is not None else None
+        top_k = getattr(module, "top_k", None) if top_k is None else top_k
+        layer = layer_of(name)
+        found.append(MoeLayer(
+            layer=len(found) if layer is None else layer,
+            router_name=router_name,
+            router=router,
+            num_experts=int(router.weight.shape[0]) if router is not None else max(counts),
+            top_k=None if top_k is None else int(top_k),
+            block=module,
+            experts=experts,
+        ))
     return sorted(found, key=lambda m: m.layer)
 
 
 ROUTER_NAMES = ("router", "gate", "gating")
 _ROUTER_CLASS_RE = re.compile(r"Router|Gating|TopKGate")
-READ_FORM = "(logits, weights, indices)"
+READ_FORM = "their logits over the experts (alone or first) to blocks that call their experts with " \
+            "(hidden_states, top_k_index, top_k_weights)"
 
 
 def looks_like_router(name: str, module: nn.Module) -> bool:
     """A module that picks `top_k` experts: named like a router, or of a router-like class."""
     return isinstance(getattr(module, "top_k", None), int) and (
         name.rsplit(".", 1)[-1] in ROUTER_NAMES or bool(_ROUTER_CLASS_RE.search(type(module).__name__)))
-
-
-def reads(output: object, moe: MoeLayer) -> bool:
-    """Whether a router's output is `(logits, weights, indices)`: scores over the experts, then the
-    chosen experts' weights and (integer) ids, `top_k` per token."""
-    if not isinstance(output, (tuple, list)) or len(output) < 3:
-        return False
-    logits, weights, indices = output[0], output[1], output[2]
-    return (all(isinstance(t, torch.Tensor) for t in (logits, weights, indices))
-            and logits.shape[-1] == moe.num_experts and weights.shape == indices.shape
-            and indices.shape[-1] == moe.top_k and not indices.is_floating_point() and weights.is_floating_point())
 
 
 def describe(output: object) -> str:
@@ -280,7 +322,7 @@ def found_unread(model: nn.Module) -> dict[str, str]:
     """The routers veosnap will not read, found from the modules alone (the meta device will do), by
     module path: why. Modules that look like routers (`looks_like_router`) but do not sit where
     `find_moe_layers` looks, and MoE blocks (a module with `experts`) in which veosnap finds no router."""
-    read = {moe.router_name for moe in find_moe_layers(model)}
+    read = {moe.router_name for moe in find_moe_layers(model) if moe.router is not None}
     modules = dict(model.named_modules())
     unread = {name: "not beside an experts module, where veosnap reads routers" for name, module in modules.items()
               if name not in read and looks_like_router(name, module)}
@@ -297,9 +339,9 @@ def unread_routers(model: nn.Module) -> Iterator[dict[str, str]]:
     """Within the block, the routers whose routes are not read, by module path: what each returns.
 
     Those are the ones `found_unread` finds (one that does not run keeps its reason from there), and
-    routers found by shape whose output is not `(logits, weights, indices)`.
+    routers found by shape whose output holds no `[tokens, experts]` logits (no margins to record).
     """
-    read = {moe.router_name: moe for moe in find_moe_layers(model)}
+    read = {moe.router_name: moe for moe in find_moe_layers(model) if moe.router is not None}
     unread = found_unread(model)
     said: set[str] = set()
     handles = []
@@ -308,7 +350,7 @@ def unread_routers(model: nn.Module) -> Iterator[dict[str, str]]:
             continue
 
         def hook(module: nn.Module, _inputs: tuple, output: object, name: str = name) -> None:
-            if name not in said and (name not in read or not reads(output, read[name])):
+            if name not in said and (name not in read or router_logits(output, read[name].num_experts) is None):
                 said.add(name)
                 unread[name] = f"{type(module).__name__} returns {describe(output)}"
 
@@ -334,7 +376,7 @@ class Selection:
         return margins(self.scores, chosen, self.slope, self.group_limit)
 
 
-def selection(router: nn.Module, logits: torch.Tensor) -> Selection:
+def selection(router: nn.Module | MoeLayer, logits: torch.Tensor) -> Selection:
     """How `router` ranks experts, read from its attributes (the logits it returned, flattened).
 
     Softmax and plain top-k routers rank by logits (softmax is monotone; slope 1; a router bias is
@@ -344,9 +386,10 @@ def selection(router: nn.Module, logits: torch.Tensor) -> Selection:
     groups when `n_group`/`topk_group` limit them.
     """
     logits = logits.detach().float()
-    bias = getattr(router, "e_score_correction_bias", None)
+    get = router.attr if isinstance(router, MoeLayer) else lambda name, default=None: getattr(router, name, default)
+    bias = get("e_score_correction_bias")
     offset = bias.detach().float().to(logits.device) if isinstance(bias, torch.Tensor) else 0.0
-    score_fn = getattr(router, "score_fn", None)
+    score_fn = get("score_fn")
     if callable(score_fn):
         with torch.enable_grad():
             x = logits.clone().requires_grad_(True)
@@ -359,10 +402,11 @@ def selection(router: nn.Module, logits: torch.Tensor) -> Selection:
     return Selection(sig + offset, sig * (1 - sig), group_limit(router))
 
 
-def group_limit(router: nn.Module) -> GroupLimit | None:
+def group_limit(router: nn.Module | MoeLayer) -> GroupLimit | None:
     """The router's group limit (`num_group` or `n_group` groups, `topk_group` kept), None without one."""
-    groups = int(getattr(router, "num_group", getattr(router, "n_group", 1)) or 1)
-    keep = int(getattr(router, "topk_group", groups) or groups)
+    get = router.attr if isinstance(router, MoeLayer) else lambda name, default=None: getattr(router, name, default)
+    groups = int(get("num_group", get("n_group", 1)) or 1)
+    keep = int(get("topk_group", groups) or groups)
     return GroupLimit(groups, keep) if 1 < groups and keep < groups else None
 
 
@@ -383,7 +427,17 @@ class RouteRecord:
     layer: int
     experts: torch.Tensor  # [tokens, k] int64, sorted ascending per token
     weights: torch.Tensor  # [tokens, k] routing weights in the order of `experts`
-    margin: torch.Tensor  # [tokens] float32, logit units: lowest chosen vs best unchosen expert (see `margins`)
+    margin: torch.Tensor  # [tokens] float32, logit units: lowest chosen vs best unchosen expert (see `margins`);
+    # NaN where the router's logits could not be read
+
+
+class Routes(dict):
+    """The routes recorded by layer (`RouteRecord`s), and the MoE layers that could not be read, with why."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unreadable: dict[int, str] = {}  # layer -> why its routes could not be read
+        self.no_margin: dict[int, str] = {}  # layer -> why its margins are unknown (routes read)
 
 
 def sort_route(indices: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -392,89 +446,166 @@ def sort_route(indices: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tens
     return experts, weights.gather(-1, order)
 
 
-@contextmanager
-def record_routes(model: nn.Module) -> Iterator[dict[int, RouteRecord]]:
-    """Within the block, every router call of `model` is recorded by layer index."""
-    records: dict[int, RouteRecord] = {}
-    handles = []
-    for moe in find_moe_layers(model):
+def router_logits(output: object, num_experts: int) -> torch.Tensor | None:
+    """The `[tokens, experts]` logits in a router's output (a tensor, or a tuple's first item), else None."""
+    first = output[0] if isinstance(output, (tuple, list)) and output else output
+    if isinstance(first, torch.Tensor) and first.ndim >= 2 and first.shape[-1] == num_experts:
+        return first
+    return None
 
-        def hook(module: nn.Module, _inputs: tuple, output: tuple, layer: int = moe.layer, moe: MoeLayer = moe) -> None:
-            if not reads(output, moe):
-                return  # not a router veosnap reads (`unread_routers` says so)
-            logits, weights, indices = output[0], output[1], output[2]
+
+_INDEX_NAMES = ("top_k_index", "router_indices", "selected_experts", "topk_indices")
+_WEIGHT_NAMES = ("top_k_weights", "routing_weights", "router_scores", "topk_weights")
+
+
+def experts_inputs(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor] | str:
+    """(top_k_index, top_k_weights) from an experts call `(hidden_states, top_k_index, top_k_weights)`,
+    positional or by name; else why they cannot be read."""
+    index = args[1] if len(args) > 1 else next((kwargs[n] for n in _INDEX_NAMES if n in kwargs), None)
+    weights = args[2] if len(args) > 2 else next((kwargs[n] for n in _WEIGHT_NAMES if n in kwargs), None)
+    if not isinstance(index, torch.Tensor) or not isinstance(weights, torch.Tensor):
+        return "its experts were not called with (hidden_states, top_k_index, top_k_weights)"
+    if index.is_floating_point() or index.shape != weights.shape or index.ndim != 2:
+        return (f"its experts were called with expert ids {tuple(index.shape)} {index.dtype} and weights "
+                f"{tuple(weights.shape)}, not [tokens, k] ids and weights")
+    return index, weights
+
+
+@contextmanager
+def record_routes(model: nn.Module) -> Iterator[Routes]:
+    """Within the block, every MoE block's routes (the experts' inputs) are recorded by layer index;
+    after it, `unreadable` says which blocks' routes could not be read and why."""
+    records = Routes()
+    handles = []
+    seen: set[int] = set()
+    layers = find_moe_layers(model)
+    for moe in layers:
+        logits: list[torch.Tensor | None] = [None]
+
+        def keep_logits(_module: nn.Module, _inputs: tuple, output: object, moe: MoeLayer = moe,
+                        logits: list = logits) -> None:
+            logits[0] = router_logits(output, moe.num_experts)
+
+        def read(_module: nn.Module, args: tuple, kwargs: dict, moe: MoeLayer = moe, logits: list = logits) -> None:
+            seen.add(moe.layer)
+            found = experts_inputs(args, kwargs)
+            if isinstance(found, str):
+                records.unreadable[moe.layer] = found
+                return
+            indices, weights = found
             experts, sorted_weights = sort_route(indices.detach(), weights.detach())
-            flat = indices.reshape(-1, indices.shape[-1])
-            if is_table_router(module):
-                margin = torch.full((flat.shape[0],), NO_TIE_MARGIN)
+            chosen = indices.reshape(-1, indices.shape[-1])
+            scored, logits[0] = logits[0], None
+            if moe.router is not None and is_table_router(moe.router):
+                margin = torch.full((chosen.shape[0],), NO_TIE_MARGIN)
+            elif scored is not None and scored.reshape(-1, scored.shape[-1]).shape[0] == chosen.shape[0]:
+                margin = selection(moe, scored.reshape(-1, scored.shape[-1])).margins(chosen).cpu()
             else:
-                margin = selection(module, logits.reshape(-1, logits.shape[-1])).margins(flat).cpu()
-            records[layer] = RouteRecord(
-                layer=layer,
+                why = "no router found" if moe.router is None else \
+                    f"{moe.router_name} returned no [tokens, {moe.num_experts}] logits"
+                records.no_margin[moe.layer] = f"margins unknown: {why}"
+                margin = torch.full((chosen.shape[0],), float("nan"))
+            records[moe.layer] = RouteRecord(
+                layer=moe.layer,
                 experts=experts.reshape(-1, experts.shape[-1]).cpu(),
                 weights=sorted_weights.reshape(-1, experts.shape[-1]).cpu(),
                 margin=margin,
             )
 
-        handles.append(moe.router.register_forward_hook(hook))
+        if moe.router is not None:
+            handles.append(moe.router.register_forward_hook(keep_logits))
+        handles.append(moe.experts.register_forward_pre_hook(read, with_kwargs=True))
     try:
         yield records
     finally:
         for handle in handles:
             handle.remove()
+        for moe in layers:
+            if moe.layer not in seen:
+                records.unreadable[moe.layer] = ("its experts module was not called with the routes (a fused MoE "
+                                                 "path that bypasses it?)")
 
 
-def reweigh(router: nn.Module, logits: torch.Tensor, indices: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """The routing weights `router` would give experts `indices`, from its own logits.
+def reweigh(router: nn.Module | MoeLayer, logits: torch.Tensor, indices: torch.Tensor,
+            like: torch.Tensor) -> torch.Tensor:
+    """The routing weights a router would give experts `indices`, from its own logits.
 
     Four router families cover the zoo: a score function of its own (DeepSeek-V4's sqrt-softplus, hash
     routers included: gather, normalize, scale), sigmoid with score-correction bias (DeepSeek-V3: the
     same with sigmoid), softmax over the chosen logits (GPT-OSS, whose router has a bias), and softmax
-    over all experts then gather (Qwen-MoE, Mixtral; renormalized when `norm_topk_prob`).
+    over all experts then gather (Qwen-MoE, Mixtral; renormalized when `norm_topk_prob`). Settings are
+    read from the router, else its block (VeOmni keeps `norm_topk_prob` and the scaling on the block).
     """
+    attr = router.attr if isinstance(router, MoeLayer) else (lambda name, default=None: getattr(router, name, default))
+    router_module = router.router if isinstance(router, MoeLayer) else router
     logits = logits.reshape(-1, logits.shape[-1])
     idx = indices.long()
-    score_fn = getattr(router, "score_fn", None)
+    score_fn = attr("score_fn")
     if callable(score_fn):
         w = score_fn(logits).gather(1, idx)
         w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
-        w = w * getattr(router, "routed_scaling_factor", 1.0)
-    elif isinstance(getattr(router, "e_score_correction_bias", None), torch.Tensor):
+        w = w * attr("routed_scaling_factor", 1.0)
+    elif isinstance(attr("e_score_correction_bias"), torch.Tensor):
         w = logits.float().sigmoid().gather(1, idx)
-        if getattr(router, "norm_topk_prob", True):
+        if attr("norm_topk_prob", True):
             w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
-        w = w * getattr(router, "routed_scaling_factor", 1.0)
-    elif isinstance(getattr(router, "bias", None), torch.Tensor):
+        w = w * attr("routed_scaling_factor", 1.0)
+    elif isinstance(getattr(router_module, "bias", None), torch.Tensor):
         w = torch.softmax(logits.gather(1, idx), dim=1, dtype=logits.dtype)
     else:
         w = torch.softmax(logits.float(), dim=-1).gather(1, idx)
-        if getattr(router, "norm_topk_prob", True):
+        if attr("norm_topk_prob", True):
             w = w / w.sum(dim=-1, keepdim=True)
     return w.to(like.dtype)
 
 
 @contextmanager
-def replay_routes(model: nn.Module, experts_by_layer: dict[int, torch.Tensor]) -> Iterator[None]:
-    """Within the block, each router's choice is replaced by the given expert ids (route replay).
+def replay_routes(model: nn.Module, experts_by_layer: dict[int, torch.Tensor]) -> Iterator[dict[int, str]]:
+    """Within the block, each MoE block's experts get the given expert ids (route replay); the block
+    yields the layers that could not be replayed, and why (no router logits to weigh the forced experts).
 
-    The weights are still the candidate's own, recomputed for the forced experts, so gradients flow
-    through the candidate's router as they would had it chosen the same experts.
+    The weights are still the candidate's own, recomputed for the forced experts from its router's
+    logits, so gradients flow through the candidate's router as they would had it chosen the same experts.
     """
     handles = []
+    skipped: dict[int, str] = {}
     for moe in find_moe_layers(model):
         forced = experts_by_layer.get(moe.layer)
         if forced is None:
             continue
+        if moe.router is None:
+            skipped[moe.layer] = "no router found to weigh the golden's experts"
+            continue
+        logits: list[torch.Tensor | None] = [None]
 
-        def hook(module: nn.Module, _inputs: tuple, output: tuple, forced: torch.Tensor = forced) -> tuple:
-            logits, weights, indices = output[0], output[1], output[2]
+        def keep_logits(_module: nn.Module, _inputs: tuple, output: object, moe: MoeLayer = moe,
+                        logits: list = logits) -> None:
+            logits[0] = router_logits(output, moe.num_experts)
+
+        def force(_module: nn.Module, args: tuple, kwargs: dict, moe: MoeLayer = moe, logits: list = logits,
+                  forced: torch.Tensor = forced) -> tuple | None:
+            found = experts_inputs(args, kwargs)
+            scored, logits[0] = logits[0], None
+            if isinstance(found, str) or scored is None:
+                skipped[moe.layer] = found if isinstance(found, str) else \
+                    f"{moe.router_name} returned no [tokens, {moe.num_experts}] logits to weigh the golden's experts"
+                return None
+            indices, weights = found
             new_indices = forced.to(indices.device, indices.dtype).reshape(indices.shape)
-            new_weights = reweigh(module, logits, new_indices.reshape(-1, new_indices.shape[-1]), weights)
-            return (logits, new_weights.reshape(weights.shape), new_indices, *output[3:])
+            new_weights = reweigh(moe, scored, new_indices, weights).reshape(weights.shape)
+            if len(args) > 2:
+                return (args[0], new_indices, new_weights, *args[3:]), kwargs
+            index_name = next(n for n in _INDEX_NAMES if n in kwargs) if len(args) < 2 else None
+            weight_name = next(n for n in _WEIGHT_NAMES if n in kwargs)
+            kwargs = {**kwargs, weight_name: new_weights}
+            if index_name is None:
+                return (args[0], new_indices, *args[2:]), kwargs
+            return args, {**kwargs, index_name: new_indices}
 
-        handles.append(moe.router.register_forward_hook(hook))
+        handles.append(moe.router.register_forward_hook(keep_logits))
+        handles.append(moe.experts.register_forward_pre_hook(force, with_kwargs=True))
     try:
-        yield
+        yield skipped
     finally:
         for handle in handles:
             handle.remove()

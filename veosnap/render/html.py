@@ -333,6 +333,8 @@ def _marker(p: Point, cx: float, cy: float) -> str:
     tip = f'{t["name"]}: {_ratio(t["ratio"])} bound (error {_num(t["error"])}, bound {_num(t["bound"])})'
     if t.get("problem"):
         tip += f' {t["problem"]}'
+    elif t.get("estimate"):
+        tip += f' {t["estimate"]}'
     attrs = (f'class="pt {state}" data-tensor="{escape(t["name"])}" data-ratio="{_data(t["ratio"])}" '
              f'data-passed="{_bool(t["passed"])}"')
     return f"<g {attrs}><title>{escape(tip)}</title>{_shape(SHAPES.get(t['group'], 'circle'), cx, cy, 4.5)}</g>"
@@ -403,7 +405,7 @@ def _rows_table(r: Mapping[str, Any], table: RowsSection) -> str:
         over = f'{t["rows_over"]}/{t["rows"]}' if t.get("rows") else ""  # none for a tensor with a problem
         rows.append(f'<tr data-tensor="{escape(t["name"])}" class="{"ok" if t["passed"] else "fail"}">'
                     f'<td class="name">{escape(t["name"])}</td><td class="num">{_ratio(t["ratio"])}</td>'
-                    f'<td class="num">{over}</td><td class="rows">{chips or escape(t.get("problem") or t["where"])}'
+                    f'<td class="num">{over}</td><td class="rows">{chips or escape(_where(t))}'
                     "</td></tr>")
     note = f'<p class="more">... and {table.more} more (all tensors below)</p>' if table.more > 0 else ""
     return (f'<section class="worst-rows"><h3>{escape(table.title)}</h3><p>{escape(table.caption)}</p>'
@@ -429,12 +431,19 @@ def _all_tensors(r: Mapping[str, Any]) -> str:
             f'<td>{escape(t.get("stage", ""))}</td><td class="num">{layer}</td><td>{escape(t.get("group", ""))}</td>'
             f'<td class="num">{_num(t["error"])}</td><td class="num">{_num(t["bound"])}</td>'
             f'<td class="num">{_num(t["noise"])}</td><td class="num">{_ratio(t["ratio"])}</td>'
-            f'<td>{"ok" if t["passed"] else "FAIL"}</td><td class="where">{escape(t.get("problem") or t["where"])}</td>'
+            f'<td>{"ok" if t["passed"] else "FAIL"}</td><td class="where">{escape(_where(t))}</td>'
             "</tr>")
     return (f'<details class="all"><summary>All {len(r["tensors"])} tensors, worst first</summary>'
             '<div class="scroll"><table class="tensor-table"><thead><tr><th>tensor</th><th>stage</th><th>layer</th>'
             '<th>group</th><th>error</th><th>bound</th><th>noise</th><th>ratio</th><th></th><th>worst at</th></tr>'
             f'</thead><tbody>{"".join(rows)}</tbody></table></div></details>')
+
+
+def _where(t: Mapping[str, Any]) -> str:
+    """A tensor's problem, else where its worst is, and whether its figure is an estimate from a sketch."""
+    if t.get("problem"):
+        return t["problem"]
+    return f'{t["where"]}; {t["estimate"]}' if t.get("estimate") else t["where"]
 
 
 def _num(x: float | None) -> str:

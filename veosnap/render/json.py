@@ -2,7 +2,10 @@
 
 Every tensor is listed (worst first) with where it sits in the model (`stage`, `group`, `layer`) and its
 worst rows (for token tensors: batch row, position, token id); every MoE layer's route flips per expert
-(`gained`, `lost`); a failed check its `next` command. Numbers that are not finite are `null`.
+(`gained`, `lost`); a failed check its `next` command. Numbers that are not finite are `null`. A tensor
+compared from a sketch says so: `estimate` holds the sentence the text report prints ("estimate from a
+64-wide sketch (groups of 2 rows)"), null where the figure is exact; `sketch` is {width, group} or null
+(a sketched tensor has no worst rows: its figure is per group of rows).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from ..numerics.fmt import json_number
 from ..runs.diff import DiffReport, FieldChange, GoldenDiff
 from ..runs.matrix import Matrix
 from ..runs.verdict import CheckReport
-from .view import next_step
+from .view import estimate_note, next_step, sketch_note
 
 
 def check_dict(report: CheckReport) -> dict:
@@ -32,13 +35,16 @@ def check_dict(report: CheckReport) -> dict:
         "error": report.error or None,
         "skipped": report.skipped or None,
         "worst": {"tensor": worst.name, "ratio": json_number(worst.ratio)} if worst else None,
+        "structure": report.structure,
+        "versions": [{"package": v.package, "golden": v.golden, "here": v.here} for v in report.versions],
+        "not_compared": dict(sorted(report.absent.items())),
         "first_divergence": report.first_divergence,
         "first_gradient_divergence": report.first_gradient_divergence,
         "route_replay": report.route_replay,
         "routes": [
             {"layer": r.layer, "tokens": r.tokens, "clear_flips": r.clear_flips, "near_tie_flips": r.near_tie_flips,
-             "passed": r.passed, "message": r.message(), "first_flipped_token": r.first_flipped_token,
-             "gained": list(r.gained), "lost": list(r.lost)}
+             "passed": r.passed, "readable": not r.unreadable, "message": r.message(),
+             "first_flipped_token": r.first_flipped_token, "gained": list(r.gained), "lost": list(r.lost)}
             for r in report.routes
         ],
         "notes": report.notes,
@@ -57,6 +63,7 @@ def tensor_dict(t: TensorResult) -> dict:
                         "ratio": json_number(w.error / t.bound if t.bound > 0 else float("inf")),
                         "batch": w.batch, "pos": w.pos, "token": w.token} for w in t.worst_rows],
         **_encoder_place(t.name),
+        "estimate": sketch_note(t) or None, "sketch": {"width": t.width, "group": t.group} if t.sketched else None,
     }
 
 
@@ -87,7 +94,8 @@ def golden_diff_dict(d: GoldenDiff) -> dict:
         "material": d.material,
         "compared": d.compared,
         "tensors": [{"name": t.name, "ratio": json_number(t.ratio), "error": json_number(t.error), "bound": t.bound,
-                     "problem": t.problem or None} for t in d.ranked()],
+                     "problem": t.problem or None,
+                     "estimate": estimate_note(t.width, t.group) if t.estimate else None} for t in d.ranked()],
         "tensors_added": d.tensors_added,
         "tensors_removed": d.tensors_removed,
         "routes": [{"layer": r.layer, "tokens": r.tokens, "flipped": r.flipped, "near_tie": r.near_tie,

@@ -58,7 +58,7 @@ def _details(c: view.GoldenChange) -> list[str]:
     if c.tensors:
         out += ["", "| tensor | moved (x old bound) | row error | old bound |", "|---|---:|---:|---:|"]
         for t in c.tensors:
-            moved = t.moved + (f" ({t.problem})" if t.problem else "")
+            moved = t.moved + (f" ({t.problem})" if t.problem else f" ({t.estimate})" if t.estimate else "")
             out.append(f"| `{t.name}` | {_cell(moved)} | {t.error} | {t.bound} |")
     out.append("")
     return out

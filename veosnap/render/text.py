@@ -83,7 +83,7 @@ def _change_lines(change: view.GoldenChange) -> list[str]:
     if change.tensors:
         lines.append(f"  {'tensor':55s} {'moved':>10s} {'row error':>10s} {'old bound':>10s}")
         for t in change.tensors:
-            problem = f"  {t.problem}" if t.problem else ""
+            problem = f"  {t.problem}" if t.problem else f"  {t.estimate}" if t.estimate else ""
             lines.append(f"  {t.name:55s} {t.moved:>10s} {t.error:>10s} {t.bound:>10s}{problem}")
         if change.tensors_hidden:
             lines.append(f"  {change.tensors_hidden}")

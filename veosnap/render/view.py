@@ -18,10 +18,11 @@ from ..golden import names
 from ..golden.codec import Golden
 from ..golden.manifest import Approval, json_object
 from ..numerics import fmt
+from ..numerics.compare import TensorResult
 from ..reference.coverage import routes_not_captured
 from ..runs.diff import DiffReport, FieldChange, GoldenDiff, TrailChange
 from ..runs.matrix import Cell, Matrix
-from ..runs.verdict import CheckReport
+from ..runs.verdict import CheckReport, drift_text
 
 SHOWN_ROWS = 12  # rows of a failed check's table: every failing tensor, then the closest passing ones
 SHOWN_PASSING = 3  # a passed check shows only its closest calls
@@ -61,6 +62,17 @@ class CheckView:
     next: str = ""
 
 
+def estimate_note(width: int, group: int) -> str:
+    """What every renderer says where a figure is an estimate from a sketch."""
+    return f"estimate from a {width}-wide sketch (groups of {group} row{'s' if group != 1 else ''})"
+
+
+def sketch_note(t: TensorResult) -> str:
+    """A tensor result's estimate note ('' when its figure is exact: a whole tensor, or a sketched one's
+    worst row outside the golden's support, measured exactly)."""
+    return estimate_note(t.width, t.group) if t.sketched and t.estimate and not t.problem else ""
+
+
 def check_view(report: CheckReport, shown: int = SHOWN_ROWS) -> CheckView:
     view = CheckView(report.status, f"{report.golden}  backend={report.backend}  layout={report.layout}", [])
     if report.skipped:
@@ -71,7 +83,12 @@ def check_view(report: CheckReport, shown: int = SHOWN_ROWS) -> CheckView:
     if report.error:
         view.lines.append(f"error: {report.error}")
         return view
-    view.lines += [route.message() for route in report.routes if not route.passed or route.near_tie_flips]
+    if report.structure_line:
+        view.lines.append(report.structure_line)
+    elif report.versions:
+        view.lines.append(f"note: versions differ from the golden's provenance: {drift_text(report.versions)}")
+    view.lines += [route.message() for route in report.routes
+                   if not route.passed or route.near_tie_flips or route.unreadable]
     if report.route_replay:
         view.lines.append("routes differ: tensors below compared under route replay "
                           "(candidate forced onto the golden's experts)")
@@ -89,10 +106,13 @@ def check_view(report: CheckReport, shown: int = SHOWN_ROWS) -> CheckView:
     room = shown if failing else min(shown, SHOWN_PASSING)
     for t in failing + [t for t in ranked if t.passed][: max(0, room - len(failing))]:
         where = t.problem or t.where
+        unit = "groups" if t.sketched else "rows"
         if t.rows_over and not t.problem:
-            where = f"{t.rows_over}/{t.rows} rows over; {where}"
+            where = f"{t.rows_over}/{t.rows} {unit} over; {where}"
         elif t.error == 0 and not t.problem:
             where = "bit-identical to the golden"
+        if sketch_note(t) and t.error != 0:
+            where = f"{where}; {sketch_note(t)}"
         view.rows.append(TensorRow(t.name, fmt.num(t.error), fmt.num(t.bound), fmt.num(t.ratio) + "x", t.passed, where))
     hidden = len(ranked) - len(view.rows)
     if hidden:
@@ -107,6 +127,9 @@ def next_step(report: CheckReport) -> str:
                       "--backend", report.portable_backend or report.backend, *layout, "--format", "json"])
     if report.error:
         return f"fix the backend error, then {cmd}"
+    if report.structure:
+        return (f"make the candidate's parameters, layers and MoE blocks match the golden's (or record the golden "
+                f"with these versions); full detail: {cmd}")
     if not report.routes_passed:
         return f"look at the router inputs of the first flipped layer; full detail: {cmd}"
     return f"{cmd}  (every tensor, worst rows; start from the first diverging layer)"
@@ -169,6 +192,7 @@ class MoveRow:
     error: str
     bound: str
     problem: str
+    estimate: str = ""  # the estimate note when the move is measured sketch to sketch
 
 
 @dataclass
@@ -250,7 +274,8 @@ def golden_change(d: GoldenDiff, shown: int | None = SHOWN_TENSORS, fields: int 
         manifest=d.manifest if fields is None else d.manifest[:fields],
         manifest_hidden=0 if fields is None else max(0, len(d.manifest) - fields),
         routes=[r.message() for r in d.routes], tensors_added=d.tensors_added, tensors_removed=d.tensors_removed,
-        tensors=[MoveRow(t.name, fmt.times(t.ratio), fmt.num(t.error), fmt.num(t.bound), t.problem) for t in kept],
+        tensors=[MoveRow(t.name, fmt.times(t.ratio), fmt.num(t.error), fmt.num(t.bound), t.problem,
+                         estimate_note(t.width, t.group) if t.estimate else "") for t in kept],
         tensors_hidden=(f"... {len(rest)} more moved, at most {fmt.times(rest[0].ratio)} bound "
                         "(--format json lists every one)") if rest else "",
         tolerance=_tolerance_line(d), provenance=d.provenance,
@@ -390,17 +415,29 @@ def golden_view(g: Golden, full: bool = False) -> GoldenView:
     if m.min_margin:
         margins = ", ".join(f"layer {layer}: {fmt.num(v)}" for layer, v in sorted(m.min_margin.items()))
         facts.append(("routers", f"min margin {margins}"))
+    if m.sketch is not None:
+        stored = sum(t.numel() * t.element_size() for t in g.stored_tensors().values())
+        facts.append(("sketch", f"mode {m.sketch.mode}: {len(g.sketches)} of {len(m.tolerance)} compared tensors "
+                                f"sketched (width x rows per group below); {stored} bytes stored, planned "
+                                f"{m.sketch.planned_bytes} for a target of {m.sketch.budget} (hard limit "
+                                f"{m.sketch.hard_limit})"))
     if m.absent:  # what the golden leaves out on purpose: routers as every report says it, the rest as stored
         unread = routes_not_captured(m)
         facts += [("routers", unread)] if unread else []
         facts += [("absent", f"{a.kind} {', '.join(a.names) or '(all)'}: {a.reason}") for a in m.absent
                   if a.kind != "router_unread"]
     facts += [("approved", f"{a.reason!r} (replaced {a.previous_payload_hash})") for a in m.approvals]
-    every = sorted(g.tensors)
+    every = sorted({*g.tensors, *g.sketches})
     shown = every if full else [n for n in every if not names.parse(n).per_parameter]
     tensors = []
     for name in shown:
-        t, tol = g.tensors[name], m.tolerance.get(name)
-        tensors.append((name, str(t.dtype).removeprefix("torch."), str(list(t.shape)),
-                        f"noise {fmt.num(tol.noise)} bound {fmt.num(tol.bound)}" if tol else ""))
+        tol = m.tolerance.get(name)
+        bound = f"noise {fmt.num(tol.noise)} bound {fmt.num(tol.bound)}" if tol else ""
+        if name in g.sketches:
+            sketch = g.sketches[name]
+            tensors.append((name, sketch.dtype, str(list(sketch.spec.shape)),
+                            f"{bound}; sketch {sketch.spec.describe()} (seed {sketch.spec.seed})"))
+            continue
+        t = g.tensors[name]
+        tensors.append((name, str(t.dtype).removeprefix("torch."), str(list(t.shape)), bound))
     return GoldenView(facts, tensors, len(every), full, len(every) - len(shown))

@@ -30,14 +30,14 @@ from ..errors import Unsupported, VeosnapError, describe
 from ..golden import names
 from ..golden.codec import Golden
 from ..golden.key import GoldenKey
-from ..numerics.compare import TensorResult, compare_route_sets, compare_tensors, same_route_tokens
+from ..numerics.compare import TensorResult, compare_route_sets, compare_tensors, same_route_tokens, structure_changes
 from ..reference import coverage, hardware, limits, models, scenarios
 from ..reference.capture import Capture
-from ..reference.determinism import deterministic
+from ..reference.determinism import deterministic, one_thread
 from ..reference.inputs import Batch
 from ..reference.scenarios import Scenario
 from ..reference.zoo import Project, ToyConfig, load_checked, load_config
-from .verdict import CheckReport
+from .verdict import CheckReport, VersionDrift
 
 DEFAULT_TIMEOUT_S = torchrun.DEFAULT_TIMEOUT_S
 DEFAULT_NPROC = 2
@@ -67,7 +67,8 @@ def check_layouts(project: Project, key: GoldenKey, backend: Backend, layouts: S
     except Unsupported as exc:  # a scenario the model cannot run (no encoder for it) is a skip, not an error
         return [CheckReport(golden=str(key), model=key.model, dtype=key.dtype, backend=backend.spec, layout=spec,
                             skipped=str(exc)) for spec, _ in chosen]
-    golden, toy = load_checked(project, key, cross_class, gold)
+    with one_thread():  # a golden's tensors are small: a thread pool would cost more than the work
+        golden, toy = load_checked(project, key, cross_class, gold)
     batch = Batch.from_golden(golden)
     parameters = limits.check_config(toy)
     limits.check_batch(golden, toy)
@@ -100,19 +101,34 @@ def check_layouts(project: Project, key: GoldenKey, backend: Backend, layouts: S
         outcomes = torchrun.run(project, key, backend.spec, [chosen[index][0] for index in spawned], nproc, timeout_s)
         for index, outcome in zip(spawned, outcomes):
             fields = {"backend": backend.spec, "layout": chosen[index][0]}
-            reports[index] = (judge(golden, batch, outcome.result, fields, scenario) if outcome.result is not None
-                              else _report(golden, fields, skipped=outcome.skipped, error=outcome.error))
+            if outcome.result is None:
+                reports[index] = _report(golden, fields, skipped=outcome.skipped, error=outcome.error)
+                continue
+            with one_thread():
+                reports[index] = judge(golden, batch, outcome.result, fields, scenario)
     ordered = [reports[index] for index in range(len(chosen))]
     selection = [*project.flags(), *(["--scenario", key.scenario] if key.scenario != "step" else []),
                  *(["--cross-class"] if cross_class else []),
                  *(["--nproc", str(nproc)] if spawned and nproc != DEFAULT_NPROC else []),
                  *(["--timeout", f"{timeout_s:g}"] if timeout_s != DEFAULT_TIMEOUT_S else [])]  # every layout
     portable = backends.portable(backend.spec) or ""
+    drift = version_drift(golden)
     for report in ordered:
         report.notes[:0] = cross_class_notes(key) + routes_not_captured_notes(golden)
         report.selection = list(selection)
         report.portable_backend = portable if portable != backend.spec else ""
+        report.versions = drift
     return ordered
+
+
+def version_drift(golden: Golden) -> list[VersionDrift]:
+    """The packages (torch, transformers) whose version here differs from the golden's provenance."""
+    import transformers
+
+    here = {"torch": torch.__version__, "transformers": transformers.__version__}
+    recorded = golden.manifest.provenance
+    return [VersionDrift(package, getattr(recorded, package), version) for package, version in here.items()
+            if getattr(recorded, package) != version]
 
 
 def _in_process(golden: Golden, batch: Batch, toy: ToyConfig, backend: Backend, layout: Layout,
@@ -138,7 +154,8 @@ def _in_process(golden: Golden, batch: Batch, toy: ToyConfig, backend: Backend, 
         else:
             report = None
     if report is None:
-        report = judge(golden, batch, result, fields, scenario)
+        with one_thread():  # comparing is many small ops: a thread pool would cost more than the work
+            report = judge(golden, batch, result, fields, scenario)
     if left:
         report.notes.append(f"candidate {fields['backend']} left patches behind (restored): {', '.join(left)}")
     return report
@@ -154,6 +171,8 @@ def judge(golden: Golden, batch: Batch, result: LayoutResult, fields: dict[str, 
         report.notes.append(f"scenario {scenario.name}: the {' and '.join(frozen) or 'same'} encoder frozen, checked "
                             f"against the {golden.key.scenario} golden without its gradients")
     report.notes.extend(result.notes)
+    for reason, which in _by_reason(report.absent).items():
+        report.notes.append(f"{', '.join(which)}: {reason}; not compared")
     if golden.key.scenario == "train" and not report.routes_passed:
         # Only the first step's routes are recorded, so later steps cannot be replayed onto the golden's.
         report.notes.append("routes differ in the first step: updates are compared without route replay")
@@ -171,15 +190,39 @@ def compare(golden: Golden, batch: Batch, capture: Capture, replayed: Capture | 
     for a routing flip, or the other way round. The gradients of the `frozen` encoders' parameters are not
     compared, and a candidate that produced one fails on it."""
     tokens = batch.tokens()
-    routes = compare_route_sets(golden, capture.experts(), tokens)
+    unreadable = _unreadable(capture.absent)
+    routes = compare_route_sets(golden, capture.experts(), tokens, unreadable)
     source = replayed if replayed is not None else capture
+    absent = {**capture.absent, **source.absent}
     produced = source.all_tensors()
+    skip = frozen_gradients(golden.compared_names(), frozen)
     tensors = compare_tensors(golden, produced, tokens, gradients=source.backward,
-                              same_routes=same_route_tokens(golden, source.experts()),
-                              skip=frozen_gradients(golden.compared_names(), frozen))
+                              same_routes=same_route_tokens(golden, source.experts()), sketches=source.sketches,
+                              absent=absent, skip=skip)
     tensors += frozen_gradients_produced(golden, produced, frozen)
+    # Parameters the golden holds as sketches are not in `tensors` on either side: a missing or extra
+    # one still fails, as the tensor comparison's "missing from the candidate". A frozen encoder's
+    # parameters have no gradient on purpose: not a structure change.
+    present = {**source.tensors, **{name: golden.tensors[name] for name in skip if name in golden.tensors}}
+    structure = structure_changes(golden, present, {*capture.routes, *unreadable}, parameters=source.backward)
     return CheckReport(golden=str(golden.key), model=golden.key.model, dtype=golden.key.dtype, tensors=tensors,
-                       routes=routes, route_replay=replayed is not None, **report_fields)
+                       routes=routes, route_replay=replayed is not None, absent=absent, structure=structure,
+                       **report_fields)
+
+
+def _unreadable(absent: dict[str, str]) -> dict[int, str]:
+    """MoE layers whose routes the candidate could not give, and why."""
+    return {parsed.layer: why for name, why in absent.items()
+            if isinstance(parsed := names.try_parse(name), names.Route) and parsed.part == "experts"}
+
+
+def _by_reason(absent: dict[str, str]) -> dict[str, list[str]]:
+    """Absent tensors other than routes (their route line says it), grouped by why."""
+    grouped: dict[str, list[str]] = {}
+    for name, why in sorted(absent.items()):
+        if not isinstance(names.try_parse(name), names.Route):
+            grouped.setdefault(why, []).append(name)
+    return grouped
 
 
 def frozen_gradients(names_: list[str], frozen: tuple[str, ...]) -> set[str]:

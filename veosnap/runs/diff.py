@@ -2,8 +2,11 @@
 
 A golden whose bytes are the same on both sides is unchanged and never decoded. For a changed one,
 every tensor that moved is measured with the check's own metric (row error, tolerance.py) in units of
-the old golden's bound, so "0.3x" reads as noise and "40x" as a real change. Routes are compared per
-MoE layer, and tolerance, config, inputs, provenance and the approval trail are listed field by field.
+the old golden's bound, so "0.3x" reads as noise and "40x" as a real change. A tensor sketched alike on
+both sides is compared sketch to sketch (an estimate, and said so); one whose form changed (whole to
+sketched, another width, group, seed or support) cannot be measured and is a material change,
+"re-sketched". Routes are compared per MoE layer, and tolerance, config, inputs, provenance and the
+approval trail are listed field by field.
 
 Review of this diff is what a golden's integrity rests on (its hashes are unkeyed, see docs/trust.md), so
 anything that could let a bug pass is material, not "metadata": a bound that grows, a changed tolerance
@@ -30,8 +33,10 @@ from ..golden import codec, names, store
 from ..golden.codec import Golden
 from ..golden.key import GoldenKey
 from ..golden.manifest import Approval, json_object
+from ..golden.sketches import GoldenSketch
 from ..numerics.metric import is_token_tensor, row_error
 from ..numerics.routes import compare_routes
+from ..numerics.sketch import compare_golden_sketches
 from ..reference.determinism import one_thread
 from ..reference.inputs import Batch
 
@@ -49,7 +54,14 @@ class TensorMove:
     name: str
     error: float
     bound: float  # the old golden's bound for this tensor
-    problem: str = ""  # shape or dtype changed, non-finite values: not measurable
+    problem: str = ""  # shape or dtype changed, non-finite values, re-sketched: not measurable
+    width: int = 0  # compared sketch to sketch: the sketch's width and rows per group (0: whole)
+    group: int = 0
+
+    @property
+    def estimate(self) -> bool:
+        """The error is an estimate from the two goldens' sketches."""
+        return self.width > 0 and not self.problem
 
     @property
     def ratio(self) -> float:
@@ -232,7 +244,7 @@ def diff_goldens(old: Golden, new: Golden) -> GoldenDiff:
     common = sorted(old_names & new_names)
     out.compared = len(common)
     for name in common:
-        move = _tensor_move(name, old.tensors[name], new.tensors[name], om.tolerance[name].bound, mask)
+        move = _form_move(name, old, new, om.tolerance[name].bound, mask)
         if move is not None:
             out.tensors.append(move)
         ot, nt = om.tolerance[name], nm.tolerance[name]
@@ -247,11 +259,43 @@ def diff_goldens(old: Golden, new: Golden) -> GoldenDiff:
     out.manifest += _dict_changes("config", om.config, nm.config)
     out.manifest += _dict_changes("reference", json_object(om.reference), json_object(nm.reference))
     out.manifest += _dict_changes("min_margin", _layers(om.min_margin), _layers(nm.min_margin))
+    out.manifest += _dict_changes("sketch", _sketch_plan(om), _sketch_plan(nm))
     out.provenance = _dict_changes("", json_object(om.provenance), json_object(nm.provenance))
     out.absent = _dict_changes("absent", _absences(om), _absences(nm))
     out.trail = trail_changes(om.approvals, nm.approvals, om.payload_hash)
     out.approvals = [c.approval for c in out.trail if c.kind in ("added", "forged", "inserted")]
     return out
+
+
+def _form(golden: Golden, name: str) -> str:
+    sketch = golden.sketches.get(name)
+    return "whole" if sketch is None else f"sketch {sketch.spec.describe()}"
+
+
+def _form_move(name: str, old: Golden, new: Golden, bound: float, mask: torch.Tensor) -> TensorMove | None:
+    """A tensor held whole or sketched on either side."""
+    a, b = old.sketches.get(name), new.sketches.get(name)
+    if a is None and b is None:
+        return _tensor_move(name, old.tensors[name], new.tensors[name], bound, mask)
+    if a is not None and b is not None:
+        return _sketch_move(name, a, b, bound, mask)
+    return TensorMove(name, math.inf, bound, problem=f"re-sketched: {_form(old, name)} -> {_form(new, name)}")
+
+
+def _sketch_move(name: str, old: GoldenSketch, new: GoldenSketch, bound: float,
+                 mask: torch.Tensor) -> TensorMove | None:
+    if old.spec == new.spec and torch.equal(old.values, new.values) and torch.equal(old.norms, new.norms) \
+            and old.tau == new.tau and (old.support is None or torch.equal(old.support, new.support)):
+        return None
+    err = compare_golden_sketches(old, new, row_mask=mask if is_token_tensor(name) else None, name=name)
+    if err is None:
+        what = f"re-sketched: sketch {old.spec.describe()} -> sketch {new.spec.describe()}"
+        if old.spec.seed != new.spec.seed:
+            what += f" (seed {old.spec.seed} -> {new.spec.seed})"
+        elif old.spec == new.spec:
+            what += " (other support rows)"
+        return TensorMove(name, math.inf, bound, problem=what)
+    return TensorMove(name, err.error, bound, width=old.spec.width, group=old.spec.group)
 
 
 def _absences(manifest: object) -> dict[str, str]:
@@ -326,6 +370,14 @@ def _route_changes(old: Golden, new: Golden, mask: torch.Tensor) -> tuple[list[R
         if flipped:
             changes.append(RouteChange(layer, diff.tokens, flipped, diff.near_tie_flips))
     return changes, len(old_experts.keys() | new_experts.keys())
+
+
+def _sketch_plan(manifest: object) -> dict[str, object]:
+    """How a golden chose its forms (each tensor's own form is compared as a tensor)."""
+    plan = manifest.sketch
+    if plan is None:
+        return {}
+    return {"mode": plan.mode, "budget": plan.budget, "hard_limit": plan.hard_limit, "sketched": len(plan.tensors)}
 
 
 def _layers(margins: dict[int, float]) -> dict[str, float]:

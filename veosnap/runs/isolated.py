@@ -45,19 +45,20 @@ class FreshRecorder:
                                               stdout=subprocess.PIPE, stderr=log, env=env, text=True)
         return self._proc
 
-    def record(self, project: Project, key: GoldenKey, seed: int = 0, allow_near_ties: bool = False) -> bytes:
+    def record(self, project: Project, key: GoldenKey, seed: int = 0, allow_near_ties: bool = False,
+               sketch: str = "auto") -> bytes:
         """The golden for `key` as the reference records it in a fresh process (its file bytes)."""
-        return self.record_judged(project, key, seed, allow_near_ties, judge=False)[0]
+        return self.record_judged(project, key, seed, allow_near_ties, judge=False, sketch=sketch)[0]
 
     def record_judged(self, project: Project, key: GoldenKey, seed: int = 0, allow_near_ties: bool = False,
-                      judge: bool = True) -> tuple[bytes, list[str]]:
+                      judge: bool = True, sketch: str = "auto") -> tuple[bytes, list[str]]:
         """The golden's bytes and, if `judge`, the fragility lines of the variants run in that same process."""
         proc = self._start()
         assert self._dir is not None and proc.stdin is not None and proc.stdout is not None
         out = Path(self._dir.name) / "golden.bin"
         request = {"goldens": str(project.goldens), "configs": str(project.configs), "testdata": str(project.testdata),
                    "hardware_class": project.hardware_class, "key": str(key), "seed": seed,
-                   "allow_near_ties": allow_near_ties, "out": str(out), "judge": judge}
+                   "allow_near_ties": allow_near_ties, "sketch": sketch, "out": str(out), "judge": judge}
         try:
             proc.stdin.write(json.dumps(request) + "\n")
             proc.stdin.flush()
@@ -101,11 +102,11 @@ class FreshRecorder:
         self.close()
 
 
-def record_judged(project: Project, key: GoldenKey, seed: int = 0,
-                  allow_near_ties: bool = False) -> tuple[bytes, list[str]]:
+def record_judged(project: Project, key: GoldenKey, seed: int = 0, allow_near_ties: bool = False,
+                  sketch: str = "auto") -> tuple[bytes, list[str]]:
     """One golden recorded in a fresh process, and the fragility check's lines from that process."""
     with FreshRecorder() as recorder:
-        return recorder.record_judged(project, key, seed, allow_near_ties)
+        return recorder.record_judged(project, key, seed, allow_near_ties, sketch=sketch)
 
 
 def main() -> int:
@@ -122,7 +123,7 @@ def main() -> int:
             project = Project(Path(request["goldens"]), Path(request["configs"]), Path(request["testdata"]),
                               request["hardware_class"])
             golden = build_golden(project, GoldenKey.from_name(request["key"]), seed=request["seed"],
-                                  allow_near_ties=request["allow_near_ties"])
+                                  allow_near_ties=request["allow_near_ties"], sketch=request.get("sketch", "auto"))
             Path(request["out"]).write_bytes(codec.encode(golden))
             reply = {"ok": True, "fragile": fragility(project, golden) if request.get("judge") else []}
         except VeosnapError as exc:

@@ -90,7 +90,9 @@ class Cell:
 
 
 def _failure(report: CheckReport) -> str:
-    """The one line a matrix shows for a failed check: routes first, then the earliest divergence."""
+    """The one line a matrix shows for a failed check: structure first, routes, then the earliest divergence."""
+    if report.structure_line:
+        return report.structure_line
     for route in report.routes:
         if not route.passed:
             return route.message()

@@ -1,5 +1,12 @@
 """Record goldens from the HF eager reference, with tolerances calibrated against a float64 run.
 
+Before the reference runs, the sketch planner chooses each tensor's form from shapes alone (`--sketch
+auto`: whole while the golden fits `golden.limits.TARGET_BYTES`, else the largest tensors sketched;
+`always`; `never`). The reference then keeps each tensor in that form, sketching on its device; the
+float64 run reduces the same tensors with the same specs, so a sketched tensor's noise, and so its
+bound, is in the currency a check computes. Before anything is written, the golden's bytes go through
+the reader itself (`codec.decode`): record never writes a golden that check would refuse.
+
 The reference is recorded from a pristine process: here when no candidate has run in this process, else
 in a fresh one (`isolated`). A golden is written under the project's goldens directory only (`./goldens`
 or `--goldens`, never the installed package, never through a directory linked out of it), and a golden
@@ -34,13 +41,17 @@ from ..golden import codec, names, store
 from ..golden.codec import Golden
 from ..golden.key import DTYPE_NAMES, SCENARIOS, GoldenKey
 from ..golden.manifest import BatchSpec, Manifest, Provenance, Reference
+from ..golden.limits import mib
+from ..golden.sketches import MODES, SketchPlan
 from ..numerics import fmt
 from ..numerics.routes import flips
-from ..numerics.tolerance import ALPHA, FLOOR, TIE_EPSILON, noise, pooled_noises, tolerance_for
+from ..numerics.sketch import CandidateSketch, Plan, compare_sketch, plan
+from ..numerics.tolerance import ALPHA, FLOOR, TIE_EPSILON, Sample, noise, pooled_noises, tolerance_for
 from ..reference import coverage, hardware, inputs, limits, models, scenarios, train
-from ..reference.capture import run_step
+from ..reference.capture import run_step, step_shapes
 from ..reference.determinism import deterministic
 from ..reference.probes import RouteRecord, unread_routers
+from ..reference.reduce import WHOLE, CandidateReducer, RecordReducer, Reducer
 from ..reference.zoo import Project, ToyConfig, load_config, writable
 
 
@@ -58,8 +69,15 @@ class RecordOutcome:
     config: Path | None = None  # the toy config it was recorded from (the project's, or the bundled zoo's)
 
 
-def build_golden(project: Project, key: GoldenKey, seed: int = 0, allow_near_ties: bool = False) -> Golden:
-    """Run the reference (and its float64 twin) for `key` and assemble the golden in memory."""
+def build_golden(project: Project, key: GoldenKey, seed: int = 0, allow_near_ties: bool = False,
+                 sketch: str = "auto") -> Golden:
+    """Run the reference (and its float64 twin) for `key` and assemble the golden in memory.
+
+    `sketch`: `auto` (sketch the largest tensors only when the golden would not fit the target),
+    `always` (every sketchable tensor: tests, and the no-loss-of-power experiment) or `never`.
+    """
+    if sketch not in MODES:
+        raise VeosnapError(f"--sketch {sketch!r}: expected one of {', '.join(MODES)}")
     if key.scenario not in SCENARIOS:
         raise VeosnapError(f"unknown scenario {key.scenario!r} (known: {', '.join(SCENARIOS)})")
     if key.recorded != key:
@@ -89,23 +107,31 @@ def build_golden(project: Project, key: GoldenKey, seed: int = 0, allow_near_tie
         model = scenario.freeze(models.build(toy, dtype, device, seed))
         made = coverage.produces(model)
         batch = inputs.with_rope_positions(batch, model)
+        chosen = _plan(key, model, batch, sketch, seed)
+        reducer: Reducer = RecordReducer(chosen, batch.token_mask) if chosen.sketched else WHOLE
         high = scenario.freeze(models.upcast_copy(model, toy, torch.float64))  # before training moves the weights
         with unread_routers(model) as unread:
             if hyper is None:
-                reference = run_step(model, batch)
+                reference = run_step(model, batch, reducer=reducer)
                 reference_steps = [reference.routes]
             else:
                 run = train.run_train(model, batch, hyper)
                 reference, reference_steps = run.capture, run.step_routes
         del model
+        # The float64 run reduces the sketched tensors with the reference's own specs: noise in the
+        # currency of the check.
+        truth_reducer = CandidateReducer(reference.sketches, batch.token_mask, check_dtype=False) \
+            if reference.sketches else WHOLE
         with models.KeepFloat64():
             if hyper is None:
-                truth = run_step(high, batch, own_loss=True)
+                truth = run_step(high, batch, own_loss=True, reducer=truth_reducer)
                 truth_steps = [truth.routes]
             else:
                 run = train.run_train(high, batch, hyper, own_loss=True)
                 truth, truth_steps = run.capture, run.step_routes
         del high
+    for name, why in sorted(reference.absent.items()):  # the reference must give every tensor a golden holds
+        raise VeosnapError(f"{key}: the reference's {name} cannot be captured: {why}")
     mask = batch.token_mask
     # A train golden holds the first step's routes, but every step must route clearly: a near-tie in a
     # later step would flip a candidate's routes there, and its updates with them.
@@ -115,7 +141,7 @@ def build_golden(project: Project, key: GoldenKey, seed: int = 0, allow_near_tie
             min_margin[layer] = min(value, min_margin.get(layer, value))
 
     tensors: dict[str, torch.Tensor] = dict(batch.tensors())
-    measured = {}
+    measured: dict[str, object] = {}
     ref_all, truth_all = reference.all_tensors(), truth.all_tensors()
     for name, value in ref_all.items():
         if name == str(names.LOSS):  # stored in float32, whatever the model dtype
@@ -123,6 +149,12 @@ def build_golden(project: Project, key: GoldenKey, seed: int = 0, allow_near_tie
         tensors[name] = value
         if names.parse(name).compared:  # route ids and margins are not compared numerically
             measured[name] = noise(name, value, truth_all[name], mask)
+    for name, gold in reference.sketches.items():
+        twin = truth.sketches[name]
+        if not isinstance(twin, CandidateSketch):
+            raise VeosnapError(f"{key}: the float64 run's {name} cannot be reduced like the reference's ({twin})")
+        err = compare_sketch(gold, twin, name=name)  # a maximum over groups: pooled on the group count
+        measured[name] = Sample(err.error, err.groups)
     tolerance = {name: tolerance_for(value, key.dtype) for name, value in pooled_noises(measured).items()}
 
     manifest = Manifest(
@@ -152,8 +184,58 @@ def build_golden(project: Project, key: GoldenKey, seed: int = 0, allow_near_tie
         tie_epsilon=TIE_EPSILON[key.dtype],
         min_margin=dict(min_margin),
         absent=coverage.absences(made, unread),
+        sketch=SketchPlan(mode=chosen.mode, budget=chosen.budget, hard_limit=chosen.hard_limit,
+                          planned_bytes=chosen.total_bytes,
+                          tensors={name: gold.entry for name, gold in sorted(reference.sketches.items())})
+        if reference.sketches else None,
     )
-    return Golden(manifest=manifest, tensors=tensors)
+    golden = Golden(manifest=manifest, tensors=tensors, sketches=dict(reference.sketches))
+    stored = sum(t.numel() * t.element_size() for t in golden.stored_tensors().values())
+    if stored > chosen.hard_limit:
+        raise VeosnapError(f"{key}: golden would hold {stored} bytes, over the {chosen.hard_limit} byte limit "
+                           f"({mib(chosen.hard_limit)}); " + ("use --sketch auto" if sketch == "never"
+                                                                     else "record fewer tokens or layers"))
+    return golden
+
+
+def _plan(key: GoldenKey, model: torch.nn.Module, batch: inputs.Batch, mode: str, seed: int) -> Plan:
+    """Each tensor's form (whole or sketched with which spec), from shapes, before the reference runs.
+
+    The train scenario's goldens are stored whole (sketching covers the step scenario): a train golden
+    that would need sketches is refused with the limit, not silently sketched.
+    """
+    shapes, fixed = step_shapes(model, batch)
+    if key.scenario == train.SCENARIO:
+        if mode == "always":
+            raise VeosnapError(f"{key}: --sketch always: train goldens are stored whole (sketching covers the "
+                               "step scenario); record it with --sketch auto or never")
+        chosen = plan(shapes, mode="never", fixed_bytes=fixed, seed=seed)
+        if mode == "auto" and chosen.total_bytes > chosen.budget:
+            raise VeosnapError(f"{key}: a train golden would hold {chosen.total_bytes} bytes, over the "
+                               f"{mib(chosen.budget)} target, and train goldens are not sketched; record "
+                               "fewer layers, or pass --sketch never (up to the hard limit)")
+        return chosen
+    try:
+        return plan(shapes, mode=mode, fixed_bytes=fixed, seed=seed)
+    except VeosnapError as exc:
+        raise VeosnapError(f"{key}: {exc}") from None
+
+
+def encode_checked(golden: Golden, path: Path | str) -> bytes:
+    """The golden's file bytes, after the reader itself has accepted them: every cap, the manifest,
+    the hashes, the tensor set. Refuses with the limit and the fix, so record never writes a golden that
+    check would refuse."""
+    data = codec.encode(golden)
+    try:
+        codec.decode(data, path)
+    except GoldenError as exc:
+        raise _refused(path, exc) from None
+    return data
+
+
+def _refused(where: object, exc: GoldenError) -> VeosnapError:
+    return VeosnapError(f"{where}: not written: a check would refuse this golden ({exc.problem}); record it with "
+                        "--sketch auto, or fewer tokens or layers")
 
 
 def scenario_batch(project: Project, toy: ToyConfig, scenario: scenarios.Scenario) -> tuple[inputs.Batch, BatchSpec]:
@@ -179,6 +261,9 @@ def _check_routes(key: GoldenKey, reference: dict[int, RouteRecord], truth: dict
         return margins
     eps = TIE_EPSILON[key.dtype]
     for layer, value in margins.items():
+        if value != value:  # NaN: the margins of a router whose logits could not be read
+            raise VeosnapError(f"{key}: layer {layer}'s router margins are unknown (its logits could not be read "
+                               "at the router's output); a golden needs them to tell near-ties")
         if value < eps:
             raise VeosnapError(
                 f"{key}: router margin {fmt.num(value)} in layer {layer} is under the tie epsilon {eps:g}: a near-tie "
@@ -204,15 +289,19 @@ class Recorded:
         return self.fragile
 
 
-def recorded(project: Project, key: GoldenKey, seed: int = 0, allow_near_ties: bool = False) -> Recorded:
+def recorded(project: Project, key: GoldenKey, seed: int = 0, allow_near_ties: bool = False,
+             sketch: str = "auto") -> Recorded:
     """The golden for `key` from a pristine process: this one if no candidate ran here, else a fresh one
     (which also judges it: the variants must run against the reference the golden came from)."""
     if pristine.touched():
         from .isolated import record_judged
 
-        data, fragile = record_judged(project, key, seed=seed, allow_near_ties=allow_near_ties)
-        return Recorded(codec.decode(data, f"the fresh recording of {key}"), fragile)
-    return Recorded(build_golden(project, key, seed=seed, allow_near_ties=allow_near_ties))
+        data, fragile = record_judged(project, key, seed=seed, allow_near_ties=allow_near_ties, sketch=sketch)
+        try:
+            return Recorded(codec.decode(data, f"the fresh recording of {key}"), fragile)
+        except GoldenError as exc:
+            raise _refused(key, exc) from None
+    return Recorded(build_golden(project, key, seed=seed, allow_near_ties=allow_near_ties, sketch=sketch))
 
 
 def stored_bytes(project: Project, new: Golden) -> tuple[bytes, str]:
@@ -225,16 +314,16 @@ def stored_bytes(project: Project, new: Golden) -> tuple[bytes, str]:
     root = project.goldens
     path = store.path_for(root, new.key)
     if not os.path.lexists(path):
-        return codec.encode(new), ""
+        return encode_checked(new, path), ""
     try:
         old = store.read(path, root)
     except GoldenError as exc:
-        return codec.encode(new), f"replaced an unreadable golden: {exc.problem}"
+        return encode_checked(new, path), f"replaced an unreadable golden: {exc.problem}"
     trail = old.manifest.approvals
     if not trail:
-        return codec.encode(new), ""
+        return encode_checked(new, path), ""
     new.manifest.approvals = list(trail)
-    data = codec.encode(new)
+    data = encode_checked(new, path)
     if data != store.read_file(path):
         count = f"{len(trail)} approval{'s' if len(trail) > 1 else ''}"
         refresh = project.recording_command("refresh", new.key, "--reason", "<why>")
@@ -283,7 +372,7 @@ def fragile_error(key: GoldenKey, fragile: list[str], command: str) -> VeosnapEr
 
 
 def record(project: Project, model: str, dtype: str, scenario: str = "step", seed: int = 0,
-           allow_near_ties: bool = False, allow_fragile: bool = False) -> RecordOutcome:
+           allow_near_ties: bool = False, allow_fragile: bool = False, sketch: str = "auto") -> RecordOutcome:
     """Record one golden into the project's goldens directory; leaves an identical file untouched. A scenario
     checked against another's golden (`frozen_vision`) records that one.
 
@@ -293,7 +382,7 @@ def record(project: Project, model: str, dtype: str, scenario: str = "step", see
     writable(project.goldens)
     path = store.path_for(project.goldens, key)
     store.check_writable(path, project.goldens)  # before the minutes a recording may take
-    fresh = recorded(project, key, seed=seed, allow_near_ties=allow_near_ties)
+    fresh = recorded(project, key, seed=seed, allow_near_ties=allow_near_ties, sketch=sketch)
     new = fresh.golden
     data, note = stored_bytes(project, new)
     try:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import GoldenError, VeosnapError
-from ..golden import codec, store
+from ..golden import store
 from ..golden.codec import Golden
 from ..golden.key import GoldenKey
 from ..golden.manifest import Approval
@@ -24,7 +24,7 @@ from ..numerics import fmt
 from ..reference import hardware
 from ..reference.zoo import Project, writable
 from .diff import GoldenDiff, diff_goldens
-from .record import fragile_error, recorded
+from .record import encode_checked, fragile_error, recorded
 
 # Manifest fields whose change alone makes a refresh rewrite: the golden would describe another
 # function, batch, tolerance rule or format than the one on disk.
@@ -52,7 +52,8 @@ class RefreshOutcome:
 def reasons_to_rewrite(d: GoldenDiff) -> list[str]:
     """Why a freshly recorded golden must replace the old one; empty: the difference is noise."""
     why = []
-    over = [t for t in d.tensors if t.material]
+    resketched = [t for t in d.tensors if t.problem.startswith("re-sketched")]
+    over = [t for t in d.tensors if t.material and t not in resketched]
     if over:
         worst = max(over, key=lambda t: t.ratio)
         why.append(f"{len(over)} tensor(s) moved beyond 1x bound (largest {worst.name} {fmt.times(worst.ratio)})")
@@ -61,6 +62,10 @@ def reasons_to_rewrite(d: GoldenDiff) -> list[str]:
     if d.routes:
         why.append(f"routes changed in {len(d.routes)} MoE layer(s)")
     why += [f"{c.field} changed" for c in d.manifest if c.field in REWRITE_FIELDS]
+    if resketched:
+        why.append(f"{len(resketched)} tensor(s) re-sketched (another form, width, group, seed or support)")
+    if any(c.field == "sketch.mode" for c in d.manifest):
+        why.append("sketch mode changed")
     if d.tolerance_rule:
         why.append("tolerance rule changed (" + ", ".join(c.field for c in d.tolerance_rule) + ")")
     looser = [t for t in d.tolerance if t.old_bound > LOOSER_THAN_MEASURED * t.new_bound]
@@ -75,11 +80,12 @@ def reasons_to_rewrite(d: GoldenDiff) -> list[str]:
 
 def refresh(project: Project, model: str, dtype: str, reason: str, force: bool = False,
             scenario: str = "step", seed: int | None = None, allow_near_ties: bool = False,
-            allow_fragile: bool = False) -> RefreshOutcome:
+            allow_fragile: bool = False, sketch: str | None = None) -> RefreshOutcome:
     """Re-record one golden from the reference; rewrite it only if it moved beyond noise (or `force`).
 
     A new golden that cheap legitimate variants fail is refused, as `record` refuses it, unless
-    `allow_fragile`."""
+    `allow_fragile`. `sketch` (auto, always, never): None keeps the mode the old golden was recorded
+    with (auto when it has no sketched tensor, or there is none)."""
     reason = reason.strip()
     if not reason:
         raise VeosnapError("--reason: give the reason for this refresh (it is stored in the golden's approval trail)")
@@ -96,7 +102,9 @@ def refresh(project: Project, model: str, dtype: str, reason: str, force: bool =
     old = _read_old(project, key, force, reason)
     if seed is None:  # keep the weights the old golden was recorded with
         seed = old.manifest.reference.seed if old is not None else 0
-    fresh = recorded(project, key, seed=seed, allow_near_ties=allow_near_ties)
+    if sketch is None:  # and the way it chose its forms
+        sketch = old.manifest.sketch.mode if old is not None and old.manifest.sketch is not None else "auto"
+    fresh = recorded(project, key, seed=seed, allow_near_ties=allow_near_ties, sketch=sketch)
     new = fresh.golden
     why = reasons_to_rewrite(diff_goldens(old, new)) if old is not None else []
     if (old is None or why or force) and not allow_fragile:
@@ -106,12 +114,12 @@ def refresh(project: Project, model: str, dtype: str, reason: str, force: bool =
     if old is None:
         why = "replaced an unreadable golden (--force)" if os.path.lexists(path) else "no golden before"
         new.manifest.approvals = [Approval(reason, previous_payload_hash=None)]
-        store.write_bytes(codec.encode(new), path, project.goldens)
+        store.write_bytes(encode_checked(new, path), path, project.goldens)
         return RefreshOutcome(key, path, "created", why)
     if not why and not force:
         return RefreshOutcome(key, path, "unchanged", "within noise of the recorded golden")
     new.manifest.approvals = [*old.manifest.approvals, Approval(reason, old.manifest.payload_hash)]
-    store.write_bytes(codec.encode(new), path, project.goldens)
+    store.write_bytes(encode_checked(new, path), path, project.goldens)
     return RefreshOutcome(key, path, "rewrote", "; ".join(why) or "forced (--force)", diff_goldens(old, new))
 
 

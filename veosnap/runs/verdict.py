@@ -1,7 +1,9 @@
 """The verdict of checking one candidate against one golden: `CheckReport`.
 
-Routes first, then every tensor; where a check went wrong (the first diverging layer, the first
-diverging gradient in the order the backward pass computes them) is derived from the tensors' names.
+Structure first (parameters, layers, MoE blocks the golden expects: a model-structure change is not a
+numerics failure), then routes, then every tensor; where a check went wrong (the first diverging layer,
+the first diverging gradient in the order the backward pass computes them) is derived from the
+tensors' names. A report also says where the versions it ran with differ from the golden's provenance.
 """
 
 from __future__ import annotations
@@ -13,6 +15,23 @@ from ..golden import names
 from ..numerics import fmt
 from ..numerics.compare import TensorResult
 from ..numerics.routes import RouteDiff
+
+
+@dataclass(frozen=True)
+class VersionDrift:
+    """A package whose version here differs from the one the golden was recorded with."""
+
+    package: str  # "torch", "transformers"
+    golden: str
+    here: str
+
+    def __str__(self) -> str:
+        return f"{self.package} {self.here} here, {self.golden} in the golden"
+
+
+def drift_text(versions: list[VersionDrift]) -> str:
+    """`transformers 5.22.2 here, 5.24.0 in the golden; ...` ('' when nothing differs)."""
+    return "; ".join(map(str, versions))
 
 
 @dataclass
@@ -30,6 +49,9 @@ class CheckReport:
     error: str = ""  # the candidate could not run: why
     skipped: str = ""  # the backend or layout does not apply to this model: why
     notes: list[str] = field(default_factory=list)
+    absent: dict[str, str] = field(default_factory=dict)  # tensors the candidate does not produce: not compared, why
+    structure: list[str] = field(default_factory=list)  # how the model's structure differs from the golden's
+    versions: list[VersionDrift] = field(default_factory=list)  # packages whose version differs from the golden's
     # The command-line flags that select this check besides model, dtype, backend and layout (the
     # project's directories and class where not the defaults, the scenario, --cross-class, --nproc), so
     # a command a report advises runs as printed.
@@ -45,7 +67,15 @@ class CheckReport:
     @property
     def passed(self) -> bool:
         """True when nothing failed; a skipped check passes (its reason is reported)."""
-        return not self.error and self.routes_passed and all(t.passed for t in self.tensors)
+        return not self.error and not self.structure and self.routes_passed and all(t.passed for t in self.tensors)
+
+    @property
+    def structure_line(self) -> str | None:
+        """The failure reason said before any numbers when the structure differs, naming version drift."""
+        if not self.structure:
+            return None
+        versions = f" (versions differ: {drift_text(self.versions)})" if self.versions else ""
+        return f"structure differs from the golden{versions}: " + "; ".join(self.structure)
 
     @property
     def status(self) -> str:

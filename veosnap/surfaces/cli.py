@@ -12,15 +12,17 @@ import json
 import os
 import signal
 import sys
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 from .. import __version__
 from ..candidates import backends, guard
 from ..candidates.layouts import registry as layouts
 from ..errors import VeosnapError
-from ..golden import store
+from ..golden import limits, store
 from ..golden.key import DTYPE_NAMES, SCENARIOS, GoldenKey
+from ..golden.sketches import MODES
 from ..numerics import fmt
 from ..reference.zoo import Project, default_goldens
 from ..render import json as render_json
@@ -75,7 +77,8 @@ def cmd_record(args: argparse.Namespace) -> int:
     for model, dtype in _selection(args, project):
         for scenario in _scenarios(args, project, model, recording=True):
             outcome = record(project, model, dtype, scenario=scenario, seed=args.seed,
-                             allow_near_ties=args.allow_near_ties, allow_fragile=args.allow_fragile)
+                             allow_near_ties=args.allow_near_ties, allow_fragile=args.allow_fragile,
+                             sketch=args.sketch)
             margin = "" if outcome.min_margin is None else f"  min router margin {fmt.num(outcome.min_margin)}"
             note = f"  ({outcome.note})" if outcome.note else ""
             state = "wrote" if outcome.written else "unchanged"
@@ -90,6 +93,23 @@ def cmd_record(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+@contextmanager
+def _candidates_print_to_stderr() -> Iterator[bool]:
+    """Within the block file descriptor 1 is stderr, so what candidates print (print, logging handlers bound
+    to stdout, C extensions) cannot mix with the report; after it, stdout is stdout again. Yields whether
+    the real stdout is a terminal (the report's colours)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        with guard.report_to(saved):  # a candidate ended past its timeout still leaves its ERROR block there
+            yield os.isatty(saved)
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     if args.matrix:
         return cmd_matrix(args)
@@ -100,16 +120,17 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     guard.check_timeout(args.timeout)
     project = _project(args)
-    backend = backends.resolve(args.backend or "eager")
-    reports = [
-        report_
-        for model, dtype in _selection(args, project)
-        for scenario in _scenarios(args, project, model)
-        for report_ in check_layouts(project, GoldenKey(project.hardware_class, model, scenario, dtype), backend,
-                                     args.layout or ["single"], nproc=args.nproc, timeout_s=args.timeout,
-                                     cross_class=args.cross_class)
-    ]
-    out = render_json.checks(reports) if args.format == "json" else render_text.checks(reports, color=sys.stdout.isatty())
+    with _candidates_print_to_stderr() as terminal:
+        backend = backends.resolve(args.backend or "eager")  # importing a backend's file may print too
+        reports = [
+            report_
+            for model, dtype in _selection(args, project)
+            for scenario in _scenarios(args, project, model)
+            for report_ in check_layouts(project, GoldenKey(project.hardware_class, model, scenario, dtype),
+                                         backend, args.layout or ["single"], nproc=args.nproc, timeout_s=args.timeout,
+                                         cross_class=args.cross_class)
+        ]
+    out = render_json.checks(reports) if args.format == "json" else render_text.checks(reports, color=terminal)
     sys.stdout.write(out if out.endswith("\n") else out + "\n")
     if html_path is not None:
         from ..render import html as render_html
@@ -146,7 +167,8 @@ def cmd_refresh(args: argparse.Namespace) -> int:
     for model, dtype in _selection(args, project):
         for scenario in _scenarios(args, project, model, recording=True):
             outcome = refresh(project, model, dtype, args.reason, force=args.force, scenario=scenario,
-                              allow_near_ties=args.allow_near_ties, allow_fragile=args.allow_fragile)
+                              allow_near_ties=args.allow_near_ties, allow_fragile=args.allow_fragile,
+                              sketch=args.sketch)
             print(f"{outcome.action:9s} {outcome.path}  ({outcome.why})")
             if outcome.diff is not None:
                 print("\n".join(render_text.diff_golden(outcome.diff)))
@@ -184,10 +206,11 @@ def cmd_matrix(args: argparse.Namespace) -> int:
         unavailable = {}
     # One line per cell on stderr, always: with stdout redirected (or in CI) nothing else shows for minutes.
     progress = _progress
-    result = matrix.run_matrix(project, models, dtypes, specs, layouts,
-                               check_cells=matrix.default_check(args.nproc, args.timeout), on_cell=progress,
-                               unavailable=unavailable, scenario=_one_scenario(args))
-    out = render_json.matrix(result) if args.format == "json" else render_text.matrix(result, color=sys.stdout.isatty())
+    with _candidates_print_to_stderr() as terminal:
+        result = matrix.run_matrix(project, models, dtypes, specs, layouts,
+                                   check_cells=matrix.default_check(args.nproc, args.timeout), on_cell=progress,
+                                   unavailable=unavailable, scenario=_one_scenario(args))
+    out = render_json.matrix(result) if args.format == "json" else render_text.matrix(result, color=terminal)
     sys.stdout.write(out if out.endswith("\n") else out + "\n")
     return EXIT_OK if result.passed else EXIT_FAILED
 
@@ -274,6 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
     _scenario(p)
     p.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     p.add_argument("--allow-near-ties", action="store_true", help="record even if a router has near-ties")
+    p.add_argument("--sketch", choices=MODES, default="auto",
+                   help="store large tensors as sketches: auto (only when the golden would not fit "
+                        f"{limits.mib(limits.TARGET_BYTES)}), always, never (default auto; see docs/sketch.md)")
     p.add_argument("--allow-fragile", action="store_true",
                    help="write a golden even if cheap legitimate variants (sdpa, grouped_mm, batched_mm) exceed "
                         "its bounds (warns, naming them)")
@@ -323,6 +349,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reason", required=True, metavar="TEXT", help="why the goldens change (kept in the approval trail)")
     p.add_argument("--force", action="store_true", help="rewrite even goldens that did not move beyond noise")
     p.add_argument("--allow-near-ties", action="store_true", help="record even if a router has near-ties")
+    p.add_argument("--sketch", choices=MODES, default=None,
+                   help="auto, always or never (default: the mode the golden was recorded with, auto if it "
+                        "has no sketched tensor)")
     p.add_argument("--allow-fragile", action="store_true",
                    help="rewrite even if cheap legitimate variants exceed the new golden's bounds")
     commands["refresh"] = cmd_refresh

@@ -225,7 +225,9 @@ class VeosnapSession:
         if name not in self._recordings:
             if self._recorder is None:
                 self._recorder = FreshRecorder()
-            fresh = codec.decode(self._recorder.record(self.project, key), f"the fresh recording of {key}")
+            # Sketch mode auto (large models' goldens stay bounded); stored_bytes runs the reader's checks.
+            fresh = codec.decode(self._recorder.record(self.project, key, sketch="auto"),
+                                 f"the fresh recording of {key}")
             self._recordings[name], _ = stored_bytes(self.project, fresh)
         return self._recordings[name]
 

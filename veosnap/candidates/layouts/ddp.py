@@ -14,7 +14,7 @@ from torch import nn
 
 from ...golden import names
 from ...reference.probes import find_encoders
-from .protocol import DataGroup, Layout, LayoutContext, Setup
+from .protocol import Layout, LayoutContext, Setup
 
 
 class DDP(Layout):
@@ -27,8 +27,7 @@ class DDP(Layout):
 
         ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         unused = bool(find_encoders(model)) or bool(_without_gradient(model, ctx))
-        return Setup(DistributedDataParallel(model, device_ids=ids, find_unused_parameters=unused), model,
-                     DataGroup(ctx.world, ctx.rank))
+        return Setup(DistributedDataParallel(model, device_ids=ids, find_unused_parameters=unused), model)
 
 
 def _without_gradient(model: nn.Module, ctx: LayoutContext) -> list[str]:

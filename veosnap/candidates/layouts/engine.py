@@ -1,13 +1,20 @@
 """Run any layout on one rank (or in process): the part of a layout check every layout shares.
 
-`run` loads the model as the layout says, applies the backend (its patches stay until the run is
-done), sets the candidate up, and runs one step (or the train scenario's steps) of the layout's passes.
+`run` loads the model as the layout says, tells the backend where it runs (`context.Context`), applies
+it (its patches stay until the run is done), sets the candidate up (the layout wraps it, unless the
+backend parallelizes it itself), and runs one step (or the train scenario's steps) of the layout's
+passes, each in the candidate's own batch form when it adapts the batch (`Candidate.adapt_batch`).
 Each pass's loss is weighted by its share of the golden's predictions, and by the data group's size to
 undo a reducer's averaging, so the reduced gradient is exactly the full-batch mean gradient. When any
 real token went to other experts than the golden's, the step runs again forced onto the golden's
 experts (route replay). Rank 0 then holds a `LayoutResult` shaped like the golden's capture:
 `assemble` puts every rank's token outputs (logits, layer outputs, routes) back at their positions in
 the golden's batch, and takes the full gradients.
+
+Tensors the golden holds as sketches are reduced where they are produced (`reference.reduce`): each
+pass's hooks sketch its token rows at their golden positions, so a rank sends only rows x width numbers
+(never a full activation) and rank 0 scatters them as it scatters whole rows; a gradient sharded by
+rows (FSDP2) is sketched shard by shard. Any other sharding is gathered first (docs/layouts.md).
 """
 
 from __future__ import annotations
@@ -15,16 +22,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 import torch
+from torch import nn
 
 from ...errors import Unsupported
 from ...golden import names
 from ...numerics.routes import flips
 from ...reference import train
-from ...reference.capture import Capture, Part, auxiliary_loss, forward_backward, gradients
+from ...reference.capture import Capture, Part, auxiliary_loss, forward_backward, reduce_gradients
 from ...reference.inputs import Batch, Media
 from ...reference.probes import RouteRecord
-from ..backends import Backend
-from .protocol import Layout, LayoutContext, Setup
+from ...reference.reduce import WHOLE, CandidateReducer, Reducer, Rows, assemble_rows
+from .. import context
+from ..backends import Backend, Candidate
+from .protocol import DataGroup, Layout, LayoutContext, Setup
 
 
 @dataclass
@@ -43,16 +53,32 @@ class LayoutError(RuntimeError):
 
 def run(layout: Layout, backend: Backend, ctx: LayoutContext) -> LayoutResult | None:
     """Run `layout` with `backend` on this rank; the result on rank 0, None on the others."""
-    model = layout.load(ctx)
-    with backend.prepare(model) as candidate:
+    # A backend that parallelizes the model itself gets the plain reference, never one transformers sharded.
+    model = ctx.build(ctx.device) if backend.parallelizes else layout.load(ctx)
+    ctx = replace(ctx, mesh=layout.mesh(ctx))
+    data = layout.data(ctx)
+    where = told(layout, ctx, data)
+    with context.told(where), backend.prepare(model, where) as candidate:
         why = candidate.forward_only
         if why and not layout.checks_forward_only:
             raise Unsupported(f"{backend.spec} runs forward only here ({why}); layouts check gradients")
         if why and ctx.hyper is not None:
             raise Unsupported(f"runs forward only here ({why}); the train scenario needs gradients")
+        if candidate.full_gradients is not None and ctx.hyper is not None:
+            raise Unsupported("the train scenario reads full parameters, which full_gradients does not give")
         candidate.model.train()
         candidate.model.zero_grad(set_to_none=True)
-        runner = _Runner(layout, ctx, layout.wrap(candidate.model, ctx), backward=not candidate.forward_only)
+        if backend.parallelizes:
+            setup = Setup(candidate.model, _unwrapped(candidate.model), data,
+                          notes=[f"parallelized by the backend ({backend.spec}), not wrapped by the layout"])
+        else:
+            setup = layout.wrap(candidate.model, ctx)
+        if setup.data is None:
+            setup.data = data
+        elif setup.data != data:
+            raise LayoutError(f"layout {layout.name}: wrap() set up data share {setup.data} but data() told the "
+                              f"backend {data}; override data()")
+        runner = _Runner(layout, ctx, setup, candidate, where)
         result = runner.train() if ctx.hyper is not None else runner.step()
     if result is not None:
         result.forward_only = candidate.forward_only
@@ -60,13 +86,52 @@ def run(layout: Layout, backend: Backend, ctx: LayoutContext) -> LayoutResult | 
     return result
 
 
+def told(layout: Layout, ctx: LayoutContext, data: DataGroup) -> context.Context:
+    """What a backend is told about where it runs (`veosnap.context()`)."""
+    group = None
+    if ctx.world > 1:
+        import torch.distributed as dist
+
+        group = dist.group.WORLD
+    return context.Context(layout=layout.name, rank=ctx.rank, world=ctx.world, local_rank=ctx.local_rank,
+                           device=ctx.device, dp_world=data.size, dp_rank=data.rank, mesh=ctx.mesh, group=group,
+                           golden=ctx.golden.key)
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """The HF model inside a data-parallel wrapper a backend returned (hooks and gradients go there)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
 class _Runner:
     """One layout's passes on one rank, for a step or for the train scenario."""
 
-    def __init__(self, layout: Layout, ctx: LayoutContext, setup: Setup, backward: bool) -> None:
-        self.layout, self.ctx, self.setup, self.backward = layout, ctx, setup, backward
+    def __init__(self, layout: Layout, ctx: LayoutContext, setup: Setup, candidate: Candidate,
+                 where: context.Context) -> None:
+        self.layout, self.ctx, self.setup, self.candidate = layout, ctx, setup, candidate
+        self.backward = not candidate.forward_only
         self.shards = layout.shard(ctx, setup)
         self.total = ctx.batch.predictions
+        # The golden's sketched tensors are reduced with its specs; everything else is kept whole.
+        self.reducer: Reducer = CandidateReducer(ctx.golden.sketches, ctx.batch.token_mask) \
+            if ctx.golden.sketches else WHOLE
+        # Each pass's model call, and the golden position of each of its output token slots (-1: none).
+        self.calls: list[dict | None] = []
+        self.positions: list[torch.Tensor] = []
+        for shard in self.shards:
+            if candidate.adapt_batch is None:
+                self.calls.append(None)
+                self.positions.append(shard.positions)
+                continue
+            adapted = candidate.adapt_batch(shard.batch.to(ctx.device), where)
+            local = torch.as_tensor(adapted.positions).reshape(-1).long().cpu()
+            if local.numel() and int(local.max()) >= shard.positions.numel():
+                raise LayoutError(f"adapt_batch gave position {int(local.max())} in a batch of "
+                                  f"{shard.positions.numel()} token slots")
+            self.calls.append(adapted.kwargs)
+            self.positions.append(torch.where(local >= 0, shard.positions[local.clamp(min=0)], -1))
         extra = auxiliary_loss(setup.inner)
         if extra and not self.whole_batch():
             raise Unsupported(f"the model's loss holds {extra}, which is not a sum over tokens: {layout.name} computes "
@@ -83,64 +148,95 @@ class _Runner:
         """One step: every pass's forward and backward, gradients accumulating from zero."""
         self.setup.inner.zero_grad(set_to_none=True)
         parts = []
-        for index, shard in enumerate(self.shards):
+        for index, (shard, call, positions) in enumerate(zip(self.shards, self.calls, self.positions)):
             with self.layout.accumulate(self.ctx, self.setup, index, len(self.shards)):
                 share = shard.batch.predictions / self.total if shard.weight is None else shard.weight
                 parts.append(forward_backward(
                     self.setup.model, shard.batch, inner=self.setup.inner, share=share,
-                    grad_scale=float(self.setup.data.size), backward=self.backward,
+                    grad_scale=float(self.setup.data.size), backward=self.backward, call=call,
                     # a padding slot (no golden position) may go anywhere: it is never compared
-                    forced={layer: experts[shard.positions.clamp(min=0)] for layer, experts in forced.items()}
-                    if forced else None))
+                    forced={layer: experts[positions.clamp(min=0)] for layer, experts in forced.items()}
+                    if forced else None,
+                    reducer=self.reducer, positions=positions))
         return parts
+
+    def gradients(self) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
+        """The step's gradients, whole or reduced (every rank joins the gathers of shards), the
+        candidate's own reader (`full_gradients`) taking precedence for what it returns."""
+        if not self.backward:
+            return {}, {}
+        whole, kept = reduce_gradients(self.setup.inner, self.reducer)
+        if self.candidate.full_gradients is not None:
+            for param_name, grad in self.candidate.full_gradients(self.setup.inner).items():
+                name = str(names.Grad(param_name))
+                if self.reducer.spec(name) is None:
+                    whole[name] = grad.detach().to("cpu", copy=True)
+                else:
+                    kept[name] = self.reducer.finish(name, self.reducer.keep_rows(name, grad.detach()))
+        return whole, kept
 
     def step(self) -> LayoutResult | None:
         parts = self.passes(None)
-        grads = gradients(self.setup.inner) if self.backward else {}  # every rank joins the gathers of shards
+        grads = self.gradients()
         replayed = None
         if self.ctx.any(self.routes_differ(parts)):
             forced = self.ctx.golden.experts()
             replayed_parts = self.passes(forced)
-            replayed = self.gather(replayed_parts, gradients(self.setup.inner) if self.backward else {})
+            replayed = self.gather(replayed_parts, self.gradients())
         capture = self.gather(parts, grads)
-        return None if capture is None else LayoutResult(capture, replayed, list(self.setup.notes))
+        if capture is None:
+            return None
+        notes = [*self.setup.notes, *capture.notes, *(replayed.notes if replayed else [])]
+        return LayoutResult(capture, replayed, list(dict.fromkeys(notes)))
 
     def train(self) -> LayoutResult | None:
         """The golden's optimizer steps, each step's forward and backward run as this layout's passes."""
 
+        unreadable: list[dict[str, str]] = []  # the first step's unreadable routes (a train golden holds its routes)
+
         def forward_backward_step() -> tuple[torch.Tensor, dict[int, RouteRecord]]:
             parts = self.passes(None)
             # Only each step's loss and routes are kept: no token outputs cross between ranks.
-            gathered = self.gather([replace(p, logits=None, layers={}, encoders={}) for p in parts], {})
+            gathered = self.gather([replace(p, logits=None, layers={}, encoders={}) for p in parts], ({}, {}))
             if gathered is None:
                 return sum(p.loss for p in parts), {}
+            if not unreadable:
+                unreadable.append({n: why for n, why in gathered.absent.items()
+                                   if isinstance(names.try_parse(n), names.Route)})
             return gathered.tensors[str(names.LOSS)], gathered.routes
 
         clip = lambda params, max_norm: self.layout.clip(params, max_norm, self.ctx)  # noqa: E731
         run = train.train(self.setup.inner, self.ctx.hyper, forward_backward_step, clip)
-        return LayoutResult(run.capture, notes=list(self.setup.notes)) if self.ctx.rank == 0 else None
+        if self.ctx.rank != 0:
+            return None
+        run.capture.absent = unreadable[0] if unreadable else {}
+        return LayoutResult(run.capture, notes=list(self.setup.notes))
 
     def routes_differ(self, parts: list[Part]) -> bool:
         """Whether any real token of this rank's passes went to other experts than the golden's."""
         golden = self.ctx.golden.experts()
         mask = self.ctx.batch.token_mask
-        for part, shard in zip(parts, self.shards):
+        for part, positions in zip(parts, self.positions):
+            at = positions.clamp(min=0)
             for layer, experts in golden.items():
+                if layer in part.unreadable:  # nothing to compare, and nothing to force: said in the report
+                    continue
                 rec = part.routes.get(layer)
-                expected = experts[shard.positions.clamp(min=0)]
+                expected = experts[at]
                 if rec is None or rec.experts.shape != expected.shape:
                     return True
-                real = (shard.positions >= 0) & mask[shard.positions.clamp(min=0)]
-                if flips(expected, rec.experts, real).any():
+                if flips(expected, rec.experts, mask[at] & (positions >= 0)).any():
                     return True
         return False
 
-    def gather(self, parts: list[Part], grads: dict[str, torch.Tensor]) -> Capture | None:
+    def gather(self, parts: list[Part], grads: tuple[dict[str, torch.Tensor], dict[str, object]]) -> Capture | None:
         """On rank 0, the passes of every distinct data share assembled into the golden's positions."""
-        mine = list(zip(parts, (s.positions for s in self.shards)))
+        mine = list(zip(parts, self.positions))
         if self.setup.data.size == 1:  # every rank ran the whole batch: rank 0's passes are the run's
-            return assemble(self.ctx, mine, grads, self.backward) if self.ctx.rank == 0 else None
-        gathered = self.ctx.gather((self.setup.data.rank, mine))
+            return assemble(self.ctx, mine, grads, self.backward, self.reducer) if self.ctx.rank == 0 else None
+        # Only small things cross between ranks: whole token rows of whole tensors, and per-row
+        # sketches (rows x width) of sketched ones, moved to the host first.
+        gathered = self.ctx.gather((self.setup.data.rank, [(_to_host(part), positions) for part, positions in mine]))
         if gathered is None:
             return None
         pieces, seen = [], set()
@@ -148,34 +244,55 @@ class _Runner:
             if data_rank not in seen:  # peers holding the same data (tensor parallel) ran the same tokens
                 seen.add(data_rank)
                 pieces += items
-        return assemble(self.ctx, pieces, grads, self.backward)
+        return assemble(self.ctx, pieces, grads, self.backward, self.reducer)
 
 
-def assemble(ctx: LayoutContext, pieces: list[tuple[Part, torch.Tensor]], grads: dict[str, torch.Tensor],
-             backward: bool = True) -> Capture:
+def _to_host(part: Part) -> Part:
+    """`part` with its sketched rows on the host (a collective pickles what it sends)."""
+    host = lambda kept: kept.cpu() if isinstance(kept, Rows) else kept  # noqa: E731
+    return replace(part, logits=host(part.logits), layers={layer: host(v) for layer, v in part.layers.items()})
+
+
+def assemble(ctx: LayoutContext, pieces: list[tuple[Part, torch.Tensor]],
+             grads: tuple[dict[str, torch.Tensor], dict[str, object]], backward: bool = True,
+             reducer: Reducer = WHOLE) -> Capture:
     """Passes of a layout, each with the golden positions of its token slots, as one capture shaped
     like the golden's: token outputs scattered back to their positions (positions no pass covered are
-    padding, and keep the golden's values), the loss summed, the gradients as given."""
+    padding, and keep the golden's values; a sketched tensor's rows there are zero, and masked), the
+    loss summed, the gradients as given (whole ones, and sketched ones as the reducer kept them)."""
     batch = ctx.batch
+    whole_grads, kept_grads = grads
     tensors: dict[str, torch.Tensor] = {str(names.LOSS): sum(part.loss for part, _ in pieces)}
+    sketches: dict[str, object] = dict(kept_grads)
     parts = [part for part, _ in pieces]
-    if parts[0].logits is not None:
-        tensors[str(names.LOGITS)] = _grid(batch, _scatter(ctx, names.LOGITS, [p.logits for p in parts], pieces))
-    for layer in sorted(parts[0].layers):
-        name = names.LayerOutput(layer)
-        tensors[str(name)] = _grid(batch, _scatter(ctx, name, [p.layers[layer] for p in parts], pieces))
-    # Encoder outputs have rows of their own (patches, audio frames), kind by kind (images, then videos), each
-    # kind's passes in (rank, pass) order: the golden's order of media as long as shards keep rows in order.
+    absent = {name: why for part in reversed(parts) for name, why in part.absent.items()}  # the first pass's reason
+    notes = list(dict.fromkeys(note for part in parts for note in part.notes))
+    produced = {names.LOGITS: [p.logits for p in parts]} if all(p.logits is not None for p in parts) else {}
+    produced.update({names.LayerOutput(layer): [p.layers[layer] for p in parts] for layer in sorted(parts[0].layers)})
+    for name, values in produced.items():
+        if reducer.spec(str(name)) is not None:
+            if all(isinstance(v, Rows) for v in values):  # a problem (wrong shape) is reported as the tensor's
+                _covered(ctx, name, torch.cat([v.positions for v in values]))
+            rows = assemble_rows(values, batch.rows * batch.width)
+            sketches[str(name)] = reducer.finish(str(name), rows)
+        else:
+            tensors[str(name)] = _grid(batch, _scatter(ctx, name, values, pieces))
+    # Encoder outputs (always whole) have rows of their own (patches, audio frames), kind by kind (images, then
+    # videos), each kind's passes in (rank, pass) order: the golden's order of media as long as shards keep
+    # rows in order.
     for name in dict.fromkeys(n for part in parts for n in part.encoders):
         tensors[name] = torch.cat([part.encoders[name][kind] for kind in Media.KINDS for part in parts
                                    if kind in part.encoders.get(name, {})])
     routes = {}
     for layer in sorted(parts[0].routes):
+        if any(layer not in p.routes for p in parts):  # read in some passes only: not a route of every token
+            continue
         recs = [p.routes[layer] for p in parts]
         experts, weights, margin = (_scatter(ctx, names.Route(layer, part), [getattr(r, part) for r in recs], pieces)
                                     for part in ("experts", "weights", "margin"))
         routes[layer] = RouteRecord(layer, experts.long(), weights, margin)
-    return Capture(tensors={**tensors, **grads}, routes=routes, backward=backward)
+    return Capture(tensors={**tensors, **whole_grads}, routes=routes, backward=backward, sketches=sketches,
+                   absent=absent, notes=notes)
 
 
 def _grid(batch: Batch, flat: torch.Tensor) -> torch.Tensor:
@@ -189,10 +306,20 @@ def _scatter(ctx: LayoutContext, name: names.TensorName, values: list[torch.Tens
     positions = torch.cat([positions for _, positions in pieces])
     if rows.shape[0] != positions.numel():
         raise LayoutError(f"{name}: the passes produced {rows.shape[0]} token rows for {positions.numel()} positions")
-    kept = positions >= 0  # slots a layout added (padding) stand for no golden position
+    kept = positions >= 0  # slots a layout or an adapted batch added (padding) stand for no golden position
     rows, positions = rows[kept], positions[kept]
-    count = ctx.batch.rows * ctx.batch.width
-    covered = torch.zeros(count, dtype=torch.bool)
+    covered = _covered(ctx, name, positions)
+    out = torch.zeros(ctx.batch.rows * ctx.batch.width, *rows.shape[1:], dtype=rows.dtype)
+    gold = ctx.golden.tensors.get(str(name))
+    if gold is not None and gold.numel() == out.numel():  # padding nobody computed: the golden's own values
+        out[~covered] = gold.reshape(out.shape)[~covered].to(out.dtype)
+    out[positions] = rows
+    return out
+
+
+def _covered(ctx: LayoutContext, name: names.TensorName, positions: torch.Tensor) -> torch.Tensor:
+    """[rows * width] bool: the golden positions the passes produced, each once, every real token among them."""
+    covered = torch.zeros(ctx.batch.rows * ctx.batch.width, dtype=torch.bool)
     if positions.numel() != positions.unique().numel():
         raise LayoutError(f"{name}: passes overlap (a golden position is produced twice)")
     covered[positions] = True
@@ -201,12 +328,7 @@ def _scatter(ctx: LayoutContext, name: names.TensorName, values: list[torch.Tens
         first = int(missing.nonzero()[0])
         row, pos = divmod(first, ctx.batch.width)
         raise LayoutError(f"{name}: no pass produced the token at row {row} pos {pos}")
-    out = torch.zeros(count, *rows.shape[1:], dtype=rows.dtype)
-    gold = ctx.golden.tensors.get(str(name))
-    if gold is not None and gold.numel() == out.numel():  # padding nobody computed: the golden's own values
-        out[~covered] = gold.reshape(out.shape)[~covered].to(out.dtype)
-    out[positions] = rows
-    return out
+    return covered
 
 
 def _token_rows(name: names.TensorName, value: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ from torch import nn
 from ...errors import Unsupported
 from ...golden.codec import Golden
 from .hf_parallel import NO_TRAIN, load_pretrained
-from .protocol import DataGroup, Layout, LayoutContext, Setup
+from .protocol import Layout, LayoutContext, Setup
 
 
 class EP(Layout):
@@ -32,9 +32,14 @@ class EP(Layout):
 
         return load_pretrained(ctx, DistributedConfig(ep_size=ctx.world, fsdp_size=ctx.world))
 
+    def mesh(self, ctx: LayoutContext) -> object:
+        # What a backend is told; transformers builds its own (equal) mesh inside `from_pretrained`.
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(ctx.device.type, (ctx.world,), mesh_dim_names=("ep",))
+
     def wrap(self, model: nn.Module, ctx: LayoutContext) -> Setup:
-        return Setup(model, data=DataGroup(ctx.world, ctx.rank),
-                     notes=[f"transformers DistributedConfig(ep_size={ctx.world}, fsdp_size={ctx.world})"])
+        return Setup(model, notes=[f"transformers DistributedConfig(ep_size={ctx.world}, fsdp_size={ctx.world})"])
 
 
 LAYOUT = EP()

@@ -17,7 +17,7 @@ from ...errors import Unsupported
 from ...golden.codec import Golden
 from ...reference.inputs import Batch
 from ...reference.probes import decoder_layers
-from .protocol import DataGroup, Layout, LayoutContext, Setup, Shard, shard_rows
+from .protocol import Layout, LayoutContext, Setup, Shard, shard_rows
 
 
 def shard_layers(model: nn.Module, mesh: object) -> None:
@@ -78,11 +78,14 @@ class FSDP2(Layout):
     description = "FSDP2 fully_shard per decoder layer and root, rows split across ranks"
     distributed = True
 
-    def wrap(self, model: nn.Module, ctx: LayoutContext) -> Setup:
+    def mesh(self, ctx: LayoutContext) -> object:
         from torch.distributed.device_mesh import init_device_mesh
 
-        shard_layers(model, init_device_mesh(ctx.device.type, (ctx.world,)))
-        return Setup(model, data=DataGroup(ctx.world, ctx.rank), notes=[f"fully_shard over {ctx.world} ranks"])
+        return init_device_mesh(ctx.device.type, (ctx.world,), mesh_dim_names=("shard",))
+
+    def wrap(self, model: nn.Module, ctx: LayoutContext) -> Setup:
+        shard_layers(model, ctx.mesh)
+        return Setup(model, notes=[f"fully_shard over {ctx.world} ranks"])
 
 
 class AsymmetricFSDP2(FSDP2):

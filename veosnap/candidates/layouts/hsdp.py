@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from .fsdp2 import shard_layers
-from .protocol import DataGroup, Layout, LayoutContext, Setup
+from .protocol import Layout, LayoutContext, Setup
 
 
 def hsdp_mesh(world: int) -> tuple[int, int]:
@@ -19,14 +19,15 @@ class HSDP(Layout):
     description = "FSDP2 fully_shard on a 2-D (replicate, shard) mesh; 2 ranks: (2, 1), 4 ranks: (2, 2)"
     distributed = True
 
-    def wrap(self, model: nn.Module, ctx: LayoutContext) -> Setup:
+    def mesh(self, ctx: LayoutContext) -> object:
         from torch.distributed.device_mesh import init_device_mesh
 
+        return init_device_mesh(ctx.device.type, hsdp_mesh(ctx.world), mesh_dim_names=("replicate", "shard"))
+
+    def wrap(self, model: nn.Module, ctx: LayoutContext) -> Setup:
         replicate, shard = hsdp_mesh(ctx.world)
-        mesh = init_device_mesh(ctx.device.type, (replicate, shard), mesh_dim_names=("replicate", "shard"))
-        shard_layers(model, mesh)
-        return Setup(model, data=DataGroup(ctx.world, ctx.rank),
-                     notes=[f"fully_shard on a (replicate={replicate}, shard={shard}) mesh"])
+        shard_layers(model, ctx.mesh)
+        return Setup(model, notes=[f"fully_shard on a (replicate={replicate}, shard={shard}) mesh"])
 
 
 LAYOUT = HSDP()

@@ -5,8 +5,14 @@ A layout is an instance of a `Layout` subclass. It answers, each with a method t
     accept(golden, nproc)     does it apply? Raise `Unsupported(reason)` to decline: the check is skipped
     load(ctx)                 the reference model on this rank, before the backend is applied
                               (default: built on ctx.device; tp/ep load it through transformers)
+    data(ctx)                 which data-parallel share of the golden's rows this rank holds -> `DataGroup`
+                              (default: one share per rank for a multi-process layout, the whole batch
+                              in process); the backend is told it before it runs
+    mesh(ctx)                 the device mesh the layout shards over, built before the backend runs so
+                              the backend is told it (default: none); `wrap` finds it in `ctx.mesh`
     wrap(model, ctx)          the candidate set up on this rank -> `Setup`: wrapped (DDP), sharded in place
-                              (fully_shard), or as it is; which data-parallel share the rank holds; notes
+                              (fully_shard), or as it is; notes. Not called for a backend that
+                              parallelizes the model itself (`backends.parallelizes`)
     shard(ctx, setup)         the passes this rank runs for one step -> [`Shard`]: each a batch and, per
                               token, the flat position of the golden's batch it stands for
                               (default: the golden's rows, split over the data-parallel ranks)
@@ -56,12 +62,14 @@ class LayoutContext:
     world: int = 1
     workdir: Path | None = None  # a directory every rank shares (torchrun); None in process
     hyper: TrainHyper | None = None  # the train scenario's steps; None for `step`
+    local_rank: int = 0
+    mesh: object | None = None  # the DeviceMesh `Layout.mesh` built for this run (set by the engine)
 
     @classmethod
     def checking(cls, golden: Golden, toy: ToyConfig, device: torch.device, scenario: Scenario | None = None,
                  **place: object) -> LayoutContext:
         """The context of a check against `golden`, the model built from `toy` (with the encoders `scenario`
-        freezes frozen); `place`: rank, world, workdir."""
+        freezes frozen); `place`: rank, world, local_rank, workdir."""
         build = models.builder(toy, golden.key.dtype, golden.manifest.reference.seed)
         if scenario is not None and scenario.frozen:
             build = _frozen(build, scenario)
@@ -120,7 +128,7 @@ class Setup:
 
     model: nn.Module  # what the forward calls (a DDP wrapper, or the model itself)
     inner: nn.Module | None = None  # the HF model inside it: hooks, parameters, gradients (default: model)
-    data: DataGroup = field(default_factory=DataGroup)
+    data: DataGroup | None = None  # the data-parallel share (default: what `Layout.data` said)
     notes: list[str] = field(default_factory=list)  # said in the report (how it was set up)
 
     def __post_init__(self) -> None:
@@ -180,6 +188,14 @@ class Layout:
     def load(self, ctx: LayoutContext) -> nn.Module:
         """The reference model on this rank, before the backend is applied."""
         return ctx.build(ctx.device)
+
+    def data(self, ctx: LayoutContext) -> DataGroup:
+        """The data-parallel share of the golden's rows this rank holds (told to the backend before it runs)."""
+        return DataGroup(ctx.world, ctx.rank) if self.distributed else DataGroup()
+
+    def mesh(self, ctx: LayoutContext) -> object | None:
+        """The device mesh this layout shards over, built before the backend runs (every rank calls it)."""
+        return None
 
     def wrap(self, model: nn.Module, ctx: LayoutContext) -> Setup:
         """The candidate model (the backend applied) set up on this rank."""

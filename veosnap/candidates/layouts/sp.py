@@ -79,14 +79,17 @@ class SequenceParallel(Layout):
             return load_pretrained(ctx, DistributedConfig(ep_size=ctx.world, fsdp_size=ctx.world))
         return super().load(ctx)
 
+    def mesh(self, ctx: LayoutContext) -> object:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(ctx.device.type, (ctx.world,), mesh_dim_names=("sp",))
+
     def wrap(self, model: nn.Module, ctx: LayoutContext) -> Setup:
         import torch.distributed as dist
 
         notes = []
         if self.params == "fsdp2":
-            from torch.distributed.device_mesh import init_device_mesh
-
-            shard_layers(model, init_device_mesh(ctx.device.type, (ctx.world,)))
+            shard_layers(model, ctx.mesh)
             notes.append(f"fully_shard over the same {ctx.world} ranks")
         elif self.params == "ep":
             notes.append(f"transformers DistributedConfig(ep_size={ctx.world}, fsdp_size={ctx.world})")

@@ -41,6 +41,7 @@ import torch
 import veosnap
 
 from ...golden.key import GoldenKey
+from ...numerics.sketch import CandidateSketch, SketchProblem
 from ...reference.capture import Capture
 from ...reference.zoo import Project
 from .engine import LayoutResult
@@ -50,6 +51,7 @@ END_GRACE_S = 10.0  # how long torchrun gets to end its ranks after a timeout
 WORKER = "veosnap.candidates.layouts.worker"
 REPLAYED = "replayed."
 PROGRESS = "progress-rank"  # OUT/progress-rank<R>.txt: the block rank R last entered (see `where_ranks_were`)
+SKETCH = "sketch."  # a sketched tensor's reduction: sketch.<name>.values / .counts / .off_support
 PREFIX = "veosnap-layouts-"
 LOCK = "owner.lock"  # held by the parent while the run lives
 STALE_S = 60.0  # an unlocked OUT directory older than this was left by a parent that was killed
@@ -268,14 +270,47 @@ def _end(proc: subprocess.Popen) -> None:
 
 
 def write_result(path: Path, result: LayoutResult) -> None:
-    """A rank 0 result file: the capture's tensors and routes, the replayed run's under `replayed.`."""
+    """A rank 0 result file: the capture's tensors and routes, the replayed run's under `replayed.`, and
+    each sketched tensor's reduction (small: groups x width) under `sketch.`."""
     from safetensors.torch import save_file
 
-    tensors = {n: t.contiguous().clone() for n, t in result.capture.all_tensors().items()}
-    if result.replayed is not None:
-        tensors.update({REPLAYED + n: t.contiguous().clone() for n, t in result.replayed.all_tensors().items()})
-    meta = {"notes": result.notes, "forward_only": result.forward_only, "backward": result.capture.backward}
+    tensors, sketches = {}, {}
+    for prefix, capture in (("", result.capture), (REPLAYED, result.replayed)):
+        if capture is None:
+            continue
+        tensors.update({prefix + n: t.contiguous().clone() for n, t in capture.all_tensors().items()})
+        for name, kept in capture.sketches.items():
+            sketches[prefix + name] = _sketch_meta(kept)
+            if isinstance(kept, CandidateSketch):
+                parts = {"values": kept.values, "counts": kept.counts, "off_support": kept.off_support}
+                tensors.update({f"{SKETCH}{prefix}{name}.{part}": t.detach().cpu().contiguous().clone()
+                                for part, t in parts.items() if t is not None})
+    meta = {"notes": result.notes, "forward_only": result.forward_only, "backward": result.capture.backward,
+            "sketches": sketches, "absent": result.capture.absent,
+            "replayed_absent": result.replayed.absent if result.replayed else {}}
     save_file(tensors, str(path), metadata={"veosnap": json.dumps(meta)})
+
+
+def _sketch_meta(kept: object) -> dict:
+    if isinstance(kept, SketchProblem):
+        return {"problem": kept.problem}
+    return {"nonfinite_rows": kept.nonfinite_rows, "first_nonfinite_row": kept.first_nonfinite_row}
+
+
+def _read_sketches(meta: dict, tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for key, info in meta.items():
+        if not key.startswith(prefix) or (not prefix and key.startswith(REPLAYED)):
+            continue
+        name = key[len(prefix):]
+        if "problem" in info:
+            out[name] = SketchProblem(info["problem"])
+            continue
+        part = lambda p: tensors.get(f"{SKETCH}{key}.{p}")  # noqa: E731
+        out[name] = CandidateSketch(values=part("values"), counts=part("counts"), off_support=part("off_support"),
+                                    nonfinite_rows=info["nonfinite_rows"],
+                                    first_nonfinite_row=info["first_nonfinite_row"])
+    return out
 
 
 def read_result(path: Path) -> LayoutResult:
@@ -286,9 +321,13 @@ def read_result(path: Path) -> LayoutResult:
     with safe_open(str(path), framework="pt") as fh:
         meta = json.loads((fh.metadata() or {})["veosnap"])
     tensors: dict[str, torch.Tensor] = load_file(str(path))
-    main = {n: t for n, t in tensors.items() if not n.startswith(REPLAYED)}
+    main = {n: t for n, t in tensors.items() if not n.startswith((REPLAYED, SKETCH))}
     replayed = {n[len(REPLAYED):]: t for n, t in tensors.items() if n.startswith(REPLAYED)}
     backward = meta["backward"]
-    return LayoutResult(Capture.from_tensors(main, backward),
-                        Capture.from_tensors(replayed, backward) if replayed else None,
-                        notes=meta["notes"], forward_only=meta["forward_only"])
+    capture = Capture.from_tensors(main, backward, meta.get("absent"))
+    capture.sketches = _read_sketches(meta["sketches"], tensors, "")
+    again = None
+    if replayed:
+        again = Capture.from_tensors(replayed, backward, meta.get("replayed_absent"))
+        again.sketches = _read_sketches(meta["sketches"], tensors, REPLAYED)
+    return LayoutResult(capture, again, notes=meta["notes"], forward_only=meta["forward_only"])

@@ -7,7 +7,7 @@ from torch import nn
 from ...errors import Unsupported
 from ...golden.codec import Golden
 from .hf_parallel import NO_TRAIN, load_pretrained
-from .protocol import Layout, LayoutContext, Setup
+from .protocol import DataGroup, Layout, LayoutContext, Setup
 
 
 class TP(Layout):
@@ -28,6 +28,15 @@ class TP(Layout):
         from transformers.distributed import DistributedConfig
 
         return load_pretrained(ctx, DistributedConfig(tp_size=ctx.world))
+
+    def data(self, ctx: LayoutContext) -> DataGroup:
+        return DataGroup()  # every rank runs the whole batch
+
+    def mesh(self, ctx: LayoutContext) -> object:
+        # What a backend is told; transformers builds its own (equal) mesh inside `from_pretrained`.
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(ctx.device.type, (ctx.world,), mesh_dim_names=("tp",))
 
     def wrap(self, model: nn.Module, ctx: LayoutContext) -> Setup:
         return Setup(model, notes=[f"transformers DistributedConfig(tp_size={ctx.world})"])

@@ -91,6 +91,9 @@ def _on_backward(output: object, path: Path, name: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # A candidate may print what it likes: on a rank, as in the parent, stdout is stderr (the rank's log).
+    sys.stdout.flush()
+    os.dup2(2, 1)
     p = argparse.ArgumentParser(prog=f"python -m {torchrun.WORKER}")
     for flag in ("--goldens", "--configs", "--testdata", "--hardware-class", "--model", "--dtype", "--backend", "--out"):
         p.add_argument(flag, required=True)
@@ -117,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                                    cross_class=True)
         backend = backends.resolve(args.backend)
         ctx = LayoutContext.checking(golden, toy, device, scenarios.get(args.scenario), rank=rank, world=world,
-                                     workdir=out)
+                                     local_rank=local, workdir=out)
         ctx.build = _reporting_progress(ctx.build, out / f"{torchrun.PROGRESS}{rank}.txt")
         family = models.modeling_module(toy)
         models.skeleton(toy)  # pins the reference's torch fallbacks before the modules are snapshot

@@ -1,0 +1,515 @@
+"""Goldens and checks at scale: bytes, times and memory from the toy zoo to about 1B parameters.
+
+For each size (a zoo family at real widths, few layers, long sequences) and dtype it records a golden
+with `--sketch auto` and checks a candidate against it, and prints one table:
+
+    params, tokens      the model and the golden's batch (4 rows, left-padded)
+    golden              bytes on disk (the target is 16 MiB, the hard limit 64 MiB)
+    record              wall time of `veosnap record` (two model builds, the reference, its float64 twin)
+    build               one model build with deterministic weights (not veosnap's own work, but a check waits for it)
+    cand f+b            the candidate's forward and backward alone (no hooks), median of 3, warm
+    eager f+b           the eager reference's (the slowest candidate; the issue's own figures were eager's)
+    check               a whole `veosnap check` (after the record and the candidate alone: its Triton kernels are
+                        compiled and cuBLAS is warm, as for a user's check after the first)
+    own                 veosnap's own time in that check, the sum of its phases:
+        load / decompress / parse   reading the file, zstd, safetensors + hashes + validation
+        reduce (grads)               capture's hooks and gradient pass: sketches, host copies of whole tensors
+                                     (in brackets: the gradient pass alone)
+        compare / report             every tensor against the golden; the text and JSON reports
+    rest                check - build - cand f+b - own: what no phase covers (hooks on routes, assembling the
+                        capture), and the noise of timing the candidate apart (it can come out negative)
+    own/f+b             the issue's target: <= 0.25 on the H200 at ~1B parameters (aim 0.1); own/eager likewise
+    peak                GPU: torch.cuda.max_memory_allocated during the check / during the candidate alone;
+                        CPU: resident set size, sampled, same two phases
+    sketch GB/s         the row-sketch kernel on a logits-shaped tensor, against a copy's GB/s (read + write)
+
+    python tools/bench_scale.py                       # the sizes for this machine (CPU: up to ~0.1B)
+    python tools/bench_scale.py --sizes toy,llama-1b --dtypes bfloat16 --budget-s 480
+    OUT=/tmp/out python tools/bench_scale.py          # also writes $OUT/bench_scale.json and .md
+
+Sizes are real widths with few layers (docs/scale.md lists them); test data is generated (random
+tokens, seeded) into a scratch project, so nothing in the repository is touched. Routers at 128 experts
+may have near-ties at 8k tokens: the benchmark records with --allow-near-ties (it measures cost, not
+routing). On CUDA, TF32 is off (veosnap's deterministic settings) in every phase.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from rich.console import Console
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import veosnap.golden.codec as codec_module  # noqa: E402
+import veosnap.golden.store as store_module  # noqa: E402
+import veosnap.reference.models as models_module  # noqa: E402
+import veosnap.runs.check as check_module  # noqa: E402
+from veosnap.candidates import backends  # noqa: E402
+from veosnap.errors import Unsupported  # noqa: E402
+from veosnap.golden import store  # noqa: E402
+from veosnap.golden.key import GoldenKey  # noqa: E402
+from veosnap.numerics.sketch import rowsketch  # noqa: E402
+from veosnap.reference import hardware  # noqa: E402
+from veosnap.reference.determinism import deterministic  # noqa: E402
+from veosnap.reference.inputs import Batch  # noqa: E402
+from veosnap.reference.reduce import CandidateReducer, Reducer  # noqa: E402
+from veosnap.reference.zoo import Project, load_config  # noqa: E402
+from veosnap.render import json as render_json  # noqa: E402
+from veosnap.render import text as render_text  # noqa: E402
+from veosnap.runs.record import build_golden, encode_checked  # noqa: E402
+
+console = Console(width=220)
+CUDA = torch.cuda.is_available()
+
+
+@dataclass(frozen=True)
+class Size:
+    """A zoo family at real widths: the toy config with these fields replaced, and its batch."""
+
+    name: str
+    family: str  # the toy config it starts from
+    fields: dict
+    row_tokens: tuple[int, ...] = ()  # lengths of the 4 sequences (4 left-padded rows); () the zoo's own
+    candidate: tuple[str, ...] = ("sdpa",)  # backend specs, the first that runs is used
+
+
+LLAMA_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+SIZES = {s.name: s for s in (
+    Size("toy", "qwen3_moe", {}, candidate=("sdpa+grouped_mm", "sdpa")),
+    Size("llama-17m", "llama", {"hidden_size": 512, "intermediate_size": 1408, "head_dim": 64,
+                                "num_attention_heads": 8, "num_key_value_heads": 4, "num_hidden_layers": 4,
+                                "vocab_size": 12000, "max_position_embeddings": 8192},
+         row_tokens=(384, 380, 384, 360)),
+    Size("qwen3_moe-60m", "qwen3_moe", {"hidden_size": 512, "intermediate_size": 1536, "head_dim": 64,
+                                        "num_attention_heads": 8, "num_key_value_heads": 4, "num_hidden_layers": 2,
+                                        "num_experts": 32, "num_experts_per_tok": 4, "moe_intermediate_size": 384,
+                                        "vocab_size": 32000, "max_position_embeddings": 8192},
+         row_tokens=(256, 250, 256, 240), candidate=("sdpa+grouped_mm", "sdpa")),
+    Size("llama-0.1b", "llama", {"hidden_size": 1024, "intermediate_size": 2816, "head_dim": 128,
+                                 "num_attention_heads": 8, "num_key_value_heads": 2, "num_hidden_layers": 2,
+                                 "vocab_size": 32000, "max_position_embeddings": 131072,
+                                 "rope_parameters": LLAMA_ROPE},
+         row_tokens=(512, 500, 512, 480)),
+    # The H200 sizes: real widths (Llama-3.2-1B, Qwen3-30B-A3B), few layers, 8k tokens.
+    Size("llama-1b", "llama", {"hidden_size": 2048, "intermediate_size": 8192, "head_dim": 64,
+                               "num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 4,
+                               "vocab_size": 128256, "max_position_embeddings": 131072, "rope_parameters": LLAMA_ROPE},
+         row_tokens=(2048, 2040, 2048, 2000)),
+    Size("llama-hd128", "llama", {"hidden_size": 2048, "intermediate_size": 8192, "head_dim": 128,
+                                  "num_attention_heads": 16, "num_key_value_heads": 8, "num_hidden_layers": 4,
+                                  "vocab_size": 128256, "max_position_embeddings": 131072,
+                                  "rope_parameters": LLAMA_ROPE},
+         row_tokens=(2048, 2040, 2048, 2000)),
+    Size("qwen3_moe-1b", "qwen3_moe", {"hidden_size": 2048, "intermediate_size": 6144, "head_dim": 128,
+                                       "num_attention_heads": 32, "num_key_value_heads": 4, "num_hidden_layers": 1,
+                                       "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                                       "vocab_size": 151936, "max_position_embeddings": 40960},
+         row_tokens=(2048, 2040, 2048, 2000), candidate=("sdpa+grouped_mm", "sdpa")),
+)}
+DEFAULT_SIZES = ("toy", "llama-hd128", "qwen3_moe-1b") if CUDA else ("toy", "llama-17m", "qwen3_moe-60m", "llama-0.1b")
+DEFAULT_DTYPES = ("float32", "bfloat16")
+
+
+# --- timing and memory ---------------------------------------------------------------------------------
+
+
+def sync() -> None:
+    if CUDA:
+        torch.cuda.synchronize()
+
+
+class Phases:
+    """Accumulated seconds per phase while `active` (wrapped functions add to it)."""
+
+    active: Phases | None = None
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
+
+    def get(self, phase: str) -> float:
+        return self.seconds.get(phase, 0.0)
+
+
+_DEPTH = threading.local()  # one depth for every wrapper: a phase inside another is counted once
+
+
+def timed(phase: str, fn: Callable, nested: bool = False) -> Callable:
+    """`fn`, adding its (synchronized) time to the active `Phases` under `phase`: only when no other
+    phase is running (a phase within another is counted once), unless `nested` (its own depth: the
+    golden's read, decode and decompress nest, and are split by difference)."""
+    depth = threading.local() if nested else _DEPTH
+
+    def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        phases = Phases.active
+        if phases is None or getattr(depth, "n", 0):
+            return fn(*args, **kwargs)
+        depth.n = 1
+        sync()
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            sync()
+            phases.add(phase, time.perf_counter() - start)
+            depth.n = 0
+
+    return wrapper
+
+
+def instrument() -> None:
+    """Wrap the functions whose time a check spends, once. A function that has moved is reported (its
+    phase reads 0) rather than failing the run."""
+    import veosnap.candidates.layouts.engine as engine_module
+
+    targets = [
+        (store_module, "read", "read", True), (codec_module, "decode", "decode", True),
+        (codec_module, "_decompress", "decompress", True), (models_module, "build", "build", False),
+        (check_module, "compare", "compare", False), (Reducer, "keep_tokens", "reduce", False),
+        (Reducer, "keep_rows", "reduce", False), (CandidateReducer, "finish", "reduce", False),
+        (engine_module, "reduce_gradients", "grads", False),
+    ]
+    for owner, attribute, phase, nested in targets:
+        if not callable(getattr(owner, attribute, None)):
+            console.print(f"[yellow]not timed: {getattr(owner, '__name__', owner)}.{attribute} (moved?)[/yellow]")
+            continue
+        setattr(owner, attribute, timed(phase, getattr(owner, attribute), nested=nested))
+    if getattr(store_module, "decode", None) is not None:
+        store_module.decode = codec_module.decode  # store imported it by name
+
+
+class Peak:
+    """Peak memory of a phase: CUDA's allocator high-water mark, or the sampled resident set on the CPU."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self._stop = threading.Event()
+
+    @contextmanager
+    def measure(self) -> Iterator[Peak]:
+        if CUDA:
+            sync()
+            torch.cuda.reset_peak_memory_stats()
+            yield self
+            sync()
+            self.bytes = torch.cuda.max_memory_allocated()
+            return
+        sampler = threading.Thread(target=self._sample, daemon=True)
+        sampler.start()
+        try:
+            yield self
+        finally:
+            self._stop.set()
+            sampler.join()
+
+    def _sample(self) -> None:
+        page = os.sysconf("SC_PAGE_SIZE")
+        while True:
+            with open("/proc/self/statm") as fh:
+                self.bytes = max(self.bytes, int(fh.read().split()[1]) * page)
+            if self._stop.wait(0.005):
+                return
+
+
+# --- a scratch project -------------------------------------------------------------------------------
+
+
+def make_project(root: Path, size: Size) -> Project:
+    """A project holding this size's config and test data (random tokens, seeded), no goldens yet."""
+    configs, testdata = root / "toy_configs", root / "testdata"
+    config = json.loads((ROOT / "toy_configs" / size.family / "config.json").read_text())
+    config.update(size.fields)
+    (configs / size.name).mkdir(parents=True)
+    (configs / size.name / "config.json").write_text(json.dumps(config, indent=2))
+    if size.row_tokens:
+        testdata.mkdir(parents=True)
+        gen = torch.Generator().manual_seed(1234)
+        rows = [torch.randint(3, config["vocab_size"], (n,), generator=gen).tolist() for n in size.row_tokens]
+        table = pa.table({"id": pa.array(range(len(rows)), pa.int32()),
+                          "length": pa.array([len(r) for r in rows], pa.int32()),
+                          "tokens": pa.array(rows, pa.list_(pa.int32()))})
+        pq.write_table(table, testdata / "sequences.parquet")
+    else:
+        shutil.copytree(ROOT / "testdata", testdata)
+    return Project.resolve(goldens=root / "goldens", configs=configs, testdata=testdata,
+                           hardware_class=hardware.detect())
+
+
+# --- one size ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    size: str
+    dtype: str
+    params: int = 0
+    tokens: int = 0
+    golden_bytes: int = 0
+    sketched: str = ""  # how many tensors are sketched, of how many
+    record_s: float = 0.0
+    build_s: float = 0.0
+    candidate: str = ""
+    fwd_bwd_s: float = 0.0
+    eager_s: float = 0.0  # the eager reference's forward and backward (no hooks)
+    check_s: float = 0.0
+    own_s: float = 0.0
+    rest_s: float = 0.0
+    phases: dict = field(default_factory=dict)
+    peak_check: int = 0
+    peak_candidate: int = 0
+    sketch_gbps: float = 0.0
+    copy_gbps: float = 0.0
+    passed: bool | None = None
+    note: str = ""
+
+    @property
+    def ratio(self) -> float:
+        return self.own_s / self.fwd_bwd_s if self.fwd_bwd_s else float("nan")
+
+
+def run_size(size: Size, dtype: str, workdir: Path) -> Row:
+    row = Row(size.name, dtype)
+    project = make_project(workdir, size)
+    key = GoldenKey(project.hardware_class, size.name, "step", dtype)
+    started = time.perf_counter()
+    # The recording as `veosnap record` makes it, without its fragility check (which runs the sdpa,
+    # grouped_mm and batched_mm candidates against the new golden: checks, timed below, not a recording).
+    path = store.path_for(project.goldens, key)
+    store.write_bytes(encode_checked(build_golden(project, key, allow_near_ties=True, sketch="auto"), path),
+                      path, project.goldens)
+    sync()
+    row.record_s = time.perf_counter() - started
+    row.golden_bytes = path.stat().st_size
+    golden = store.read(path)
+    row.sketched = f"{len(golden.sketches)}/{len(golden.manifest.tolerance)}"
+    batch = Batch.from_golden(golden)
+    row.tokens = int(batch.attention_mask.sum())
+    toy = load_config(project.configs, size.name)
+
+    backend = None
+    for spec in size.candidate:
+        try:
+            backend = backends.resolve(spec)
+            with deterministic():
+                row.fwd_bwd_s, row.peak_candidate, row.params, row.eager_s = candidate_alone(toy, dtype, golden,
+                                                                                             backend)
+            row.candidate = spec
+            break
+        except (Unsupported, RuntimeError, NotImplementedError) as exc:
+            row.note += f"{spec}: {type(exc).__name__} {str(exc)[:80]}; "
+    if not row.candidate:
+        return row
+
+    # No warm-up check: the record just ran the same sketch kernels (compiled) and the candidate alone
+    # warmed cuBLAS, so this check is what a user's second check in CI costs.
+    phases = Phases()
+    peak = Peak()
+    Phases.active = phases
+    try:
+        with peak.measure():
+            sync()
+            started = time.perf_counter()
+            report = check_module.check(project, key, backend)
+            sync()
+            row.check_s = time.perf_counter() - started
+        start = time.perf_counter()
+        render_text.checks([report])
+        render_json.checks([report])
+        phases.add("report", time.perf_counter() - start)
+    finally:
+        Phases.active = None
+    row.peak_check = peak.bytes
+    row.passed = report.passed
+    if not report.passed:
+        row.note += f"check {report.status}: {report.error or (report.worst and report.worst.name)}; "
+    read, decode, decompress = phases.get("read"), phases.get("decode"), phases.get("decompress")
+    row.build_s = phases.get("build")
+    row.phases = {"load": read - decode, "decompress": decompress, "parse": decode - decompress,
+                  "reduce": phases.get("reduce"), "grads": phases.get("grads"), "compare": phases.get("compare"),
+                  "report": phases.get("report")}
+    row.own_s = sum(row.phases.values())
+    row.rest_s = row.check_s - row.build_s - row.fwd_bwd_s - (row.own_s - row.phases["report"])
+    row.sketch_gbps, row.copy_gbps = kernel_throughput(golden, dtype)
+    return row
+
+
+def candidate_alone(toy, dtype: str, golden, backend) -> tuple[float, int, int, float]:  # noqa: ANN001
+    """The candidate's forward and backward with no veosnap hook: median seconds of 3 (after one warm-up),
+    its peak memory, its parameter count; and the eager reference's own forward and backward (median of 2),
+    the slower candidate a ratio can also be read against."""
+    device = hardware.device_for(hardware.detect())
+    model = models_module.build(toy, models_module.dtype_from_name(dtype), device, golden.manifest.reference.seed)
+    params = sum(p.numel() for p in model.parameters())
+    batch = Batch.from_golden(golden).to(device)
+    model.train()
+    eager = _fwd_bwd_times(model, batch, 3)
+    peak = Peak()
+    with backend.prepare(model) as candidate:
+        times = _fwd_bwd_times(candidate.model, batch, 4, peak)
+    del model
+    if CUDA:
+        torch.cuda.empty_cache()
+    return statistics.median(times), peak.bytes, params, statistics.median(eager)
+
+
+def _fwd_bwd_times(model, batch: Batch, runs: int, peak: Peak | None = None) -> list[float]:  # noqa: ANN001
+    """Seconds of each forward and backward after the first (a warm-up); `peak` measures the second."""
+    times = []
+    model.train()
+    for i in range(runs):
+        model.zero_grad(set_to_none=True)
+        with peak.measure() if peak is not None and i == 1 else _nothing():
+            sync()
+            start = time.perf_counter()
+            out = model(**batch.model_kwargs(), use_cache=False)
+            out.loss.backward()
+            sync()
+        if i:
+            times.append(time.perf_counter() - start)
+        del out
+    model.zero_grad(set_to_none=True)
+    return times
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+def kernel_throughput(golden, dtype: str) -> tuple[float, float]:  # noqa: ANN001
+    """The row sketch's read GB/s on a logits-shaped tensor, and a copy's (read + write) GB/s."""
+    spec = golden.sketches["logits"].spec if "logits" in golden.sketches else None
+    rows, columns = (spec.rows, spec.columns) if spec else (golden.tensors["logits"].shape[0] *
+                                                          golden.tensors["logits"].shape[1],
+                                                          golden.tensors["logits"].shape[-1])
+    width = spec.width if spec else 64
+    device = hardware.device_for(hardware.detect())
+    x = torch.randn(rows, columns, device=device).to(models_module.dtype_from_name(dtype))
+    reps = 5 if CUDA else 1
+
+    def best(fn: Callable[[], object]) -> float:
+        fn()
+        out = []
+        for _ in range(reps):
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            out.append(time.perf_counter() - start)
+        return min(out)
+
+    nbytes = x.numel() * x.element_size()
+    with deterministic():
+        sketch_s = best(lambda: rowsketch(x, width, 7))
+        copy_s = best(lambda: x.clone())
+    return nbytes / sketch_s / 1e9, 2 * nbytes / copy_s / 1e9
+
+
+# --- the table ---------------------------------------------------------------------------------------
+
+
+def fmt_bytes(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
+
+
+def fmt_s(s: float) -> str:
+    return f"{s * 1e3:.0f} ms" if s < 1 else f"{s:.1f} s"
+
+
+COLUMNS = ("size", "dtype", "params", "tokens", "golden", "sketched", "record", "build", "candidate", "cand f+b",
+           "eager f+b", "check", "own", "load/dec/parse", "reduce (grads)", "compare", "report", "rest", "own/f+b",
+           "own/eager", "peak check/cand", "sketch/copy GB/s", "note")
+
+
+def cells(r: Row) -> list[str]:
+    p = r.phases
+    if not r.candidate:
+        return [r.size, r.dtype, f"{r.params / 1e6:.1f}M", str(r.tokens), fmt_bytes(r.golden_bytes), r.sketched,
+                fmt_s(r.record_s), *[""] * 16, r.note]
+    return [r.size, r.dtype, f"{r.params / 1e6:.1f}M" if r.params < 1e9 else f"{r.params / 1e9:.2f}B", str(r.tokens),
+            fmt_bytes(r.golden_bytes), r.sketched, fmt_s(r.record_s), fmt_s(r.build_s), r.candidate,
+            fmt_s(r.fwd_bwd_s), fmt_s(r.eager_s), fmt_s(r.check_s), fmt_s(r.own_s),
+            f"{p['load'] * 1e3:.0f}/{p['decompress'] * 1e3:.0f}/{p['parse'] * 1e3:.0f} ms",
+            f"{fmt_s(p['reduce'] + p['grads'])} ({fmt_s(p['grads'])})", fmt_s(p["compare"]), fmt_s(p["report"]),
+            ("-" if r.rest_s < 0 else "") + fmt_s(abs(r.rest_s)), f"{r.ratio:.2f}",
+            f"{r.own_s / r.eager_s:.2f}" if r.eager_s else "",
+            f"{fmt_bytes(r.peak_check)} / {fmt_bytes(r.peak_candidate)}",
+            f"{r.sketch_gbps:.1f} / {r.copy_gbps:.1f}", ("" if r.passed else "FAILED ") + r.note]
+
+
+def print_table(rows: list[Row]) -> str:
+    device = torch.cuda.get_device_name() if CUDA else "CPU"
+    table = Table(title=f"veosnap at scale on {device} (torch {torch.__version__}; own = load + decompress + parse + "
+                        "reduce + compare + report)")
+    for col in COLUMNS:
+        table.add_column(col, justify="left" if col in ("size", "dtype", "candidate", "note") else "right")
+    for r in rows:
+        table.add_row(*cells(r))
+    console.print(table)
+    md = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    md += ["| " + " | ".join(c.replace("|", "/") for c in cells(r)) + " |" for r in rows]
+    return "\n".join(md)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default=",".join(DEFAULT_SIZES), help=f"comma list of {', '.join(SIZES)}")
+    parser.add_argument("--dtypes", default=",".join(DEFAULT_DTYPES))
+    parser.add_argument("--budget-s", type=float, default=float("inf"),
+                        help="start no new size after this many seconds (the table shows what finished)")
+    parser.add_argument("--json", type=Path, help="write the rows here (default: $OUT/bench_scale.json if $OUT)")
+    args = parser.parse_args()
+    sizes = [SIZES[name] for name in args.sizes.split(",")]
+    dtypes = args.dtypes.split(",")
+    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+    json_path = args.json or (out_dir / "bench_scale.json" if out_dir else None)
+    instrument()
+    started = time.perf_counter()
+    rows: list[Row] = []
+    for size in sizes:
+        for dtype in dtypes:
+            if time.perf_counter() - started > args.budget_s:
+                rows.append(Row(size.name, dtype, note=f"not run: over the {args.budget_s:g} s budget"))
+                continue
+            console.print(f"[dim]{size.name} {dtype} ...[/dim]")
+            with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
+                try:
+                    row = run_size(size, dtype, Path(tmp))
+                except Exception as exc:  # noqa: BLE001 - one size failing must not lose the others' rows
+                    row = Row(size.name, dtype, note=f"{type(exc).__name__}: {str(exc)[:200]}")
+            rows.append(row)
+            console.print(f"[dim]  {' '.join(cells(row))}  ({time.perf_counter() - started:.0f} s so far)[/dim]")
+            if CUDA:
+                torch.cuda.empty_cache()
+            if json_path:
+                json_path.parent.mkdir(parents=True, exist_ok=True)
+                json_path.write_text(json.dumps([asdict(r) for r in rows], indent=2))
+    md = print_table(rows)
+    if out_dir:
+        (out_dir / "bench_scale.md").write_text(md + "\n")
+    console.print(f"{time.perf_counter() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""What capture keeps of each tensor it sees: the tensor whole, or a sketch made where the tensor lives.
+
+Capture's hooks (layer outputs, logits) and its gradient pass hand every tensor to a `Reducer`:
+
+- `Reducer` (the base) keeps everything whole: a copy on the host, as a golden stores it.
+- `RecordReducer` (record) sketches the tensors a sketch `Plan` chose, into the golden's `GoldenSketch`.
+- `CandidateReducer` (check, and the record's float64 noise run) sketches the tensors its golden holds
+  as sketches, with the golden's own specs, into `CandidateSketch`es.
+
+A sketched tensor is reduced in two steps. In the hook, on the tensor's device and before any later
+kernel can reuse its buffer, each row is reduced to its `width` numbers (`keep_tokens`, `keep_rows`:
+a `Rows`, rows x width, small); a layout that ran the batch in pieces puts its pieces' rows back at
+their positions in the golden's batch (the hash uses a row's global index, so the pieces' sketches are
+the whole tensor's). Then `finish` groups the rows as the spec says and applies the row mask (real
+tokens only) or the golden's support. No sketched tensor is ever copied to the host whole.
+
+A candidate's tensor of another shape or dtype than its golden's is not an exception: it becomes a
+`SketchProblem`, reported as that tensor's problem, as for a whole tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from ..numerics.metric import is_token_tensor
+from ..numerics.sketch import (
+    CandidateSketch,
+    GoldenSketch,
+    Plan,
+    RowSketch,
+    SketchProblem,
+    SketchSpec,
+    as_rows,
+    candidate_from_rows,
+    golden_from_rows,
+    rowsketch,
+    rowsketch_at,
+    scatter_rows,
+)
+from .probes import host_copy
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Per-row sketches of a tensor, or of the rows a piece of a layout produced: their dtype, and the
+    row of the whole tensor (the golden position) each stands for (None: rows 0, 1, ... in order)."""
+
+    sketch: RowSketch
+    dtype: torch.dtype
+    positions: torch.Tensor | None = None
+
+    def cpu(self) -> Rows:
+        return Rows(RowSketch(self.sketch.values.cpu(), self.sketch.sumsq.cpu()), self.dtype, self.positions)
+
+
+class Reducer:
+    """Keeps every tensor whole (the base: no tensor is sketched)."""
+
+    token_mask: torch.Tensor | None = None  # [rows * positions] bool of the golden's batch: real tokens
+
+    def spec(self, name: str) -> SketchSpec | None:
+        """The spec `name` is sketched with, or None: kept whole."""
+        return None
+
+    def keep_tokens(self, name: str, tensor: torch.Tensor, positions: torch.Tensor | None = None
+                    ) -> torch.Tensor | Rows | SketchProblem:
+        """What to keep of a token tensor ([rows, positions, ...]) a hook sees; `positions`: the flat
+        position in the golden's batch of each of its token rows, -1 for a slot a layout added that
+        stands for none (None: the golden's batch itself). Rows standing for none are not sketched."""
+        spec = self.spec(name)
+        if spec is None:
+            return host_copy(tensor)
+        x2d = as_rows(tensor.detach())
+        if x2d.shape[-1] != spec.columns:
+            return SketchProblem(f"shape {tuple(tensor.shape)} but golden {spec.shape}")
+        if positions is not None:
+            positions = positions.reshape(-1).cpu()
+            if positions.numel() != x2d.shape[0]:
+                return SketchProblem(f"{x2d.shape[0]} token rows for {positions.numel()} positions (shape "
+                                     f"{tuple(tensor.shape)})")
+            kept = positions >= 0
+            if not bool(kept.all()):
+                x2d, positions = x2d[kept.to(x2d.device)], positions[kept]
+        return Rows(rowsketch_at(x2d, spec.width, spec.seed, positions), tensor.dtype, positions)
+
+    def keep_rows(self, name: str, tensor: torch.Tensor, row_offset: int | None = None
+                  ) -> torch.Tensor | Rows | SketchProblem:
+        """What to keep of a per-parameter tensor (a gradient), or, with `row_offset`, of a shard of it
+        along its first dimension whose first row is row `row_offset` of the whole."""
+        spec = self.spec(name)
+        if spec is None:
+            return host_copy(tensor)
+        x2d = as_rows(tensor.detach())
+        shard = row_offset is not None
+        fits = tuple(tensor.shape[1:]) == spec.shape[1:] if shard else tuple(tensor.shape) == spec.shape
+        if not fits:
+            return SketchProblem(f"shape {tuple(tensor.shape)}{' (a shard)' if shard else ''} but golden {spec.shape}")
+        return Rows(rowsketch(x2d, spec.width, spec.seed, row_offset=row_offset or 0), tensor.dtype)
+
+    def finish(self, name: str, rows: Rows | SketchProblem) -> object:
+        """The kept form of a sketched tensor from all its rows (in order)."""
+        raise NotImplementedError(f"{type(self).__name__} sketches nothing, so it cannot finish {name!r}")
+
+    def row_mask(self, name: str) -> torch.Tensor | None:
+        return self.token_mask if is_token_tensor(name) else None
+
+
+WHOLE = Reducer()
+
+
+class RecordReducer(Reducer):
+    """The recorder's: the tensors `plan` sketches become the golden's `GoldenSketch`es."""
+
+    def __init__(self, plan: Plan, token_mask: torch.Tensor) -> None:
+        self.plan = plan
+        self.token_mask = token_mask.reshape(-1).cpu().bool()
+        self._specs = plan.sketched
+
+    def spec(self, name: str) -> SketchSpec | None:
+        return self._specs.get(name)
+
+    def finish(self, name: str, rows: Rows | SketchProblem) -> GoldenSketch:
+        if isinstance(rows, SketchProblem):  # the reference itself does not match its plan: a veosnap bug
+            raise RuntimeError(f"{name}: the reference's tensor does not match its sketch plan ({rows.problem})")
+        return golden_from_rows(rows.sketch, self._specs[name], dtype=rows.dtype, row_mask=self.row_mask(name),
+                                support_limit=self.plan.choice(name).support_limit, name=name)
+
+
+class CandidateReducer(Reducer):
+    """A check's (and the float64 noise run's): the tensors its golden holds as sketches are reduced
+    with the golden's specs. `check_dtype=False` for the float64 run, whose dtype differs on purpose."""
+
+    def __init__(self, sketches: Mapping[str, GoldenSketch], token_mask: torch.Tensor,
+                 check_dtype: bool = True) -> None:
+        self.sketches = dict(sketches)
+        self.token_mask = token_mask.reshape(-1).cpu().bool()
+        self.check_dtype = check_dtype
+
+    def spec(self, name: str) -> SketchSpec | None:
+        gold = self.sketches.get(name)
+        return None if gold is None else gold.spec
+
+    def finish(self, name: str, rows: Rows | SketchProblem) -> CandidateSketch | SketchProblem:
+        if isinstance(rows, SketchProblem):
+            return rows
+        gold = self.sketches[name]
+        dtype = str(rows.dtype).removeprefix("torch.")
+        if self.check_dtype and dtype != gold.dtype:
+            return SketchProblem(f"dtype {dtype} but golden {gold.dtype}")
+        if rows.sketch.values.shape[0] != gold.spec.rows:
+            found = rows.sketch.values.shape[0]
+            return SketchProblem(f"{found} rows but golden {gold.spec.rows} (shape {gold.spec.shape})")
+        return candidate_from_rows(rows.sketch, gold, dtype=rows.dtype, row_mask=self.row_mask(name), name=name)
+
+
+def assemble_rows(pieces: list[Rows | SketchProblem], rows: int) -> Rows | SketchProblem:
+    """A tensor's `rows` rows from the pieces a layout's passes produced (each knows the global row of
+    each of its rows); rows no piece produced (padding) are zero. The first problem wins."""
+    for piece in pieces:
+        if isinstance(piece, SketchProblem):
+            return piece
+    scattered = scatter_rows([(piece.sketch, piece.positions) for piece in pieces], rows)
+    return Rows(scattered, pieces[0].dtype)
