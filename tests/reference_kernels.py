@@ -31,9 +31,9 @@ def flash_dense(q, k, v, softmax_scale=None, causal=False, window_size=(None, No
     if softcap:
         scores = softcap * torch.tanh(scores / softcap)
     lq, lk = q.shape[1], k.shape[1]
-    qi = torch.arange(lq).unsqueeze(1) + (lk - lq)
-    kj = torch.arange(lk).unsqueeze(0)
-    allowed = torch.ones(lq, lk, dtype=torch.bool)
+    qi = torch.arange(lq, device=q.device).unsqueeze(1) + (lk - lq)
+    kj = torch.arange(lk, device=q.device).unsqueeze(0)
+    allowed = torch.ones(lq, lk, dtype=torch.bool, device=q.device)
     left, right = window_size
     if causal:
         right = 0

@@ -12,6 +12,7 @@ from pathlib import Path
 import faults
 import pytest
 import torch
+from golden_repo import CLASS
 
 from veosnap.candidates import backends
 from veosnap.golden.key import GoldenKey
@@ -77,8 +78,8 @@ def test_aux_goldens_keep_float32_noise_bounds(repo_project, name):
     bound is within a small factor of the same model's without the auxiliary loss."""
     base = name.removesuffix("_aux")
     for scenario in ("step", "train"):
-        with_aux = load_golden(repo_project, GoldenKey("cpu", name, scenario, "float32")).manifest
-        without = load_golden(repo_project, GoldenKey("cpu", base, scenario, "float32")).manifest
+        with_aux = load_golden(repo_project, GoldenKey(CLASS, name, scenario, "float32")).manifest
+        without = load_golden(repo_project, GoldenKey(CLASS, base, scenario, "float32")).manifest
         assert with_aux.config["output_router_logits"] is True and not without.config["output_router_logits"]
         loss = with_aux.tolerance["loss" if scenario == "step" else "train.loss"]
         assert loss.bound < 1e-5, (scenario, loss)
@@ -89,7 +90,7 @@ def test_aux_goldens_keep_float32_noise_bounds(repo_project, name):
 @pytest.mark.parametrize("name", AUX_MODELS)
 @pytest.mark.parametrize("fault", faults.AUX_LOSS_FAULTS)
 def test_a_bug_in_the_auxiliary_loss_fails_the_aux_golden_with_the_forward_intact(repo_project, name, fault):
-    report = check(repo_project, GoldenKey("cpu", name, "step", "float32"),
+    report = check(repo_project, GoldenKey(CLASS, name, "step", "float32"),
                    backends.resolve(f"{FAULTS_FILE}:{fault}"))
     assert not report.error, report.error
     assert not report.passed and report.routes_passed
@@ -100,13 +101,13 @@ def test_a_bug_in_the_auxiliary_loss_fails_the_aux_golden_with_the_forward_intac
 
 
 def test_aux_loss_faults_decline_a_model_without_one(repo_project):
-    (report,) = [check(repo_project, GoldenKey("cpu", "qwen3_moe", "step", "float32"),
+    (report,) = [check(repo_project, GoldenKey(CLASS, "qwen3_moe", "step", "float32"),
                        backends.resolve(f"{FAULTS_FILE}:aux_loss_left_out"))]
     assert report.status == "skip" and "output_router_logits" in report.skipped
 
 
 def test_layouts_that_split_the_batch_skip_the_aux_goldens_and_whole_batch_ones_pass(repo_project):
-    reports = check_layouts(repo_project, GoldenKey("cpu", "qwen3_moe_aux", "step", "float32"),
+    reports = check_layouts(repo_project, GoldenKey(CLASS, "qwen3_moe_aux", "step", "float32"),
                             backends.resolve("eager"), ["single", "packed", "microbatch"])
     single, packed, micro = reports
     assert single.passed and packed.passed, (single.worst, packed.worst)

@@ -63,10 +63,12 @@ def committed() -> list:
             readable.append((key, path, store.read(path)))
         except GoldenError as exc:
             assert key.hardware_class != "cpu" and exc.cause.startswith("no manifest hash: "), exc
-    # every zoo model: each scenario with a golden file of its own that it can run, in both dtypes (100)
+    # every toy model: each scenario with a golden file of its own that it can run, in both dtypes (100); the
+    # real-shape tier: the two whose cpu goldens are committed (step, float32)
     expected = {GoldenKey("cpu", model, scenario.recorded, dtype)
                 for model in ZOO.models() for scenario in scenarios.applicable(load_config(ZOO.configs, model).config)
                 for dtype in ("float32", "bfloat16")}
+    expected |= {GoldenKey("cpu", model, "step", "float32") for model in ("qwen3-real", "qwen3_moe-real-small")}
     assert {key for key, _, _ in readable if key.hardware_class == "cpu"} == expected
     return readable
 

@@ -135,7 +135,8 @@ def test_a_project_with_its_own_configs_still_reaches_the_bundled_zoo_by_name(ow
     assert run(capsys, "check", "--dtype", "float32")[0] == 0
     # A name in neither zoo is an error about the config, not advice to record what cannot be.
     code, _, err = run(capsys, "check", "--model", "nope")
-    assert code == 2 and "no such toy config (models in toy_configs: mine; bundled: deepseek_v3, deepseek_v4, gpt_oss" in err
+    assert code == 2 and "no such toy config (models in toy_configs: mine; bundled: deepseek_v3, " in err
+    assert ", gpt_oss, " in err and ", llama, " in err  # the bundled zoo, every tier, by name
     assert "record" not in err
 
 

@@ -12,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from golden_repo import CLASS
 import torch
 
 import veosnap
@@ -34,7 +35,7 @@ TIMEOUT_S = 300
 @pytest.fixture(scope="module")
 def project() -> Project:
     return Project.resolve(goldens=ROOT / "goldens", configs=ROOT / "toy_configs", testdata=ROOT / "testdata",
-                           hardware_class="cpu")
+                           hardware_class=CLASS)  # this machine's goldens: cpu here, cuda-sm90 on an H200
 
 
 @pytest.fixture(autouse=True)
@@ -145,8 +146,8 @@ def test_the_recorder_still_records_the_committed_moe_goldens_byte_for_byte(proj
     """Routes read at the experts' inputs are the ones the router's output gave: the same golden (its trail aside)."""
     import transformers
 
-    committed = store.path_for(project.goldens, GoldenKey("cpu", model, "step", "float32"))
-    recorded = load_golden(project, GoldenKey("cpu", model, "step", "float32")).manifest.provenance
+    committed = store.path_for(project.goldens, GoldenKey(CLASS, model, "step", "float32"))
+    recorded = load_golden(project, GoldenKey(CLASS, model, "step", "float32")).manifest.provenance
     if (recorded.torch, recorded.transformers) != (torch.__version__, transformers.__version__):
         pytest.skip(f"the golden was recorded with torch {recorded.torch} / transformers {recorded.transformers}")
     outcome = veosnap.record(model, "float32", project=scratch_project)
@@ -269,7 +270,7 @@ def test_an_adapter_that_misplaces_two_tokens_fails_where_they_are(project: Proj
 @pytest.fixture
 def drifted(scratch_project: Project, project: Project) -> Project:
     """The committed llama float32 golden, as if recorded with transformers 5.22.2 and torch 2.9.0."""
-    key = GoldenKey("cpu", "llama", "step", "float32")
+    key = GoldenKey(CLASS, "llama", "step", "float32")
     golden = load_golden(project, key)
     golden.manifest.provenance = replace(golden.manifest.provenance, transformers="5.22.2", torch="2.9.0")
     store.write_bytes(codec.encode(golden), store.path_for(scratch_project.goldens, key))

@@ -158,7 +158,7 @@ def test_recorder_refuses_a_router_with_near_ties(scratch_project, monkeypatch):
     monkeypatch.setattr(weights, "ROUTER_NOISE", 1e-4)
     # Recorded here, in this process (build_golden), for the patched weights to apply: `record` would move to
     # a fresh process, this one having run candidates.
-    key = GoldenKey("cpu", "qwen3_moe", "step", "float32")
+    key = GoldenKey(CLASS, "qwen3_moe", "step", "float32")
     with pytest.raises(VeosnapError, match="under the tie epsilon"):
         build_golden(scratch_project, key)
     golden = build_golden(scratch_project, key, allow_near_ties=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from golden_repo import CLASS
 import router_branches as rb
 import torch
 
@@ -25,7 +26,7 @@ BRANCHES_FILE = Path(__file__).with_name("router_branches.py")
 
 
 def run(project, family: str, backend: str, dtype: str = "float32") -> CheckReport:  # noqa: ANN001
-    report = check(project, GoldenKey("cpu", family, "step", dtype), backends.resolve(f"{BRANCHES_FILE}:{backend}"))
+    report = check(project, GoldenKey(CLASS, family, "step", dtype), backends.resolve(f"{BRANCHES_FILE}:{backend}"))
     assert not report.error, report.error
     return report
 
@@ -115,7 +116,7 @@ def test_at_many_experts_routers_decide_clearly_and_idle_experts_are_the_batchs_
     config.update(num_experts=256, hidden_size=320, moe_intermediate_size=8, num_hidden_layers=2)
     (scratch_project.configs / "qwen3_moe_wide").mkdir()
     (scratch_project.configs / "qwen3_moe_wide" / "config.json").write_text(json.dumps(config))
-    golden = build_golden(scratch_project, GoldenKey("cpu", "qwen3_moe_wide", "step", "bfloat16"))
+    golden = build_golden(scratch_project, GoldenKey(CLASS, "qwen3_moe_wide", "step", "bfloat16"))
     mask = Batch.from_golden(golden).token_mask
     assert min(golden.manifest.min_margin.values()) > 10 * golden.manifest.tie_epsilon, golden.manifest.min_margin
     for layer in golden.manifest.min_margin:

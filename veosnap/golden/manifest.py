@@ -43,9 +43,9 @@ class Tolerance:
 class BatchSpec:
     """How the reference's batch was made from the test data."""
 
-    layout: str  # "padded"
+    layout: str  # "padded" (one sequence per row) or "packed-rows" (rows of packed sequences)
     padding_side: str  # "left" (DeepSeek-V4: "right")
-    sequences: tuple[int, ...]  # ids of the test data's text sequences, in row order
+    sequences: tuple[int, ...]  # ids of the test data's sequences, in row order
     source: str  # the test data file
     rows: tuple[str, ...] | None = None  # a multimodal batch: per row "text N" or its sample's name
     media_family: str | None = None  # a multimodal batch: the test data family its placeholders fit

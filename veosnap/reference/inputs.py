@@ -1,4 +1,10 @@
-"""Batches built from the test data in `testdata/`: padded (the golden's) and packed, text-only or multimodal.
+"""Batches built from the test data in `testdata/`: padded (the toy golden's), packed, and rows of packed
+sequences (the real-shape goldens'), text-only or multimodal.
+
+A token table holds either the tokens themselves (`sequences.parquet`: id, length, tokens) or, for
+sequences of thousands of tokens over vocabularies of 150k, only each sequence's length and seed
+(`realshape.parquet`: id, length, seed): the ids are then derived for the model's vocabulary
+(`derive_tokens`), spread over all of it. Either way the golden stores the actual ids it ran.
 
 Labels never ask a position to predict the first token of a sequence (in a padded batch the last
 pad would, in a packed one the previous sequence's last token would), nor a placeholder token (an
@@ -36,18 +42,62 @@ MEDIA_SEQUENCES_FILE = "multimodal_sequences.parquet"
 ROPE_POSITIONS = "mrope_position_ids"  # the golden's name of `Batch.rope_positions`
 
 
-def load_sequences(testdata_dir: Path, ids: tuple[int, ...] = DEFAULT_SEQUENCES) -> list[list[int]]:
-    """The token lists of the sequences `ids` from `<testdata_dir>/sequences.parquet`."""
-    path = Path(testdata_dir) / SEQUENCES_FILE
+FIRST_TOKEN = 3  # ids 0 (pad), 1 (bos) and 2 (eos) never appear inside a derived sequence
+
+
+def load_sequences(testdata_dir: Path, ids: tuple[int, ...] = DEFAULT_SEQUENCES, source: str = SEQUENCES_FILE,
+                   vocab_size: int | None = None, distinct: int | None = None) -> list[list[int]]:
+    """The token lists of the sequences `ids` from `<testdata_dir>/<source>`.
+
+    A table of (id, length, seed) is derived for `vocab_size` (required then), from `distinct` ids
+    spread over the vocabulary when given; a table of (id, tokens) is read as it is.
+    """
+    path = Path(testdata_dir) / source
     try:
-        table = pq.read_table(path, columns=["id", "tokens"]).to_pydict()
+        names = pq.read_schema(path).names
+        derived = "tokens" not in names
+        columns = ["id", "length", "seed"] if derived else ["id", "tokens"]
+        table = pq.read_table(path, columns=columns).to_pydict()
     except (OSError, ValueError, KeyError) as exc:
         raise VeosnapError(f"{path}: cannot read the token table ({exc})") from None
+    if derived:
+        if not isinstance(vocab_size, int) or vocab_size <= FIRST_TOKEN:
+            raise VeosnapError(f"{path}: derived sequences need the model's vocabulary size (got {vocab_size!r})")
+        made = {i: (n, seed) for i, n, seed in zip(table["id"], table["length"], table["seed"])}
+        missing = [i for i in ids if i not in made]
+        if missing:
+            raise VeosnapError(f"{path}: no sequence with id {missing[0]} (has {len(made)})")
+        return [derive_tokens(made[i][0], made[i][1], vocab_size, distinct) for i in ids]
+    if distinct is not None:
+        raise VeosnapError(f"{path}: 'distinct' applies to derived sequences (id, length, seed), not stored tokens")
     by_id = dict(zip(table["id"], table["tokens"]))
     missing = [i for i in ids if i not in by_id]
     if missing:
         raise VeosnapError(f"{path}: no sequence with id {missing[0]} (has {len(by_id)})")
     return [list(by_id[i]) for i in ids]
+
+
+def spread_ids(distinct: int, vocab_size: int) -> torch.Tensor:
+    """`distinct` token ids spread over [FIRST_TOKEN, vocab): one per equal stratum, the last always
+    vocab - 1 (so a kernel indexing high vocabulary rows wrongly is seen)."""
+    span = vocab_size - FIRST_TOKEN
+    gen = torch.Generator().manual_seed(vocab_size * 7919 + distinct)
+    offsets = torch.rand(distinct, generator=gen, dtype=torch.float64)
+    ids = FIRST_TOKEN + ((torch.arange(distinct, dtype=torch.float64) + offsets) * span / distinct).long()
+    ids[-1] = vocab_size - 1
+    return ids.clamp(FIRST_TOKEN, vocab_size - 1)
+
+
+def derive_tokens(length: int, seed: int, vocab_size: int, distinct: int | None = None) -> list[int]:
+    """`length` token ids for (seed, vocabulary): uniform over [FIRST_TOKEN, vocab), or over
+    `spread_ids(distinct)`; the same on every machine (a CPU generator)."""
+    if type(length) is not int or length < 1:
+        raise VeosnapError(f"a derived sequence needs a positive length (got {length!r})")
+    gen = torch.Generator().manual_seed(int(seed))
+    if distinct is None:
+        return torch.randint(FIRST_TOKEN, vocab_size, (length,), generator=gen).tolist()
+    pool = spread_ids(distinct, vocab_size)
+    return pool[torch.randint(0, distinct, (length,), generator=gen)].tolist()
 
 
 # --- media ------------------------------------------------------------------------------------------
@@ -291,6 +341,37 @@ def padded(sequences: list[list[int]], side: str = "left", placeholders: frozens
         for grid, (padding, real) in zip((ids, mask, pos, labels), parts):
             grid.append(padding + real if side == "left" else real + padding)
     return Batch(*(torch.tensor(x, dtype=torch.long) for x in (ids, mask, pos, labels)))
+
+
+def packed_rows(rows: list[list[list[int]]]) -> Batch:
+    """Rows of packed sequences (positions restarting per sequence), left-padded to the longest row.
+
+    One sequence per row is `padded`; one row is `packed`. The real-shape goldens mix both: a long
+    sequence alone in its row (the kernels' plain causal path) beside a row of dozens of packed
+    sequences (their varlen path).
+    """
+    width = max(sum(len(s) for s in row) for row in rows)
+    ids, mask, pos, labels = [], [], [], []
+    for row in rows:
+        pad = width - sum(len(s) for s in row)
+        ids.append([PAD_ID] * pad + [t for s in row for t in s])
+        mask.append([0] * pad + [1] * (width - pad))
+        pos.append([0] * pad + [p for s in row for p in range(len(s))])
+        labels.append([IGNORE_INDEX] * pad + [t for s in row for t in _labels_for(s)])
+    return Batch(*(torch.tensor(x, dtype=torch.long) for x in (ids, mask, pos, labels)))
+
+
+def sequences_of(batch: Batch) -> list[list[int]]:
+    """The batch's sequences in order: each row's real tokens, split where the position ids restart."""
+    found = []
+    for ids, mask, pos in zip(batch.input_ids.cpu(), batch.attention_mask.cpu(), batch.position_ids.cpu()):
+        real = mask.bool()
+        tokens, positions = ids[real].tolist(), pos[real].tolist()
+        for i, (token, p) in enumerate(zip(tokens, positions)):
+            if i == 0 or p == 0:
+                found.append([])
+            found[-1].append(token)
+    return found
 
 
 def packed(sequences: list[list[int]], placeholders: frozenset[int] = frozenset()) -> Batch:

@@ -100,10 +100,12 @@ def _memory(device: torch.device) -> tuple[int, str]:
         return 0, "memory"
 
 
-def check_sequences(testdata: Path, ids: tuple[int, ...], sequences: list[list], toy: ToyConfig) -> None:
+def check_sequences(testdata: Path, ids: tuple[int, ...], sequences: list[list], toy: ToyConfig,
+                    table: str = SEQUENCES_FILE) -> None:
     """Refuse test data a model cannot run (see the module docstring): ids outside [0, vocab) or not
-    integers, empty sequences, sequences beyond the config's positions or veosnap's cap."""
-    source = Path(testdata) / SEQUENCES_FILE
+    integers, empty sequences, sequences beyond the config's positions or veosnap's cap. `table`: the
+    token table under `testdata` they came from (a config's `veosnap.json` may name another)."""
+    source = Path(testdata) / table
     text = models.hf_config(toy).get_text_config()
     vocab = getattr(text, "vocab_size", None)
     longest = getattr(text, "max_position_embeddings", None)

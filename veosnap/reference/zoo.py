@@ -1,6 +1,13 @@
 """Where the toy models, test data and goldens live, how a toy config is read, and which golden a
 candidate is checked against.
 
+The zoo has tiers. A config directory holds the HF `config.json`, untouched (its hash is the
+golden's), and may hold a sidecar `veosnap.json` saying what veosnap does with it: its tier (`toy`,
+the default without a sidecar, or `real`: the real model's widths with the layer count cut) and
+the batch its golden is recorded on (`BatchRecipe`; default: the toy batch, sequences 0-3 of
+`sequences.parquet` in left-padded rows). Commands and the plugin run the toys unless told
+otherwise (`--tier real|all`, or `--model NAME` for any tier).
+
 Lookup order for each directory: an explicit flag, else the project in the current directory
 (`./goldens`, `./toy_configs`, `./testdata`), else the zoo bundled with veosnap (inside the wheel
 after `pip install`, or the repository root for an editable install). Goldens follow one rule
@@ -52,24 +59,104 @@ def resolve_dir(kind: str, flag: str | Path | None = None) -> Path:
     return bundled_dir(kind)
 
 
+TIERS = ("toy", "real")
+TIER_CHOICES = (*TIERS, "all")
+SIDECAR = "veosnap.json"
+# tier; batch (a BatchRecipe); golden_budget_mib (what a golden aims for before compression: the real
+# tier keeps goldens small enough to travel with the repository); real_config and note (for people).
+SIDECAR_FIELDS = ("tier", "batch", "golden_budget_mib", "real_config", "note")
+TOY_SEQUENCES_FILE = "sequences.parquet"
+
+
+@dataclass(frozen=True)
+class BatchRecipe:
+    """How a config's golden batch is made from the test data.
+
+    `rows`: per batch row, the ids of the sequences packed into it (one id: a plain row; several:
+    packed, position ids restarting per sequence), rows left-padded to the longest. `distinct`: when
+    set, every sequence's token ids are drawn from that many ids spread over the vocabulary (so an
+    MoE batch leaves experts without tokens: at most distinct x top_k experts are chosen per layer).
+    """
+
+    source: str = TOY_SEQUENCES_FILE
+    rows: tuple[tuple[int, ...], ...] = ((0,), (1,), (2,), (3,))
+    distinct: int | None = None
+
+    @property
+    def sequences(self) -> tuple[int, ...]:
+        return tuple(i for row in self.rows for i in row)
+
+    @property
+    def packed_rows(self) -> bool:
+        return any(len(row) > 1 for row in self.rows)
+
+
 @dataclass(frozen=True)
 class ToyConfig:
-    """One zoo model: its name, its HF config as a dict, and where it was read from."""
+    """One zoo model: its name, its HF config as a dict, where it was read from, its tier and batch."""
 
     name: str
     config: dict
     path: Path
+    tier: str = "toy"
+    batch: BatchRecipe = BatchRecipe()
+    golden_budget: int | None = None  # bytes a golden aims for (sketching the rest); None: golden.limits' target
 
     @property
     def hash(self) -> str:
         return config_hash(self.config)
 
 
-def list_models(configs_dir: Path) -> list[str]:
-    """Names of the toy models under a configs directory, sorted."""
+def list_models(configs_dir: Path, tier: str = "all") -> list[str]:
+    """Names of the zoo models of `tier` (`toy`, `real` or `all`) under a configs directory, sorted."""
+    if tier not in TIER_CHOICES:
+        raise VeosnapError(f"--tier {tier!r}: expected one of {', '.join(TIER_CHOICES)}")
     if not configs_dir.is_dir():
         return []
-    return sorted(p.parent.name for p in configs_dir.glob("*/config.json"))
+    names = sorted(p.parent.name for p in configs_dir.glob("*/config.json"))
+    if tier == "all":
+        return names
+    return [n for n in names if read_sidecar(configs_dir / n)[0] == tier]
+
+
+def read_sidecar(directory: Path) -> tuple[str, BatchRecipe, int | None]:
+    """The tier, batch recipe and golden budget (bytes) a config directory's `veosnap.json` declares
+    (toy defaults without one)."""
+    path = directory / SIDECAR
+    if not path.is_file():
+        return "toy", BatchRecipe(), None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise VeosnapError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise VeosnapError(f"{path}: expected an object like {{\"tier\": \"real\"}}")
+    unknown = sorted(set(data) - set(SIDECAR_FIELDS))
+    if unknown:
+        raise VeosnapError(f"{path}: unknown field {unknown[0]!r} (known: {', '.join(SIDECAR_FIELDS)})")
+    tier = data.get("tier", "toy")
+    if tier not in TIERS:
+        raise VeosnapError(f"{path}: tier {tier!r} is not one of {', '.join(TIERS)}")
+    budget = data.get("golden_budget_mib")
+    if budget is not None and (type(budget) not in (int, float) or not 0 < budget <= 64):
+        raise VeosnapError(f"{path}: golden_budget_mib must be a number of MiB in (0, 64], not {budget!r}")
+    return tier, _recipe(path, data.get("batch")), None if budget is None else int(budget * 2**20)
+
+
+def _recipe(path: Path, value: object) -> BatchRecipe:
+    if value is None:
+        return BatchRecipe()
+    if not isinstance(value, dict) or set(value) - {"source", "rows", "distinct"}:
+        raise VeosnapError(f"{path}: 'batch' must be an object with 'source', 'rows' and optionally 'distinct'")
+    source, rows, distinct = value.get("source"), value.get("rows"), value.get("distinct")
+    if not isinstance(source, str) or "/" in source or "\\" in source or source.startswith("."):
+        raise VeosnapError(f"{path}: batch source {source!r} must name a file in the test data directory")
+    if (not isinstance(rows, list) or not rows
+            or not all(isinstance(r, list) and r and all(type(i) is int and i >= 0 for i in r) for r in rows)):
+        raise VeosnapError(f"{path}: batch rows must be a non-empty list of non-empty lists of sequence ids")
+    if distinct is not None and (type(distinct) is not int or distinct < 1):
+        raise VeosnapError(f"{path}: batch distinct must be a positive integer")
+    return BatchRecipe(source=source, rows=tuple(tuple(r) for r in rows), distinct=distinct)
 
 
 def load_config(configs_dir: Path, name: str) -> ToyConfig:
@@ -90,7 +177,8 @@ def load_config(configs_dir: Path, name: str) -> ToyConfig:
         raise VeosnapError(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(config, dict) or "model_type" not in config:
         raise VeosnapError(f"{path}: a HF config needs a 'model_type' field")
-    return ToyConfig(name=name, config=config, path=path)
+    tier, batch, budget = read_sidecar(path.parent)
+    return ToyConfig(name=name, config=config, path=path, tier=tier, batch=batch, golden_budget=budget)
 
 
 def same_dir(a: Path, b: Path) -> bool:
@@ -147,8 +235,9 @@ class Project:
                    configs=resolve_dir("toy_configs", configs), testdata=resolve_dir("testdata", testdata),
                    hardware_class=hardware.resolve(hardware_class))
 
-    def models(self) -> list[str]:
-        return list_models(self.configs)
+    def models(self, tier: str = "toy") -> list[str]:
+        """The zoo models of `tier`: the toys unless asked (`real`, `all`)."""
+        return list_models(self.configs, tier)
 
     def flags(self, hardware_class: bool = True, recording: bool = False) -> list[str]:
         """The command-line flags that select this project from the current directory: the directories

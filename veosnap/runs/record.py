@@ -107,7 +107,7 @@ def build_golden(project: Project, key: GoldenKey, seed: int = 0, allow_near_tie
         model = scenario.freeze(models.build(toy, dtype, device, seed))
         made = coverage.produces(model)
         batch = inputs.with_rope_positions(batch, model)
-        chosen = _plan(key, model, batch, sketch, seed)
+        chosen = _plan(key, model, batch, sketch, seed, toy.golden_budget)
         reducer: Reducer = RecordReducer(chosen, batch.token_mask) if chosen.sketched else WHOLE
         high = scenario.freeze(models.upcast_copy(model, toy, torch.float64))  # before training moves the weights
         with unread_routers(model) as unread:
@@ -198,7 +198,8 @@ def build_golden(project: Project, key: GoldenKey, seed: int = 0, allow_near_tie
     return golden
 
 
-def _plan(key: GoldenKey, model: torch.nn.Module, batch: inputs.Batch, mode: str, seed: int) -> Plan:
+def _plan(key: GoldenKey, model: torch.nn.Module, batch: inputs.Batch, mode: str, seed: int,
+          budget: int | None = None) -> Plan:
     """Each tensor's form (whole or sketched with which spec), from shapes, before the reference runs.
 
     The train scenario's goldens are stored whole (sketching covers the step scenario): a train golden
@@ -216,7 +217,8 @@ def _plan(key: GoldenKey, model: torch.nn.Module, batch: inputs.Batch, mode: str
                                "fewer layers, or pass --sketch never (up to the hard limit)")
         return chosen
     try:
-        return plan(shapes, mode=mode, fixed_bytes=fixed, seed=seed)
+        return plan(shapes, mode=mode, fixed_bytes=fixed, seed=seed,
+                    **({} if budget is None else {"budget": budget}))  # a config's own budget (veosnap.json)
     except VeosnapError as exc:
         raise VeosnapError(f"{key}: {exc}") from None
 
@@ -239,18 +241,40 @@ def _refused(where: object, exc: GoldenError) -> VeosnapError:
 
 
 def scenario_batch(project: Project, toy: ToyConfig, scenario: scenarios.Scenario) -> tuple[inputs.Batch, BatchSpec]:
-    """The padded batch a golden of `scenario` holds for the model of `toy` (3-D positions still to add), and
-    how it was made."""
+    """The batch a golden of `scenario` holds for the model of `toy` (3-D positions still to add), and how it
+    was made: a text scenario runs the config's recipe (`golden_batch`), a multimodal one its own rows."""
     side = inputs.padding_side(toy.config)
-    texts = tuple(row.text for row in scenario.rows if row.sample is None)
     if not scenario.multimodal:
-        sequences = inputs.load_sequences(project.testdata, texts)
-        limits.check_sequences(project.testdata, texts, sequences, toy)
-        batch = inputs.padded(sequences, side)
-        return batch, BatchSpec(layout="padded", padding_side=side, sequences=texts, source=inputs.SEQUENCES_FILE)
+        recipe = toy.batch
+        return golden_batch(project, toy), BatchSpec(layout="packed-rows" if recipe.packed_rows else "padded",
+                                                     padding_side=side, sequences=recipe.sequences,
+                                                     source=recipe.source)
+    texts = tuple(row.text for row in scenario.rows if row.sample is None)
     batch, family = inputs.multimodal_batch(project.testdata, list(scenario.rows), models.hf_config(toy), side)
     return batch, BatchSpec(layout="padded", padding_side=side, sequences=texts, source=inputs.MEDIA_SEQUENCES_FILE,
                             rows=tuple(str(row) for row in scenario.rows), media_family=family)
+
+
+def golden_batch(project: Project, toy: ToyConfig) -> inputs.Batch:
+    """The text batch a golden of `toy` is recorded on, made from the test data by the config's recipe (padded
+    on the model's side, `inputs.padding_side`)."""
+    recipe = toy.batch
+    vocab = getattr(models.hf_config(toy).get_text_config(), "vocab_size", None)
+    sequences = inputs.load_sequences(project.testdata, recipe.sequences, recipe.source, vocab, recipe.distinct)
+    limits.check_sequences(project.testdata, recipe.sequences, sequences, toy, table=recipe.source)
+    if not recipe.packed_rows:
+        return inputs.padded(sequences, inputs.padding_side(toy.config))
+    rows, at = [], 0
+    for row in recipe.rows:
+        rows.append(sequences[at:at + len(row)])
+        at += len(row)
+    lengths = {sum(len(s) for s in row) for row in rows}
+    if len(lengths) > 1:
+        # transformers finds packed sequences from restarting position ids only when no attention mask is
+        # given; padding would make it pass one, and the packed sequences would attend to each other.
+        raise VeosnapError(f"{toy.path.parent / 'veosnap.json'}: rows of packed sequences must all hold the same "
+                           f"number of tokens (no padding), not {sorted(lengths)}")
+    return inputs.packed_rows(rows)
 
 
 def _check_routes(key: GoldenKey, reference: dict[int, RouteRecord], truth: dict[int, RouteRecord],

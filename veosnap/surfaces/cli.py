@@ -24,7 +24,7 @@ from ..golden import limits, store
 from ..golden.key import DTYPE_NAMES, SCENARIOS, GoldenKey
 from ..golden.sketches import MODES
 from ..numerics import fmt
-from ..reference.zoo import Project, default_goldens
+from ..reference.zoo import TIER_CHOICES, Project, default_goldens
 from ..render import json as render_json
 from ..render import markdown as render_markdown
 from ..render import text as render_text
@@ -46,9 +46,12 @@ def _recording_project(args: argparse.Namespace) -> Project:
 
 
 def _selection(args: argparse.Namespace, project: Project) -> list[tuple[str, str]]:
-    models = args.model or project.models()
+    if args.model and args.tier is not None:
+        raise VeosnapError("--model and --tier do not go together (--model NAME reaches a model of any tier)")
+    models = args.model or project.models(args.tier or "toy")
     if not models:
-        raise VeosnapError(f"{project.configs}: no toy configs found (expected <name>/config.json)")
+        raise VeosnapError(f"{project.configs}: no {args.tier or 'toy'} configs found (expected <name>/config.json"
+                           f"{'' if (args.tier or 'toy') == 'toy' else ' with a veosnap.json declaring the tier'})")
     dtypes = args.dtype or list(DTYPE_NAMES)
     return [(m, d) for m in models for d in dtypes]
 
@@ -273,7 +276,10 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def _selectors(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", action="append", metavar="NAME", help="a zoo model (repeatable; default: all)")
+    p.add_argument("--model", action="append", metavar="NAME",
+                   help="a zoo model of any tier (repeatable; default: every model of --tier)")
+    p.add_argument("--tier", choices=TIER_CHOICES, default=None,
+                   help="without --model: the toys (default), the real-shape configs, or all")
     p.add_argument("--dtype", action="append", choices=DTYPE_NAMES, help="repeatable; default: both")
 
 

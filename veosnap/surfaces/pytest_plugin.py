@@ -60,13 +60,15 @@ class GoldenMismatch(AssertionError):
 
 
 def matrix(models: list[str] | None = None, dtypes: list[str] | None = None, backends: list[str] | None = None,
-           layouts: list[str] | None = None) -> pytest.MarkDecorator:
+           layouts: list[str] | None = None, tier: str = "toy") -> pytest.MarkDecorator:
     """Parametrize a test's `model`, `dtype`, `backend` (and `layout`) arguments over every combination.
 
-    `models=None`: every toy model in the configs directory; `dtypes=None`: float32 and bfloat16;
-    `backends=None`: the reference (`eager`). Only the arguments the test names are parametrized.
+    `models=None`: every model of `tier` in the configs directory (`toy`, the default; `real`: the
+    real-shape configs; `all`); `dtypes=None`: float32 and bfloat16; `backends=None`: the reference
+    (`eager`). Only the arguments the test names are parametrized.
     """
-    return getattr(pytest.mark, _MATRIX_MARK)(models=models, dtypes=dtypes, backends=backends, layouts=layouts)
+    return getattr(pytest.mark, _MATRIX_MARK)(models=models, dtypes=dtypes, backends=backends, layouts=layouts,
+                                              tier=tier)
 
 
 # --- options -----------------------------------------------------------------------------------
@@ -385,12 +387,19 @@ class VeosnapSession:
         project = self.project
         if not self._paths_cover(project.goldens):
             return None
-        # Only goldens this run could have used: its hardware class, and the scenarios and dtypes it checked.
+        # Only goldens this run could have used: its hardware class, the scenarios and dtypes it checked, and
+        # the zoo tiers its models belong to (a suite of toy checks does not own the real-shape goldens); a
+        # golden of a model the zoo no longer has is unused whatever the tier.
+        from ..reference.zoo import TIERS, list_models
+
         used = [GoldenKey.from_name(name) for name in self.outcome.used]
         kinds = {(key.scenario, key.dtype) for key in used}
+        tiers = {tier: set(list_models(project.configs, tier)) for tier in TIERS}
+        zoo = set().union(*tiers.values())
+        models = set().union(*(members for members in tiers.values() if any(k.model in members for k in used)))
         goldens = [(str(key), path) for key, path in store.scan(project.goldens).goldens
                    if key.hardware_class == project.hardware_class and (key.scenario, key.dtype) in kinds
-                   and str(key) not in self.outcome.used]
+                   and (key.model in models or key.model not in zoo) and str(key) not in self.outcome.used]
         unused = Unused(goldens=goldens)
         missed = sorted(self.outcome.items - self.outcome.reached)
         if missed and goldens:
@@ -516,7 +525,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     given = {"model": marker.kwargs.get("models"), "dtype": marker.kwargs.get("dtypes"),
              "backend": marker.kwargs.get("backends"), "layout": marker.kwargs.get("layouts")}
     defaults: dict[str, Callable[[], list[str]]] = {
-        "model": lambda: _models(state), "dtype": lambda: ["float32", "bfloat16"], "backend": lambda: [REFERENCE_BACKEND],
+        "model": lambda: _models(state, marker.kwargs.get("tier", "toy")), "dtype": lambda: ["float32", "bfloat16"], "backend": lambda: [REFERENCE_BACKEND],
     }
     axes = []
     for name, values in given.items():
@@ -535,10 +544,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
                              ids=lambda value: str(value))
 
 
-def _models(state: VeosnapSession) -> list[str]:
+def _models(state: VeosnapSession, tier: str = "toy") -> list[str]:
     from ..reference.zoo import list_models, resolve_dir
 
-    return list_models(state.directory("configs") or resolve_dir("toy_configs"))
+    return list_models(state.directory("configs") or resolve_dir("toy_configs"), tier)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
