@@ -10,7 +10,10 @@ from golden_repo import REPO
 
 from veosnap.errors import GoldenError
 from veosnap.golden import codec, names, store
+from veosnap.golden.key import GoldenKey
 from veosnap.golden.manifest import Manifest, TrainHyper
+from veosnap.reference import scenarios
+from veosnap.reference.zoo import Project, load_config
 
 
 @pytest.mark.parametrize("text, kind", [
@@ -47,6 +50,10 @@ def test_anything_else_is_not_a_golden_tensor(text):
         names.parse(text)
 
 
+ZOO = Project.resolve(goldens=REPO / "goldens", configs=REPO / "toy_configs", testdata=REPO / "testdata",
+                      hardware_class="cpu")
+
+
 def committed() -> list:
     """Every committed golden that reads. The cuda-sm90 ones predate the manifest hash and are refused for
     exactly that until they are re-recorded on the H200; the cpu ones must all read."""
@@ -56,7 +63,13 @@ def committed() -> list:
             readable.append((key, path, store.read(path)))
         except GoldenError as exc:
             assert key.hardware_class != "cpu" and exc.cause.startswith("no manifest hash: "), exc
-    assert sum(key.hardware_class == "cpu" for key, _, _ in readable) == 42  # 10 toys x step, train x float32, bfloat16; 2 real-shape step float32
+    # every toy model: each scenario with a golden file of its own that it can run, in both dtypes (100); the
+    # real-shape tier: the two whose cpu goldens are committed (step, float32)
+    expected = {GoldenKey("cpu", model, scenario.recorded, dtype)
+                for model in ZOO.models() for scenario in scenarios.applicable(load_config(ZOO.configs, model).config)
+                for dtype in ("float32", "bfloat16")}
+    expected |= {GoldenKey("cpu", model, "step", "float32") for model in ("qwen3-real", "qwen3_moe-real-small")}
+    assert {key for key, _, _ in readable if key.hardware_class == "cpu"} == expected
     return readable
 
 

@@ -187,7 +187,7 @@ def test_fla_keeps_packed_sequences_apart_where_the_torch_reference_cannot(qwen3
     assert not eager_packed.passed and eager_packed.first_divergence.startswith("layer 0 ")
     single, packed = run(qwen3_5, "qwen3_5", "fla_on_torch", layouts=("single", "packed"))
     assert single.status == packed.status == "PASS", (single.worst, packed.worst)
-    assert single.notes[-1] == ("fla ran for 1 gated DeltaNet layers (model.layers.0.linear_attn): "
+    assert single.notes[-1] == ("fla ran for 1 gated DeltaNet layers (model.language_model.layers.0.linear_attn): "
                                 "causal_conv1d 1x, chunk_gated_delta_rule 1x")
     assert "causal_conv1d (cu_seqlens) 1x, chunk_gated_delta_rule (cu_seqlens) 1x" in packed.notes[-1]
 

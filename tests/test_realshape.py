@@ -38,8 +38,9 @@ ROOT = Path(__file__).resolve().parent.parent
 FAULTS_FILE = Path(__file__).with_name("realshape_faults.py")
 REAL = ["deepseek_v3-real", "gpt_oss-real", "llama-real", "mixtral-real", "qwen2-real", "qwen3-real",
         "qwen3_moe-real", "qwen3_moe-real-small"]
-TOYS = ["deepseek_v3", "gpt_oss", "gpt_oss_aux", "llama", "mixtral", "mixtral_aux", "qwen2", "qwen3", "qwen3_moe",
-        "qwen3_moe_aux"]
+TOYS = ["deepseek_v3", "deepseek_v4", "gpt_oss", "gpt_oss_aux", "llama", "mixtral", "mixtral_aux", "qwen2", "qwen2_5_omni",
+        "qwen2_5_vl", "qwen2_vl", "qwen3", "qwen3_5", "qwen3_5_moe", "qwen3_moe", "qwen3_moe_aux", "qwen3_omni_moe",
+        "qwen3_vl", "qwen3_vl_moe", "seed_oss"]  # issue 15's ten models are toys too
 
 
 # --- the tier ------------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """Everything veosnap does on a GPU machine, in phases that fit one device command each.
 
-    python tools/gpu_session.py record  --out DIR   # this class's goldens: step and train, float32 and bfloat16
+    python tools/gpu_session.py record  --out DIR   # this class's goldens, float32 and bfloat16, verified:
+                                                    # every scenario each model runs (step, train, vision, audio)
     python tools/gpu_session.py matrix  --out DIR   # GPU backends x zoo; precision regression; cross-class
+    python tools/gpu_session.py matrix --scenario vision --scenario audio --out DIR   # the multimodal goldens
     python tools/gpu_session.py layouts --out DIR   # layouts on this machine's GPUs (NCCL), all models
 
 The real-shape tier (`toy_configs/*-real*`, declared by their veosnap.json): `tools/gpu_real.py` records
@@ -20,7 +22,14 @@ minimal reproduction; the real-shape phases pack DIR's detail files so at most 8
 
 Each phase writes JSON and a text table under DIR (and `record` a tar of the goldens) so a lent
 machine's results come back whole. It runs with the machine's own torch/triton and whichever
-transformers is first on the path (a newer wheel can be carried); the versions are recorded.
+transformers is first on the path (a newer wheel can be carried); the versions are recorded. The ten
+models of issue 15 need transformers 5.24 (carry its wheel): 5.17's omni thinkers name their parameters
+differently and its rotary embeddings break the float64 noise run (docs/models.md).
+
+`record --model M --scenario S` narrows a run (--model repeats; default: the whole toy tier); `--jobs N`
+records in N processes on the one GPU, costliest goldens first; past `--budget-s` (default 420 s) the rest
+is left out and printed as the command that records it, so each command stays under the device's limit.
+The goldens it recorded come back in tars of <= 15 MiB (goldens-<class>-N.tar, paths under goldens/).
 """
 
 from __future__ import annotations
@@ -46,9 +55,9 @@ import transformers  # noqa: E402
 
 from veosnap.candidates import backends  # noqa: E402
 from veosnap.errors import VeosnapError  # noqa: E402
-from veosnap.golden.key import SCENARIOS, GoldenKey  # noqa: E402
-from veosnap.reference import hardware  # noqa: E402
-from veosnap.reference.zoo import Project  # noqa: E402
+from veosnap.golden.key import GoldenKey  # noqa: E402
+from veosnap.reference import hardware, scenarios  # noqa: E402
+from veosnap.reference.zoo import Project, load_config  # noqa: E402
 from veosnap.runs.verdict import CheckReport  # noqa: E402
 from veosnap.render import json as render_json  # noqa: E402
 from veosnap.render import text as render_text  # noqa: E402
@@ -78,30 +87,132 @@ def save(out: Path, name: str, data: object) -> None:
     (out / name).write_text(json.dumps(data, indent=2, default=str))
 
 
-def phase_record(project: Project, out: Path) -> None:
-    rows = []
-    for scenario in SCENARIOS:
-        for model in project.models():
-            for dtype in ("float32", "bfloat16"):
-                t = time.perf_counter()
-                try:
-                    outcome = record.record(project, model, dtype, scenario=scenario)
-                except VeosnapError as exc:  # a fragile or near-tie golden: said, and the others still recorded
-                    rows.append({"model": model, "dtype": dtype, "scenario": scenario, "error": str(exc)})
-                    print(f"NOT recorded {model} {scenario} {dtype}: {exc}", flush=True)
-                    continue
-                rows.append({"model": model, "dtype": dtype, "scenario": scenario, "written": outcome.written,
-                             "seconds": round(time.perf_counter() - t, 2), "min_margin": outcome.min_margin,
-                             "bytes": outcome.path.stat().st_size})
-                print(f"{'recorded' if outcome.written else 'unchanged'} {outcome.key} in {rows[-1]['seconds']} s, "
-                      f"min margin {outcome.min_margin}", flush=True)
+def record_keys(project: Project, models: list[str], chosen: list[str]) -> list[tuple[str, str, str]]:
+    """(model, scenario, dtype) of every golden `record` writes: each scenario a model can run (or those
+    `chosen` it can), in the form that has a golden file (frozen_vision is checked against vision's)."""
+    keys = []
+    for model in models or project.models():
+        config = load_config(project.configs, model).config
+        names = [s.name for s in scenarios.applicable(config) if not chosen or s.name in chosen]
+        for name in dict.fromkeys(GoldenKey(project.hardware_class, model, n).recorded.scenario for n in names):
+            keys += [(model, name, dtype) for dtype in ("float32", "bfloat16")]
+    return keys
+
+
+# Rough relative cost of a golden, so that parallel jobs start the longest first (a scenario's step count and
+# batch: train runs 3 steps; vision and audio run the encoders on a bigger batch).
+SCENARIO_COST = {"step": 1, "train": 3, "vision": 3, "audio": 3}
+
+
+def _cost(project: Project, key: tuple[str, str, str]) -> tuple[int, str]:
+    model, scenario, _ = key
+    multimodal = bool(scenarios.encoders_of(load_config(project.configs, model).config))
+    return (SCENARIO_COST.get(scenario, 1) * (2 if multimodal else 1), model)
+
+
+def record_one(roots: tuple[Path, Path, Path], hardware_class: str, key: tuple[str, str, str], deadline: float,
+               threads: int = 0) -> dict:
+    """Record one golden (model, scenario, dtype) unless the wall-clock `deadline` passed; a row of record.json.
+    Runs in a worker process with --jobs (so it takes paths, not a Project, and catches everything: one
+    golden's failure must not end the others)."""
+    model, scenario, dtype = key
+    row: dict = {"model": model, "scenario": scenario, "dtype": dtype}
+    if time.time() > deadline:
+        return {**row, "left": True}
+    if threads:
+        torch.set_num_threads(threads)
+    goldens, configs, testdata = roots
+    project = Project.resolve(goldens=goldens, configs=configs, testdata=testdata, hardware_class=hardware_class)
+    t = time.perf_counter()
+    try:
+        outcome = record.record(project, model, dtype, scenario=scenario)
+    except VeosnapError as exc:  # a fragile or near-tie golden: said, and the others still recorded
+        return {**row, "error": str(exc), "seconds": round(time.perf_counter() - t, 2)}
+    except Exception as exc:  # noqa: BLE001 - an OOM or a library error in one golden
+        return {**row, "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:400],
+                "seconds": round(time.perf_counter() - t, 2)}
+    return {**row, "written": outcome.written, "seconds": round(time.perf_counter() - t, 2),
+            "min_margin": outcome.min_margin, "bytes": outcome.path.stat().st_size,
+            "path": str(outcome.path.relative_to(project.goldens))}
+
+
+def _said(row: dict) -> str:
+    where = f"{row['model']} {row['scenario']} {row['dtype']}"
+    if row.get("left"):
+        return f"left out {where} (over --budget-s)"
+    if "error" in row:
+        return f"NOT recorded {where}: {row['error']}"
+    return f"{'recorded' if row['written'] else 'unchanged'} {where} in {row['seconds']} s, min margin {row['min_margin']}"
+
+
+def phase_record(project: Project, out: Path, models: list[str], chosen: list[str], budget_s: float,
+                 jobs: int = 1) -> None:
+    """Record this class's goldens of `models` (default: the toy tier), every scenario each runs (or those
+    `chosen`), float32 and bfloat16; verify them; tar the ones this run recorded (<= 15 MiB a tar).
+
+    `jobs` > 1 records in that many processes on the one GPU (spawned: CUDA does not survive a fork), the
+    costliest goldens first, each process with its share of the CPU threads. No golden is started after
+    `budget_s`; the ones left are printed as the command that records them."""
+    keys = sorted(record_keys(project, models, chosen), key=lambda k: _cost(project, k), reverse=True)
+    started, deadline = time.perf_counter(), time.time() + budget_s
+    roots = (project.goldens, project.configs, project.testdata)
+    rows: list[dict] = []
+    if jobs <= 1:
+        for key in keys:
+            rows.append(record_one(roots, project.hardware_class, key, deadline))
+            print(_said(rows[-1]), flush=True)
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
+        threads = max(1, (os.cpu_count() or jobs) // jobs)
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = [pool.submit(record_one, roots, project.hardware_class, key, deadline, threads) for key in keys]
+            for future in as_completed(futures):
+                rows.append(future.result())
+                print(_said(rows[-1]), flush=True)
+    wall = round(time.perf_counter() - started, 1)
+    left = [(r["model"], r["scenario"]) for r in rows if r.get("left")]
+    if left:
+        rest = " ".join(f"--model {m}" for m in dict.fromkeys(m for m, _ in left))
+        print(f"budget of {budget_s:g} s spent: {len(left)} goldens left; record them with\n"
+              f"  python tools/gpu_session.py record {rest}", flush=True)
     # verify takes goldens roots (<class>/<model>/<file> under them): the root, then this class's results
-    results = [r for r in verify.verify([project.goldens]) if r.key and r.key.hardware_class == project.hardware_class]
+    results = [r for r in verify.verify([project.goldens]) if r.key and r.key.hardware_class == project.hardware_class] \
+        if project.goldens.is_dir() else []  # nothing recorded into a new project
     bad = [r.line() for r in results if not r.ok]
     print(f"verified {len(results)} goldens: {len(bad)} bad", *bad, sep="\n", flush=True)
-    save(out, "record.json", {"env": environment(), "goldens": rows, "verify_bad": bad})
-    with tarfile.open(out / f"goldens-{project.hardware_class}.tar", "w") as tar:
-        tar.add(project.goldens / project.hardware_class, arcname=project.hardware_class)
+    made = [project.goldens / r["path"] for r in rows if "path" in r]
+    tars = pack_tars(made, project.goldens, out, f"goldens-{project.hardware_class}") if made else []
+    save(out, "record.json", {"env": environment(), "jobs": jobs, "wall_s": wall, "goldens": rows,
+                              "verify_bad": bad, "left": [list(k) for k in dict.fromkeys(left)], "tars": tars})
+    table = ["| model | scenario | dtype | status | seconds | KiB | min margin |", "|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["model"], r["scenario"], r["dtype"])):
+        status = "left out" if r.get("left") else ("error" if "error" in r else
+                                                   ("recorded" if r["written"] else "unchanged"))
+        table.append(f"| {r['model']} | {r['scenario']} | {r['dtype']} | {status} | {r.get('seconds', '')} | "
+                     f"{round(r['bytes'] / 1024) if 'bytes' in r else ''} | {r.get('min_margin', '')} |")
+    (out / "record.md").write_text("\n".join(table) + "\n")
+    print("\n".join(table), f"{len(rows)} goldens in {wall} s wall with --jobs {jobs}; tars: {tars}", sep="\n",
+          flush=True)
+    if len(tars) + 2 > MAX_FILES:
+        print(f"WARNING: {len(tars) + 2} files to bring back, over {MAX_FILES}: run again with fewer --model", flush=True)
+
+
+def phase_scenarios(project: Project, out: Path, chosen: list[str]) -> None:
+    """matrix --scenario S: the GPU backends on every model that runs S (the multimodal goldens)."""
+    progress = lambda cell, done, total: print(f"[{done}/{total}] {cell.model} {cell.dtype} {cell.backend}: "  # noqa: E731
+                                              f"{cell.status} {cell.worst_ratio} {cell.reason[:100]}", flush=True)
+    results: dict = {"env": environment()}
+    for name in chosen:
+        models = [m for m in project.models() if scenarios.get(name).applies(load_config(project.configs, m).config)]
+        result = matrix.run_matrix(project, models, ["float32", "bfloat16"], GPU_BACKENDS, on_cell=progress,
+                                   scenario=name)
+        results[name] = render_json.matrix_dict(result)
+        with open(out / "matrix-scenarios.txt", "a") as fh:
+            fh.write(f"scenario {name}\n{render_text.matrix(result)}\n")
+        save(out, "matrix-scenarios.json", results)
+        print(render_text.matrix(result), flush=True)
 
 
 def phase_matrix(project: Project, out: Path) -> None:
@@ -357,31 +468,42 @@ def main() -> None:
     parser.add_argument("phase", choices=("record", "matrix", "layouts", "record-real", "matrix-real", "layouts-real"))
     parser.add_argument("--dtype", action="append", choices=("float32", "bfloat16"),
                         help="real-shape phases: dtypes (default: both; bfloat16 first)")
-    parser.add_argument("--budget-s", type=float, default=480.0,
-                        help="real-shape phases: start nothing new after this many seconds (default 480)")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="record and the real-shape phases: start nothing new after this many seconds "
+                             "(default 420 for record, 480 for the real-shape phases)")
     parser.add_argument("--backends", help="matrix-real: backend specs, comma-separated (default: REAL_BACKENDS)")
     parser.add_argument("--layouts", help="layouts-real: layouts, comma-separated (default: REAL_LAYOUTS)")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-out")))
     parser.add_argument("--nproc", type=int, default=0, help="layouts: processes (default: every GPU)")
-    parser.add_argument("--model", action="append", help="layouts and the real-shape phases: only these models")
+    parser.add_argument("--model", action="append",
+                        help="record, layouts and the real-shape phases: only these models (default: all of the tier)")
+    parser.add_argument("--scenario", action="append",
+                        help="record: only these scenarios (default: every one); matrix: the GPU backends on these "
+                             "scenarios' goldens instead of the step matrix")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="record: record in this many processes on the one GPU (default 1)")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
+    # `record` also runs where tools/simulate_class.py makes the CPU another class (its goldens for the suite).
+    if not torch.cuda.is_available() and not (args.phase == "record" and hardware.detect() != "cpu"):
         print(f"gpu_session {args.phase}: skipped, no CUDA device here (this script records and checks GPU goldens)")
         return
     args.out.mkdir(parents=True, exist_ok=True)
     print(json.dumps(environment()), flush=True)
     project = Project.resolve(goldens=ROOT / "goldens", configs=ROOT / "toy_configs", testdata=ROOT / "testdata")
     dtypes = args.dtype or ["bfloat16", "float32"]
+    budget_s = args.budget_s if args.budget_s is not None else (420.0 if args.phase == "record" else 480.0)
     if args.phase == "record-real":
-        phase_record_real(project, args.out, dtypes, args.model, args.budget_s)
+        phase_record_real(project, args.out, dtypes, args.model, budget_s)
     elif args.phase == "matrix-real":
-        phase_matrix_real(project, args.out, dtypes, args.model, args.budget_s,
+        phase_matrix_real(project, args.out, dtypes, args.model, budget_s,
                           args.backends.split(",") if args.backends else None)
     elif args.phase == "layouts-real":
-        phase_layouts_real(project, args.out, dtypes, args.model, args.budget_s,
+        phase_layouts_real(project, args.out, dtypes, args.model, budget_s,
                            args.nproc or torch.cuda.device_count(), args.layouts.split(",") if args.layouts else None)
     elif args.phase == "record":
-        phase_record(project, args.out)
+        phase_record(project, args.out, args.model or [], args.scenario or [], budget_s, args.jobs)
+    elif args.phase == "matrix" and args.scenario:
+        phase_scenarios(project, args.out, args.scenario)
     elif args.phase == "matrix":
         phase_matrix(project, args.out)
     else:

@@ -26,8 +26,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import media  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from veosnap.reference import media  # noqa: E402
 
 SEED = 20261201
 FIRST_TOKEN, LAST_TOKEN = 3, 256  # text ids, as in sequences.parquet

@@ -1,6 +1,6 @@
 """Run the project's own pytest as if this machine were of another hardware class (default cuda-sm90).
 
-    python tools/simulate_class.py [--hardware-class cuda-sm90] [--keep DIR] [-- PYTEST ARGS...]
+    python tools/simulate_class.py [--hardware-class cuda-sm90] [--keep DIR] [--model M ...] [-- PYTEST ARGS...]
 
 What a GPU box changes for the suite is, first of all, its hardware class: the goldens it records and
 checks are `goldens/cuda-sm90/...`, its reports say `cuda-sm90/llama/step-float32`, a cpu golden is
@@ -12,8 +12,9 @@ another class's. This tool makes a test run see exactly that on the CPU, to catc
    class and `device_for` the CPU, in every Python process of the run (pytest, the CLI, torchrun
    ranks, the downstream-project subprocesses), except where CUDA_VISIBLE_DEVICES is empty (a process
    that hides the GPU, like tools/kill_and_race.py, is a cpu machine, as it would be on the GPU box);
-3. re-records that class's goldens there with `tools/gpu_session.py record` (both scenarios; the
-   committed cuda-sm90 goldens are the GPU's numbers, which a CPU does not reproduce);
+3. re-records that class's goldens there with `tools/gpu_session.py record` (every scenario; the
+   committed cuda-sm90 goldens are the GPU's numbers, which a CPU does not reproduce); `--model M`
+   (repeatable) records only those models, for a run narrowed with -k;
 4. runs pytest there with the arguments given (default `-q`) and exits with its status.
 
 It cannot simulate CUDA itself: GPU-only backends, NCCL ranks and the GPU's numerics are for the
@@ -101,6 +102,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hardware-class", default="cuda-sm90", help="the class to simulate (default cuda-sm90)")
     parser.add_argument("--keep", type=Path, help="work in this directory and keep it (default: a temp dir)")
+    parser.add_argument("--model", action="append",
+                        help="record only these models' goldens (repeatable; default: the whole toy tier), for a "
+                             "pytest run that needs only them (-k)")
     parser.add_argument("pytest_args", nargs="*", help="arguments for pytest (after --; default -q)")
     args = parser.parse_args()
     work = args.keep or Path(tempfile.mkdtemp(prefix="veosnap-simulate-"))
@@ -116,7 +120,10 @@ def main() -> int:
         env.pop("VEOSNAP_HARDWARE_CLASS", None)
         shutil.rmtree(repo / "goldens" / args.hardware_class, ignore_errors=True)
         start = time.perf_counter()
-        subprocess.run([sys.executable, "tools/gpu_session.py", "record", "--out", str(work / "record")],
+        # no budget: the CPU takes far longer than the GPU's device-call limit the default is for
+        models = [arg for m in args.model or [] for arg in ("--model", m)]
+        subprocess.run([sys.executable, "tools/gpu_session.py", "record", *models, "--budget-s", "1e9",
+                        "--out", str(work / "record")],
                        cwd=repo, env=env, check=True, stdout=subprocess.DEVNULL)
         print(f"simulate_class: recorded {args.hardware_class} goldens in {time.perf_counter() - start:.0f} s "
               f"under {repo / 'goldens'}", flush=True)

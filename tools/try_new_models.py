@@ -1,6 +1,6 @@
 """Prove the recipe for the ten new toy models (issue 15) before veosnap integrates them.
 
-For each model of `toy_configs_next/`: build it from its toy config as the HF eager reference (eager
+For each of the ten models issue 15 added to `toy_configs/`: build it from its toy config as the HF eager reference (eager
 attention, eager experts, float32), draw its weights the way veosnap does (`veosnap.reference.weights.initialize`)
 plus the proposed rules where veosnap's rule does not fit (`--rules veosnap` leaves them out), and run
 forward + backward on: a text-only left-padded batch; for the vision-language and omni models an
@@ -46,19 +46,18 @@ from torch import nn
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))
 
-import media  # noqa: E402
 import transformers  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from veosnap.reference import inputs as vinputs  # noqa: E402
+from veosnap.reference import media  # noqa: E402
 from veosnap.reference import weights  # noqa: E402
 from veosnap.reference.models import KeepFloat64, hf_config  # noqa: E402
 from veosnap.reference.probes import find_moe_layers  # noqa: E402
 from veosnap.reference.zoo import load_config  # noqa: E402
 
-CONFIGS = ROOT / "toy_configs_next"
+CONFIGS = ROOT / "toy_configs"
 TESTDATA = ROOT / "testdata"
 IGNORE = vinputs.IGNORE_INDEX
 SEED = 0

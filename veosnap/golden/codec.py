@@ -287,8 +287,48 @@ def check_inputs(inputs: dict[str, torch.Tensor], manifest: Manifest, source: ob
         t = inputs[f"inputs.{field.name}"]
         if t.dtype != torch.int64 or t.ndim != 2 or t.shape != shape:
             raise GoldenError(source, f"tensor 'inputs.{field.name}' is {_describe(t)}, expected int64 {list(shape)} (2-D)")
+    _check_media({name.removeprefix("inputs."): t for name, t in inputs.items()}, source, shape)
     if tensors_hash(inputs) != manifest.inputs_hash:
         raise GoldenError(source, "inputs hash mismatch: the stored batch is not the one the manifest describes")
+
+
+def _check_media(stored: dict[str, torch.Tensor], source: object, grid: torch.Size) -> None:
+    """A multimodal batch's inputs agree with each other and with the token grids: each kind complete, of
+    its dtype and rank, its items' sizes adding up, each item in a row of the batch (rows in order)."""
+    rows = grid[0]
+    rope = stored.get("mrope_position_ids")
+    if rope is not None and (rope.dtype != torch.int64 or tuple(rope.shape) != (3, *grid)):
+        raise GoldenError(source, f"tensor 'inputs.mrope_position_ids' is {_describe(rope)}, expected int64 "
+                                  f"{[3, *grid]}")
+    for kind in names.MEDIA_KINDS:
+        fields = [f for f in names.INPUT_FIELDS.values() if f.media == kind]
+        present = [f for f in fields if f.name in stored]
+        if not present:
+            continue
+        if len(present) != len(fields):
+            missing = next(f.name for f in fields if f.name not in stored)
+            raise GoldenError(source, f"tensor 'inputs.{missing}' is missing (the batch has {kind} inputs)")
+        for f in fields:
+            t = stored[f.name]
+            if str(t.dtype).removeprefix("torch.") != f.dtype or t.ndim != f.ndim or not t.shape[0]:
+                raise GoldenError(source, f"tensor 'inputs.{f.name}' is {_describe(t)}, expected a non-empty "
+                                          f"{f.dtype} tensor of {f.ndim} dimensions")
+        item_rows = stored[f"{kind}_rows"]
+        items = item_rows.shape[0]
+        if kind == "audio":
+            values, mask = stored["input_features"], stored["feature_attention_mask"]
+            consistent = values.shape[0] == items and tuple(mask.shape) == (items, values.shape[-1])
+        else:
+            prefix = "pixel_values" if kind == "image" else "pixel_values_videos"
+            grid_thw = stored[f"{kind}_grid_thw"]
+            consistent = (tuple(grid_thw.shape) == (items, 3) and bool((grid_thw > 0).all())
+                          and int(grid_thw.prod(dim=-1).sum()) == stored[prefix].shape[0])
+            if kind == "video":
+                consistent = consistent and stored["second_per_grid"].shape[0] == items
+        in_rows = bool(((item_rows >= 0) & (item_rows < rows)).all()) and bool((item_rows.diff() >= 0).all())
+        if not consistent or not in_rows:
+            raise GoldenError(source, f"the {kind} inputs disagree with each other or with the batch's {rows} rows "
+                                      f"(item counts, sizes or rows)")
 
 
 def _belongs(name: str, tolerance: dict, route_layers: set[int]) -> bool:

@@ -9,7 +9,12 @@ from pathlib import Path
 from ..errors import VeosnapError
 
 SUFFIX = ".safetensors.zst"
-SCENARIOS = ("step", "train")
+# What a golden's step runs (defined in `reference.scenarios`): the text batch once or over a few optimizer
+# steps, or a multimodal batch once.
+SCENARIOS = ("step", "train", "vision", "audio", "frozen_vision")
+# Scenarios checked against another scenario's golden (they have no file of their own): freezing an encoder
+# changes no forward value and no other gradient.
+CHECKED_AGAINST = {"frozen_vision": "vision"}
 DTYPE_NAMES = ("float32", "bfloat16")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -35,6 +40,12 @@ class GoldenKey:
         check_name(self.model, "model")
         check_name(self.scenario, "scenario")
         check_name(self.dtype, "dtype")
+
+    @property
+    def recorded(self) -> GoldenKey:
+        """The key of the golden file that holds this key's reference (itself, or per `CHECKED_AGAINST`)."""
+        other = CHECKED_AGAINST.get(self.scenario)
+        return self if other is None else GoldenKey(self.hardware_class, self.model, other, self.dtype)
 
     @property
     def relpath(self) -> Path:

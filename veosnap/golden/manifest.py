@@ -44,9 +44,11 @@ class BatchSpec:
     """How the reference's batch was made from the test data."""
 
     layout: str  # "padded" (one sequence per row) or "packed-rows" (rows of packed sequences)
-    padding_side: str  # "left"
+    padding_side: str  # "left" (DeepSeek-V4: "right")
     sequences: tuple[int, ...]  # ids of the test data's sequences, in row order
     source: str  # the test data file
+    rows: tuple[str, ...] | None = None  # a multimodal batch: per row "text N" or its sample's name
+    media_family: str | None = None  # a multimodal batch: the test data family its placeholders fit
 
 
 @dataclass(frozen=True)
@@ -276,6 +278,12 @@ def _int_list(value: object, where: str) -> tuple[int, ...]:
     return tuple(value)
 
 
+def _str_tuple(value: object, where: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise TypeError(f"field {where!r} is not a list of strings")
+    return tuple(value)
+
+
 def _optional_str(value: object, where: str) -> str | None:
     return None if value is None else _typed(value, where, str)  # type: ignore[return-value]
 
@@ -294,7 +302,8 @@ def _reference(value: object, where: str) -> Reference:
     return _section(Reference, value, where, {
         "attn_implementation": str, "experts_implementation": str, "seed": int, "noise_run": str,
         "batch": lambda v, w: _section(BatchSpec, v, w, {"layout": str, "padding_side": str, "sequences": _int_list,
-                                                           "source": str}),
+                                                           "source": str, "rows": _str_tuple,
+                                                           "media_family": _optional_str}),
         "train": _train})
 
 

@@ -4,6 +4,9 @@
     loss                               the step's loss                      Loss
     logits                             one row per token                    Logits
     layers.N.output                    decoder layer N's output, per token  LayerOutput
+    vision.N.output, audio.N.output    an encoder block's output            EncoderOutput
+    vision.merger.output, vision.deepstack.N.output, audio.proj.output
+                                       what an encoder writes into the LM   EncoderOutput
     grad.<param>                       a parameter's gradient               Grad
     routes.N.experts|weights|margin    MoE layer N's routes, per token      Route
     train.loss, train.grad_norm        per train step                       TrainLoss, TrainGradNorm
@@ -30,9 +33,26 @@ from typing import ClassVar
 _IN_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 _ROUTER_RE = re.compile(r"\.(gate|router)\.(weight|bias)$")  # not gate_proj: that is a dense MLP's
 
+# The attribute names transformers gives the encoders of multimodal models (Qwen-VL's `visual`, LLaVA's
+# `vision_tower`, the audio-language models' `audio_tower`), by the tower they are. A parameter or module
+# path through one of them is in that encoder, never in the language model's decoder layers.
+ENCODER_ATTRIBUTES = {"visual": "vision", "vision_tower": "vision", "vision_model": "vision", "audio_tower": "audio"}
+ENCODERS = ("audio", "vision")  # in the order the omni models run them, before the language model
+
+
+def encoder_of(path: str) -> str | None:
+    """The encoder (`vision`, `audio`) a module or parameter path is inside, or None (the language model)."""
+    for part in path.split("."):
+        if part in ENCODER_ATTRIBUTES:
+            return ENCODER_ATTRIBUTES[part]
+    return None
+
 
 def layer_of(path: str) -> int | None:
-    """The decoder layer a module or parameter path is inside (`model.layers.3.mlp` -> 3), or None."""
+    """The decoder layer a module or parameter path is inside (`model.layers.3.mlp` -> 3), or None (outside
+    the decoder layers, or inside an encoder: `model.audio_tower.layers.0` is not decoder layer 0)."""
+    if encoder_of(path) is not None:
+        return None
     match = _IN_LAYER_RE.search(path)
     return int(match.group(1)) if match else None
 
@@ -93,11 +113,16 @@ class InputField:
     """A model input a golden may store as `inputs.<name>`.
 
     `token_grid`: int64 [rows, positions], the shape of `input_ids` (a token's row and position).
+    `media`: one of a multimodal batch's kinds (`image`, `video`, `audio`): the kind's fields come together
+    (`group`), `dtype` and `ndim` as given; `golden.codec` checks they agree with each other and the grids.
     """
 
     name: str
     required: bool = False
     token_grid: bool = False
+    media: str | None = None
+    dtype: str = "int64"
+    ndim: int = 2
 
 
 INPUT_FIELDS: dict[str, InputField] = {field.name: field for field in (
@@ -105,7 +130,20 @@ INPUT_FIELDS: dict[str, InputField] = {field.name: field for field in (
     InputField("attention_mask", required=True, token_grid=True),  # 1 on real tokens: the ones compared
     InputField("position_ids", required=True, token_grid=True),
     InputField("labels", required=True, token_grid=True),
+    # 3-D (M-RoPE) positions of a vision-language model's batch: [3, rows, positions]
+    InputField("mrope_position_ids", ndim=3),
+    InputField("pixel_values", media="image", dtype="float32"),  # [patches, 3 * temporal * patch^2]
+    InputField("image_grid_thw", media="image"),  # [images, 3]
+    InputField("image_rows", media="image", ndim=1),  # [images]: each image's batch row
+    InputField("pixel_values_videos", media="video", dtype="float32"),
+    InputField("video_grid_thw", media="video"),
+    InputField("video_rows", media="video", ndim=1),
+    InputField("second_per_grid", media="video", dtype="float32", ndim=1),  # [videos]: seconds per temporal patch
+    InputField("input_features", media="audio", dtype="float32", ndim=3),  # [clips, mel bins, frames]
+    InputField("feature_attention_mask", media="audio"),  # [clips, frames]: 1 on real frames
+    InputField("audio_rows", media="audio", ndim=1),
 )}
+MEDIA_KINDS = ("image", "video", "audio")
 
 
 @kind
@@ -173,6 +211,49 @@ class LayerOutput(TensorName):
         return f"layers.{self.layer}.output"
 
 
+ENCODER_PROJECTIONS = ("merger", "proj")  # the module that writes an encoder's features into the LM stream
+
+
+@kind
+@dataclass(frozen=True)
+class EncoderOutput(TensorName):
+    """An encoder's output at one of its hook points: block N (`vision.0.output`, one row per patch or
+    audio frame), a DeepStack merger (`vision.deepstack.0.output`) or the projection into the language
+    model (`vision.merger.output`, `audio.proj.output`: one row per placeholder token). Its rows are the
+    encoder's own (no padding), so every row is compared."""
+
+    encoder: str
+    part: str  # "N", "deepstack.N", "merger" or "proj"
+
+    pattern = re.compile(r"(vision|audio)\.(\d+|deepstack\.\d+|merger|proj)\.output")
+    group = "output"
+    layer: ClassVar[None] = None  # in no decoder layer: before them all (`forward_order`)
+
+    @property
+    def block(self) -> int | None:
+        """The encoder block, or None (a merger or projection)."""
+        return int(self.part) if self.part.isdigit() else None
+
+    @property
+    def forward_order(self) -> tuple[int, int, int]:
+        """Where this tensor is computed in the forward: encoders in `ENCODERS` order, then within one
+        its blocks, its DeepStack mergers (fed from inner blocks), its projection."""
+        stage = 1 if self.block is not None else 2 if self.part.startswith("deepstack.") else 3
+        index = self.block if self.block is not None else int(self.part.rsplit(".", 1)[-1]) if stage == 2 else 0
+        return (ENCODERS.index(self.encoder), stage, index)
+
+    def describe(self) -> str:
+        """How a report names the place: `vision block 0`, `vision merger`, `audio deepstack merger 1`."""
+        if self.block is not None:
+            return f"{self.encoder} block {self.block}"
+        if self.part.startswith("deepstack."):
+            return f"{self.encoder} deepstack merger {self.part.rsplit('.', 1)[-1]}"
+        return f"{self.encoder} {self.part}"
+
+    def __str__(self) -> str:
+        return f"{self.encoder}.{self.part}.output"
+
+
 @dataclass(frozen=True)
 class _Parameter(TensorName):
     """A tensor per model parameter, named by the parameter's path (`model.layers.1.mlp.up_proj.weight`)."""
@@ -189,8 +270,13 @@ class _Parameter(TensorName):
 
     @property
     def layer(self) -> int | None:
-        """The decoder layer the parameter is in, or None (embeddings, final norm, LM head)."""
+        """The decoder layer the parameter is in, or None (embeddings, final norm, LM head, encoders)."""
         return layer_of(self.param)
+
+    @property
+    def encoder(self) -> str | None:
+        """The encoder (`vision`, `audio`) the parameter is in, or None (the language model)."""
+        return encoder_of(self.param)
 
     @property
     def group(self) -> str:  # type: ignore[override]

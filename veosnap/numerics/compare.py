@@ -111,9 +111,10 @@ def same_route_tokens(golden: Golden, experts: Mapping[int, torch.Tensor]) -> di
 def compare_tensors(golden: Golden, produced: Mapping[str, torch.Tensor], tokens: Tokens, *, gradients: bool = True,
                     same_routes: Mapping[int, torch.Tensor] | None = None,
                     sketches: Mapping[str, CandidateSketch | SketchProblem] | None = None,
-                    absent: Mapping[str, str] | None = None) -> list[TensorResult]:
-    """Every toleranced tensor of the golden against `produced` (whole) or `sketches` (the candidate's
-    tensors the golden holds as sketches, reduced with their spec), by row error.
+                    absent: Mapping[str, str] | None = None,
+                    skip: set[str] | frozenset[str] = frozenset()) -> list[TensorResult]:
+    """Every toleranced tensor of the golden (but those in `skip`) against `produced` (whole) or `sketches`
+    (the candidate's tensors the golden holds as sketches, reduced with their spec), by row error.
 
     `gradients=False`: a forward-only candidate, whose gradients are not compared (the report says so).
     `same_routes`: per MoE layer, the tokens whose route weights are comparable (see `same_route_tokens`).
@@ -124,7 +125,7 @@ def compare_tensors(golden: Golden, produced: Mapping[str, torch.Tensor], tokens
     absent = absent or {}
     for name in golden.compared_names():
         parsed = names.parse(name)
-        if (isinstance(parsed, names.Grad) and not gradients) or name in absent:
+        if (isinstance(parsed, names.Grad) and not gradients) or name in absent or name in skip:
             continue
         tol = golden.manifest.tolerance[name]
         if name in golden.sketches:

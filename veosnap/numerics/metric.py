@@ -29,14 +29,19 @@ def is_token_tensor(name: str) -> bool:
 def rows_of(name: str, tensor: torch.Tensor, token_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """`tensor` as float64 rows, and the original row index of each (token tensors: real tokens only)."""
     t = tensor.detach().to("cpu", torch.float64)
+    token = token_mask is not None and is_token_tensor(name)
     if t.ndim == 0:
         rows = t.reshape(1, 1)
     elif t.ndim == 1:
         rows = t.reshape(-1, 1)
+    elif token and t.ndim > 2 and t.numel() % token_mask.numel() == 0 and t.shape[0] * t.shape[1] == token_mask.numel():
+        # [rows, positions, ...]: one row per token, whatever a token's shape (DeepSeek-V4's layer outputs
+        # are [rows, positions, 4 residual streams, hidden])
+        rows = t.reshape(token_mask.numel(), -1)
     else:
         rows = t.reshape(-1, t.shape[-1])
     index = torch.arange(rows.shape[0])
-    if token_mask is not None and is_token_tensor(name) and token_mask.numel() == rows.shape[0]:
+    if token and token_mask.numel() == rows.shape[0]:
         rows, index = rows[token_mask], index[token_mask]
     return rows, index
 

@@ -1,8 +1,9 @@
 """One forward and backward of a model on a batch, and every tensor a golden holds.
 
 Uniform hook points only (see `probes`): the loss from the model's own forward with labels (so a
-framework's fused loss is checked too), the logits, each decoder layer's output, every parameter's
-gradient, and each MoE block's routes. `forward_backward` runs one batch (a layout may run several,
+framework's fused loss is checked too), the logits, each decoder layer's output, each encoder block's
+and projection's output (multimodal batches), every parameter's gradient, and each MoE block's routes.
+`forward_backward` runs one batch (a layout may run several,
 each weighted by its share of the loss); `run_step` is the golden's own step: the whole batch, once.
 
 What is kept of each tensor is its `reduce.Reducer`'s choice: whole (a host copy), or a sketch made on
@@ -34,6 +35,7 @@ from .probes import (
     decoder_layers,
     find_moe_layers,
     full,
+    record_encoder_outputs,
     record_layer_outputs,
     record_logits,
     record_routes,
@@ -98,6 +100,9 @@ class Part:
     logits: torch.Tensor | Rows | SketchProblem | None  # [rows, positions, vocab] when whole; None: see `absent`
     layers: dict[int, torch.Tensor | Rows | SketchProblem]  # decoder layer -> [rows, positions, hidden] when whole
     routes: dict[int, RouteRecord]  # MoE layer -> one route per token, row-major
+    # golden name -> media kind -> [rows of the batch's media of that kind, ...]: encoder outputs (see
+    # `by_media_kind`), always whole; a golden holds each name's kinds concatenated in `Media.KINDS` order
+    encoders: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     absent: dict[str, str] = field(default_factory=dict)  # tensors this pass did not produce, and why
     notes: list[str] = field(default_factory=list)  # e.g. MoE layers route replay could not force
 
@@ -179,7 +184,8 @@ def forward_backward(model: nn.Module, batch: Batch, *, inner: nn.Module | None 
 
     precise = cross_entropy_in_logits_precision(inner) if own_loss else nullcontext()
     with record_layer_outputs(inner, keep) as layers, record_routes(inner) as routes, \
-            record_logits(inner, keep) as produced, replay as not_replayed, precise, torch.set_grad_enabled(backward):
+            record_logits(inner, keep) as produced, record_encoder_outputs(inner) as encoded, \
+            replay as not_replayed, precise, torch.set_grad_enabled(backward):
         output = model(**kwargs, use_cache=False)
         logits = produced.get("logits")
         if logits is None and getattr(output, "logits", None) is not None:
@@ -196,10 +202,29 @@ def forward_backward(model: nn.Module, batch: Batch, *, inner: nn.Module | None 
         absent[str(names.LOGITS)] = NO_LOGITS
     notes = [f"route replay could not force layer {layer} onto the golden's experts: {why}"
              for layer, why in sorted(not_replayed.items())]
-    return Part(loss=reported, logits=logits, layers=dict(layers), routes=dict(routes), absent=absent, notes=notes)
+    return Part(loss=reported, logits=logits, layers=dict(layers), routes=dict(routes),
+                encoders=by_media_kind(encoded, batch), absent=absent, notes=notes)
 
 
 NO_LOGITS = "not produced by the candidate (its loss is computed without logits: a fused or chunked loss)"
+
+
+def by_media_kind(encoded: dict[str, list[torch.Tensor]], batch: Batch) -> dict[str, dict[str, torch.Tensor]]:
+    """Each encoder hook point's calls, by the media kind each call ran: a tower runs once per kind its batch
+    holds, in `Media.KINDS` order (a vision tower: the images, then the videos). Calls of an encoder the
+    batch has no media for (a dummy forward that keeps ranks in step) are dropped."""
+    kinds = batch.media.kinds if batch.media is not None else []
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for name, calls in encoded.items():
+        encoder = names.parse(name).encoder  # type: ignore[attr-defined]
+        mine = [kind for kind in kinds if batch.media.ENCODER[kind] == encoder]
+        if not mine:
+            continue
+        if len(calls) != len(mine):  # not one call per kind: kept whole, under the first
+            out[name] = {mine[0]: torch.cat(calls)}
+            continue
+        out[name] = dict(zip(mine, calls))
+    return out
 
 
 def gradients(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -294,6 +319,8 @@ def run_step(model: nn.Module, batch: Batch, *, own_loss: bool = False, backward
             capture.tensors[name] = kept
         else:
             capture.sketches[name] = reducer.finish(name, kept)
+    # encoder outputs (rows of patches and frames, not of tokens) are always kept whole
+    capture.tensors.update({name: torch.cat(list(calls.values())) for name, calls in part.encoders.items()})
     if backward:
         whole, sketched = reduce_gradients(model, reducer)
         capture.tensors.update(whole)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 import sys
@@ -35,7 +36,9 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 def hf_config(toy: ToyConfig) -> transformers.PretrainedConfig:
     """The transformers config object for a toy config."""
-    fields = dict(toy.config)
+    # A deep copy: transformers writes into nested sub-config dicts (a vision config's `model_type`), and the
+    # toy's own dict is what a golden records and hashes.
+    fields = copy.deepcopy(toy.config)
     model_type = fields.pop("model_type")
     try:
         return transformers.AutoConfig.for_model(model_type, **fields)
@@ -48,6 +51,17 @@ def _cause(exc: BaseException, limit: int = 200) -> str:
     root = exc.__cause__ or exc
     text = (str(root).strip().splitlines() or [type(root).__name__])[0]
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def auto_class(config: transformers.PretrainedConfig) -> type:
+    """The auto class that builds a trainable model for `config`: image-text-to-text for the models that take
+    images (vision-language models, Qwen3.5, the omni thinkers; they run text-only batches too), causal LM
+    otherwise. One rule for every family, no model names."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    if config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        return transformers.AutoModelForImageTextToText
+    return transformers.AutoModelForCausalLM
 
 
 def build(
@@ -85,7 +99,7 @@ def _uninitialized(config: transformers.PretrainedConfig, dtype: torch.dtype) ->
     from transformers.initialization import no_init_weights
 
     with no_init_weights():
-        model = transformers.AutoModelForCausalLM.from_config(
+        model = auto_class(config).from_config(
             config,
             attn_implementation=REFERENCE_ATTN,
             experts_implementation=REFERENCE_EXPERTS,
@@ -114,7 +128,7 @@ def skeleton(toy: ToyConfig) -> nn.Module:
         with warnings.catch_warnings(), quiet_transformers(), torch.device("meta"):
             warnings.simplefilter("ignore")
             try:
-                model = transformers.AutoModelForCausalLM.from_config(
+                model = auto_class(config).from_config(
                     config, attn_implementation=REFERENCE_ATTN, experts_implementation=REFERENCE_EXPERTS)
             except Exception as exc:  # noqa: BLE001 - a config transformers accepts but cannot instantiate
                 raise VeosnapError(f"{toy.path}: transformers cannot build this model ({_cause(exc)})") from None
@@ -131,7 +145,7 @@ def modeling_module(toy: ToyConfig) -> str:
     """The name of the module defining the model family's classes (`transformers.models.llama.modeling_llama`)."""
     config = hf_config(toy)
     try:
-        return transformers.AutoModelForCausalLM._model_mapping[type(config)].__module__
+        return auto_class(config)._model_mapping[type(config)].__module__
     except (KeyError, AttributeError):
         return type(skeleton(toy)).__module__
 
@@ -178,7 +192,7 @@ def pin_torch_fallbacks(model: nn.Module) -> list[str]:
 
 
 def _kernel_choice(value: object) -> Callable | None:
-    """The torch function behind a transformers fallback wrapper that chose a kernel package, else None.
+    """The torch function behind a transformers fallback wrapper, else None.
 
     The wrapper may itself be wrapped (the `kernels` package's hub decorator): the `__wrapped__` chain
     is followed to the function whose closure made the choice."""
@@ -192,7 +206,9 @@ def _kernel_choice(value: object) -> Callable | None:
             chosen = inspect.getclosurevars(value).nonlocals
         except (TypeError, ValueError):
             chosen = {}
-        if chosen.get("is_new_implementation") and chosen.get("torch_function") is wrapped:
+        # A wrapper that chose a package, or one that found none (it then runs the torch function but warns
+        # at its first call, on stderr, in the middle of a report): either way, the torch function.
+        if "is_new_implementation" in chosen and chosen.get("torch_function") is wrapped:
             return wrapped
         value = wrapped
     return None

@@ -1,14 +1,23 @@
-"""Hooks on a model: its decoder layers' outputs, its logits, and its MoE routers' decisions.
+"""Hooks on a model: its decoder layers' outputs, its encoders' outputs, its logits, and its MoE routers'
+decisions.
 
-Uniform hook points only, no per-model code. Every MoE block of transformers 5 (and of frameworks
-built on it, VeOmni's among them) calls an experts module (3-D expert weights) with
-`(hidden_states, top_k_index, top_k_weights)`, whatever its router returns (transformers' routers
-return `(logits, weights, indices)`; DeepSeek-V3's in transformers 5.9-5.12 and VeOmni's return the
-logits alone and leave the choice to the block). So routes are read from the experts' inputs (a
-forward pre-hook) and replayed (forced onto given experts) there too; the router's logits, read at
-its output where it has a `[tokens, experts]` one, give the margins and the replayed weights. Expert
-ids are sorted per token before storing or comparing. A block whose routes cannot be read is said to
-be, with the reason, never taken for one that routed every token elsewhere.
+Uniform hook points only, no per-model code. The decoder layers are those of the language model
+transformers names with `get_decoder()` (a vision-language model's `model.language_model.layers`, a
+causal LM's `model.layers`). An encoder is a submodule under one of transformers' encoder attribute names
+(`golden.names.ENCODER_ATTRIBUTES`: `visual`, `audio_tower`, ...) holding a list of blocks; its projection
+into the language model is its `merger` (vision) or last `proj*` Linear (audio), its DeepStack mergers any
+other module list named `*merger*`.
+
+Every MoE block of transformers 5 (and of frameworks built on it, VeOmni's among them) calls an experts
+module (3-D expert weights) with `(hidden_states, top_k_index, top_k_weights)`, whatever its router
+returns (transformers' routers return `(logits, weights, indices)`; DeepSeek-V3's in transformers
+5.9-5.12 and VeOmni's return the logits alone and leave the choice to the block). So routes are read
+from the experts' inputs (a forward pre-hook) and replayed (forced onto given experts) there too; the
+router's logits, read at its output where it has a `[tokens, experts]` one, give the margins and the
+replayed weights (a router with a score function of its own, DeepSeek-V4's, is ranked by it; one that
+picks experts from a table by token id, DeepSeek-V4's hash layers, has no margin to lose). Expert ids
+are sorted per token before storing or comparing. A block whose routes cannot be read is said to be,
+with the reason, never taken for one that routed every token elsewhere.
 
 A router whose output holds no `[tokens, experts]` logits (JetMoE's returns sorted token indices, gates
 and expert sizes) cannot be recorded (a golden needs margins): `unread_routers` names it and what it
@@ -26,7 +35,8 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from ..golden.names import layer_of
+from ..golden import names
+from ..golden.names import ENCODER_ATTRIBUTES, layer_of
 from ..numerics.routes import GroupLimit, margins
 
 
@@ -72,15 +82,95 @@ def _gather_strided(tensor: torch.Tensor) -> torch.Tensor | None:
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The model's stack of decoder layers (`model.model.layers` in every zoo family)."""
-    inner = getattr(model, "model", model)
-    layers = getattr(inner, "layers", None)
-    if isinstance(layers, nn.ModuleList):
-        return layers
+    """The language model's stack of decoder layers (`get_decoder().layers`; a multimodal model's encoders
+    have layer lists of their own, which are not it)."""
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    for inner in (decoder, getattr(model, "model", None), model):
+        layers = getattr(inner, "layers", None)
+        if isinstance(layers, nn.ModuleList):
+            return layers
     for name, module in model.named_modules():
-        if name.endswith("layers") and isinstance(module, nn.ModuleList):
+        if name.endswith("layers") and isinstance(module, nn.ModuleList) and names.encoder_of(name) is None:
             return module
     raise TypeError(f"{type(model).__name__}: no decoder layer list found")
+
+
+# --- encoders ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Encoder:
+    """One encoder of a multimodal model (a vision tower, an audio tower) and its hook points."""
+
+    kind: str  # "vision" or "audio"
+    path: str  # module path (`model.visual`)
+    module: nn.Module
+    blocks: nn.ModuleList
+    projection: nn.Module | None  # writes the encoder's features into the language model's stream
+    projection_part: str  # how its output is named: "merger" (vision) or "proj" (audio)
+    deepstack: nn.ModuleList | None  # mergers of intermediate blocks' features (Qwen3-VL's DeepStack)
+
+
+_BLOCK_LISTS = ("blocks", "layers")
+
+
+def find_encoders(model: nn.Module) -> list[Encoder]:
+    """Every encoder of `model`, in `names.ENCODERS` order (none for a text model)."""
+    found = {}
+    for path, module in model.named_modules():
+        kind = ENCODER_ATTRIBUTES.get(path.rsplit(".", 1)[-1])
+        if kind is None or kind in found:
+            continue
+        blocks = next((b for b in (getattr(module, n, None) for n in _BLOCK_LISTS) if isinstance(b, nn.ModuleList)),
+                      None)
+        if blocks is None:
+            continue
+        if kind == "vision":
+            projection, part = getattr(module, "merger", None), "merger"
+        else:  # the last `proj*` Linear of the tower (`proj`, or `proj2` after `proj1`)
+            linears = [child for name, child in module.named_children()
+                       if name.startswith("proj") and isinstance(child, nn.Linear)]
+            projection, part = (linears[-1] if linears else None), "proj"
+        deepstack = next((child for name, child in module.named_children()
+                          if "merger" in name and isinstance(child, nn.ModuleList)), None)
+        found[kind] = Encoder(kind, path, module, blocks, projection if isinstance(projection, nn.Module) else None,
+                              part, deepstack)
+    return [found[kind] for kind in names.ENCODERS if kind in found]
+
+
+def encoder_hook_points(model: nn.Module) -> list[tuple[names.EncoderOutput, nn.Module]]:
+    """Each encoder tensor a golden holds, with the module whose output it is, in forward order."""
+    points = []
+    for encoder in find_encoders(model):
+        points += [(names.EncoderOutput(encoder.kind, str(i)), block) for i, block in enumerate(encoder.blocks)]
+        if encoder.deepstack is not None:
+            points += [(names.EncoderOutput(encoder.kind, f"deepstack.{i}"), merger)
+                       for i, merger in enumerate(encoder.deepstack)]
+        if encoder.projection is not None:
+            points.append((names.EncoderOutput(encoder.kind, encoder.projection_part), encoder.projection))
+    return points
+
+
+@contextmanager
+def record_encoder_outputs(model: nn.Module) -> Iterator[dict[str, list[torch.Tensor]]]:
+    """Within the block, each encoder hook point's outputs are recorded by golden name, one entry per call
+    (a tower runs once for a batch's images and once more for its videos)."""
+    outputs: dict[str, list[torch.Tensor]] = {}
+    handles = []
+    for name, module in encoder_hook_points(model):
+
+        def hook(_module: nn.Module, _inputs: tuple, output: object, name: str = str(name)) -> None:
+            hidden = output[0] if isinstance(output, (tuple, list)) else output
+            hidden = getattr(hidden, "last_hidden_state", hidden)
+            outputs.setdefault(name, []).append(full(hidden.detach()).to("cpu", copy=True))
+
+        handles.append(module.register_forward_hook(hook))
+    try:
+        yield outputs
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def host_copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -290,16 +380,26 @@ def selection(router: nn.Module | MoeLayer, logits: torch.Tensor) -> Selection:
     """How `router` ranks experts, read from its attributes (the logits it returned, flattened).
 
     Softmax and plain top-k routers rank by logits (softmax is monotone; slope 1; a router bias is
-    already in its logits); sigmoid routers with a score-correction bias (DeepSeek-V3) rank by
-    sigmoid(logits) + bias, within their kept groups when `n_group`/`topk_group` limit them.
+    already in its logits); a router with its own score function (DeepSeek-V4's `score_fn`,
+    sqrt-softplus) ranks by it, plus its score-correction bias (slope by autograd); sigmoid routers
+    with a score-correction bias (DeepSeek-V3) rank by sigmoid(logits) + bias, within their kept
+    groups when `n_group`/`topk_group` limit them.
     """
     logits = logits.detach().float()
-    bias = router.attr("e_score_correction_bias") if isinstance(router, MoeLayer) \
-        else getattr(router, "e_score_correction_bias", None)
+    get = router.attr if isinstance(router, MoeLayer) else lambda name, default=None: getattr(router, name, default)
+    bias = get("e_score_correction_bias")
+    offset = bias.detach().float().to(logits.device) if isinstance(bias, torch.Tensor) else 0.0
+    score_fn = get("score_fn")
+    if callable(score_fn):
+        with torch.enable_grad():
+            x = logits.clone().requires_grad_(True)
+            scores = score_fn(x)
+            (slope,) = torch.autograd.grad(scores.sum(), x)
+        return Selection(scores.detach() + offset, slope, group_limit(router))
     if not isinstance(bias, torch.Tensor):
         return Selection(logits, torch.ones_like(logits))
     sig = logits.sigmoid()
-    return Selection(sig + bias.detach().float().to(logits.device), sig * (1 - sig), group_limit(router))
+    return Selection(sig + offset, sig * (1 - sig), group_limit(router))
 
 
 def group_limit(router: nn.Module | MoeLayer) -> GroupLimit | None:
@@ -308,6 +408,16 @@ def group_limit(router: nn.Module | MoeLayer) -> GroupLimit | None:
     groups = int(get("num_group", get("n_group", 1)) or 1)
     keep = int(get("topk_group", groups) or groups)
     return GroupLimit(groups, keep) if 1 < groups and keep < groups else None
+
+
+# A router that picks its experts from a table by token id (DeepSeek-V4's hash layers, `tid2eid`) makes no
+# decision that a small numerical difference could flip: its margin is the largest float32.
+NO_TIE_MARGIN = float(torch.finfo(torch.float32).max)
+
+
+def is_table_router(router: nn.Module) -> bool:
+    """Whether `router` picks experts by token id from a table (`tid2eid`) rather than by score."""
+    return isinstance(getattr(router, "tid2eid", None), torch.Tensor)
 
 
 @dataclass
@@ -386,7 +496,9 @@ def record_routes(model: nn.Module) -> Iterator[Routes]:
             experts, sorted_weights = sort_route(indices.detach(), weights.detach())
             chosen = indices.reshape(-1, indices.shape[-1])
             scored, logits[0] = logits[0], None
-            if scored is not None and scored.reshape(-1, scored.shape[-1]).shape[0] == chosen.shape[0]:
+            if moe.router is not None and is_table_router(moe.router):
+                margin = torch.full((chosen.shape[0],), NO_TIE_MARGIN)
+            elif scored is not None and scored.reshape(-1, scored.shape[-1]).shape[0] == chosen.shape[0]:
                 margin = selection(moe, scored.reshape(-1, scored.shape[-1])).margins(chosen).cpu()
             else:
                 why = "no router found" if moe.router is None else \
@@ -418,8 +530,9 @@ def reweigh(router: nn.Module | MoeLayer, logits: torch.Tensor, indices: torch.T
             like: torch.Tensor) -> torch.Tensor:
     """The routing weights a router would give experts `indices`, from its own logits.
 
-    Three router families cover the zoo: sigmoid with score-correction bias (DeepSeek-V3: gather,
-    normalize, scale), softmax over the chosen logits (GPT-OSS, whose router has a bias), and softmax
+    Four router families cover the zoo: a score function of its own (DeepSeek-V4's sqrt-softplus, hash
+    routers included: gather, normalize, scale), sigmoid with score-correction bias (DeepSeek-V3: the
+    same with sigmoid), softmax over the chosen logits (GPT-OSS, whose router has a bias), and softmax
     over all experts then gather (Qwen-MoE, Mixtral; renormalized when `norm_topk_prob`). Settings are
     read from the router, else its block (VeOmni keeps `norm_topk_prob` and the scaling on the block).
     """
@@ -427,7 +540,12 @@ def reweigh(router: nn.Module | MoeLayer, logits: torch.Tensor, indices: torch.T
     router_module = router.router if isinstance(router, MoeLayer) else router
     logits = logits.reshape(-1, logits.shape[-1])
     idx = indices.long()
-    if isinstance(attr("e_score_correction_bias"), torch.Tensor):
+    score_fn = attr("score_fn")
+    if callable(score_fn):
+        w = score_fn(logits).gather(1, idx)
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        w = w * attr("routed_scaling_factor", 1.0)
+    elif isinstance(attr("e_score_correction_bias"), torch.Tensor):
         w = logits.float().sigmoid().gather(1, idx)
         if attr("norm_topk_prob", True):
             w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)

@@ -4,14 +4,33 @@ Every parameter's values derive from (seed, parameter name) alone: drawn on the 
 from a generator seeded by a hash of both, shaped by a rule for its kind, then cast. The same on
 every device, under any sharding and in any init order.
 
+The rules, by kind:
+
+- matrices and convolutions: noise scaled by 1/sqrt(fan-in) (a convolution's fan-in is its input
+  channels times its kernel: a Conv3d patch embedding of 3 x 2 x 16 x 16 inputs reads 1536 values);
+  the LM head (and tied embeddings) at gain 2, untied embeddings at 1;
+- 1-D parameters that transformers initializes to a constant c (a norm's weight 1, a bias 0, and the ones
+  whose name misleads: Qwen3.5's zero-centred norms, which compute x * (1 + w), start at 0, Qwen2-VL's
+  merger norm `ln_q` at 1, Gated DeltaNet's `dt_bias` and DeepSeek-V4's mHC scales at 1): c + 0.1 noise.
+  The constants are asked of transformers' own `_init_weights`, module by module;
+- Gated DeltaNet's decay rates `A_log`: log U(0.1, 1), so heads keep memories of different lengths;
+- MoE routers and the token codes they read: designed (below).
+
 MoE routers are built to decide clearly, and to make every branch of their routing code matter.
 A few hidden dimensions are reserved: one code dimension per expert, and one offset dimension.
 Each token's embedding carries a code there (`token_codes`): a few dimensions raised to one of
 three tiers, the rest left at the tail, and the offset dimension set to a constant. Each MoE
 layer's router reads the code dimensions through its own permutation (so layers route
-differently) and the offset dimension as a shift that puts the tail well below zero; the attention
-and MLP output projections write only faintly into the reserved dimensions (HF names them `o_proj`
-and `down_proj` in every zoo family), so the code survives the residual stream.
+differently) and the offset dimension as a shift that puts the tail well below zero; the output
+projections that write into the language model's residual stream (HF names them `o_proj`,
+`down_proj`, Gated DeltaNet's `out_proj`, DeepSeek-V4's `o_b_proj`) write only faintly into the
+reserved dimensions, and the language model's norms hold their constant there, so the code survives
+the residual stream. In a multimodal MoE model, the projection of each encoder into the language
+model (vision merger, DeepStack mergers, audio projection) writes faintly there too, and writes the
+code of its placeholder token through its bias, so image, video and audio tokens route as clearly
+as text. DeepSeek-V4's hash routers (`tid2eid`, a buffer transformers leaves at zeros) send each
+token to `top_k` experts drawn for it (`hashed_experts`); the codes are designed for its scoring
+routers only.
 
 Codes are drawn, then each is kept only if every MoE layer's router, run on it at the smallest and
 the largest scale an RMSNorm can give it, takes the same experts by a clear margin (`routes.margins`:
@@ -29,12 +48,14 @@ import inspect
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from ..golden.names import encoder_of
 from ..numerics.routes import GroupLimit
-from .probes import MoeLayer, find_moe_layers, group_limit, selection
+from .probes import MoeLayer, find_encoders, find_moe_layers, group_limit, selection
 
 # Scales chosen so the toy function is far from trivial (logits well away from uniform) while
 # staying well conditioned in bfloat16; see the README's tolerance section.
@@ -43,6 +64,9 @@ CODE_NOISE = 0.005  # how much of a projection's output reaches the reserved dim
 NORM_JITTER = 0.1
 BIAS_STD = 0.1
 LM_HEAD_GAIN = 2.0
+DECAY_RANGE = (0.1, 1.0)  # Gated DeltaNet's per-head decay rate A, drawn uniformly (A_log = log A)
+# Output projections into the language model's residual stream, by module name.
+OUTPUT_PROJECTIONS = ("o_proj", "down_proj", "out_proj", "o_b_proj")
 
 # Routers. Logits below are at an RMSNorm scale of 1 (a code value reaches a router as value / rms).
 ROUTER_READ = 4.0  # router weight on the code dimension of its expert
@@ -104,48 +128,95 @@ def reserved(moe: list[MoeLayer]) -> int:
     return moe[0].num_experts + 1 if moe else 0
 
 
+@dataclass(frozen=True)
+class Plan:
+    """What the rules need to know about a model besides a parameter's name and shape."""
+
+    moe: list[MoeLayer] = field(default_factory=list)
+    constants: dict[str, float] = field(default_factory=dict)  # 1-D parameter -> transformers' constant init
+    projectors: dict[str, int] = field(default_factory=dict)  # encoder projection Linear -> placeholder token id
+    _codes: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+
+    def codes(self, model: nn.Module, seed: int, vocab_size: int) -> torch.Tensor:
+        """`token_codes` of this model, designed once (the embedding and each encoder projection read them)."""
+        if (seed, vocab_size) not in self._codes:
+            self._codes[seed, vocab_size] = token_codes(model, seed, vocab_size, self.moe)
+        return self._codes[seed, vocab_size]
+
+
+def plan_for(model: nn.Module) -> Plan:
+    """The plan of `model`'s weights (see `Plan`)."""
+    moe = find_moe_layers(model)
+    return Plan(moe=moe, constants=constant_inits(model), projectors=encoder_projectors(model) if moe else {})
+
+
+def _owner(model: nn.Module, name: str) -> nn.Module:
+    return model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+
+
 def _fan_in(model: nn.Module, name: str, shape: torch.Size) -> int:
-    owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+    owner = _owner(model, name)
+    if isinstance(owner, nn.modules.conv._ConvNd):
+        return math.prod(shape[1:])  # [out, in / groups, *kernel]
     if len(shape) == 3 and getattr(owner, "is_transposed", False):
         return int(shape[-2])  # transposed experts store [experts, in, out]
     return int(shape[-1])
 
 
+def _text_config(model: nn.Module):
+    """The language model's config (a multimodal model's `text_config`; a text model's own)."""
+    config = getattr(model, "config", None)
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def _hidden_size(model: nn.Module) -> int:
-    return int(getattr(getattr(model, "config", None), "hidden_size", 0) or 0)
+    return int(getattr(_text_config(model), "hidden_size", 0) or 0)
 
 
 def reference_value(
-    model: nn.Module, name: str, shape: torch.Size, seed: int, moe: list[MoeLayer] | None = None
+    model: nn.Module, name: str, shape: torch.Size, seed: int, moe: list[MoeLayer] | None = None,
+    plan: Plan | None = None,
 ) -> torch.Tensor:
     """The float32 value of parameter or buffer `name` for this seed (before any cast)."""
-    moe = find_moe_layers(model) if moe is None else moe
-    base = draw(seed, name, tuple(shape))
+    plan = plan_for(model) if plan is None else plan
+    moe = plan.moe if moe is None else moe
     leaf = name.rsplit(".", 1)[-1]
+    if leaf == "tid2eid":  # a hash router's table: each token to experts drawn for it
+        return hashed_experts(seed, shape[0], moe[0].num_experts, shape[1]) if moe else torch.zeros(shape, dtype=torch.long)
+    base = draw(seed, name, tuple(shape))
     owner = name.rsplit(".", 1)[0]
     if name.endswith("embed_tokens.weight"):
         tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
         # Tied embeddings are the LM head too: give them the head's scale.
         value = base * (LM_HEAD_GAIN / math.sqrt(shape[1]) if tied else EMBED_STD)
         if moe:
-            value[:, : reserved(moe)] = token_codes(model, seed, int(shape[0]), moe)
+            value[:, : reserved(moe)] = plan.codes(model, seed, int(shape[0]))
         return value
     routers = {m.router_name: m for m in moe}
     if owner in routers:
         return _router_value(routers[owner], leaf, base, seed)
-    if "norm" in name and len(shape) == 1:
-        value = 1.0 + NORM_JITTER * base
-        if moe and shape[0] == _hidden_size(model):
-            value[: reserved(moe)] = 1.0  # a router reads the reserved dimensions at the scale it was designed for
+    if leaf == "A_log":
+        low, high = DECAY_RANGE
+        return (low + (high - low) * torch.rand(tuple(shape), generator=generator(seed, name))).log()
+    if owner in plan.projectors:
+        return _projector(name, leaf, shape, base, seed, plan.projectors[owner], moe, model, plan)
+    constant = plan.constants.get(name)
+    if constant is None and "norm" in name and len(shape) == 1:
+        constant = 1.0
+    if constant is not None and (constant != 0.0 or "norm" in name):
+        value = constant + NORM_JITTER * base
+        if moe and "norm" in name and shape[0] == _hidden_size(model) and encoder_of(name) is None:
+            # A router reads the reserved dimensions at the scale it was designed for (x * c, or x * (1 + 0)).
+            value[: reserved(moe)] = constant
         return value
     if "bias" in leaf or len(shape) == 1:
         value = BIAS_STD * base
-        if moe and (name.endswith("o_proj.bias") or leaf == "down_proj_bias"):
+        if moe and (name.endswith("o_proj.bias") or leaf == "down_proj_bias") and encoder_of(name) is None:
             value[..., : reserved(moe)] *= CODE_NOISE
         return value
     gain = LM_HEAD_GAIN if name.endswith("lm_head.weight") else 1.0
     value = base * (gain / math.sqrt(_fan_in(model, name, shape)))
-    if moe:
+    if moe and encoder_of(name) is None:
         _damp_code_outputs(model, name, value, reserved(moe))
     return value
 
@@ -170,7 +241,7 @@ def _router_value(moe: MoeLayer, leaf: str, base: torch.Tensor, seed: int) -> to
 def _damp_code_outputs(model: nn.Module, name: str, value: torch.Tensor, num_codes: int) -> None:
     """Scale down what an output projection writes into the reserved dimensions (in place)."""
     owner_name, leaf = name.rsplit(".", 1)
-    if owner_name.endswith(("o_proj", "down_proj")) and leaf == "weight":
+    if owner_name.endswith(OUTPUT_PROJECTIONS) and leaf == "weight":
         value[:num_codes] *= CODE_NOISE  # nn.Linear: [out=hidden, in]
     elif leaf == "down_proj" and value.ndim == 3:
         transposed = getattr(model.get_submodule(owner_name), "is_transposed", False)
@@ -180,6 +251,87 @@ def _damp_code_outputs(model: nn.Module, name: str, value: torch.Tensor, num_cod
             value[:, :num_codes] *= CODE_NOISE  # [experts, out=hidden, in]
 
 
+def _projector(name: str, leaf: str, shape: torch.Size, base: torch.Tensor, seed: int, token: int,
+               moe: list[MoeLayer], model: nn.Module, plan: Plan) -> torch.Tensor:
+    """An encoder's last Linear into the language model: faint in the reserved dimensions, and writing
+    there, through its bias, the code of its placeholder token (as that token's embedding would have)."""
+    if leaf == "bias":
+        value = BIAS_STD * base
+        vocab = model.get_input_embeddings().weight.shape[0]
+        value[: reserved(moe)] = plan.codes(model, seed, vocab)[token]
+        return value
+    value = base / math.sqrt(_fan_in(model, name, shape))
+    value[: reserved(moe)] *= CODE_NOISE
+    return value
+
+
+def encoder_projections(model: nn.Module) -> list[tuple[str, str]]:
+    """(module path, encoder kind) of the last Linear of each module that writes an encoder's features into
+    the language model: the projection (vision merger, audio projection) and each DeepStack merger."""
+    paths = {id(m): n for n, m in model.named_modules()}
+    found = []
+    for encoder in find_encoders(model):
+        writers = [encoder.projection] if encoder.projection is not None else []
+        writers += list(encoder.deepstack) if encoder.deepstack is not None else []
+        for writer in writers:
+            linears = [m for m in writer.modules() if isinstance(m, nn.Linear)]
+            if linears:
+                found.append((paths[id(linears[-1])], encoder.kind))
+    return found
+
+
+def encoder_projectors(model: nn.Module) -> dict[str, int]:
+    """Each encoder projection's last Linear, with the placeholder token whose code it writes (image tokens
+    for vision, audio tokens for audio); none when the model has no such token id."""
+    config = getattr(model, "config", None)
+    tokens = {}
+    for kind, names in (("vision", ("image_token_id", "image_token_index")),
+                        ("audio", ("audio_token_id", "audio_token_index"))):
+        token = next((getattr(config, n) for n in names if isinstance(getattr(config, n, None), int)), None)
+        if token is not None:
+            tokens[kind] = token
+    return {path: tokens[kind] for path, kind in encoder_projections(model) if kind in tokens}
+
+
+_PLAIN = (nn.Linear, nn.Embedding, nn.modules.conv._ConvNd)  # transformers initializes their biases to 0
+
+
+@torch.no_grad()
+def constant_inits(model: nn.Module) -> dict[str, float]:
+    """Each 1-D parameter transformers initializes to a constant, and that constant, by parameter name.
+
+    Asked of transformers itself: each module holding 1-D parameters is initialized by the `_init_weights`
+    of the pretrained model it belongs to (its nearest `PreTrainedModel` ancestor), its values read, and
+    restored. Linear, embedding and convolution biases are left out (always 0, the default rule)."""
+    from transformers import PreTrainedModel
+
+    owners = {path: module for path, module in model.named_modules() if isinstance(module, PreTrainedModel)}
+    found: dict[str, float] = {}
+    with torch.random.fork_rng(devices=[]):  # some inits draw random values: leave the global RNG as it was
+        for path, module in model.named_modules():
+            own = [(n, p) for n, p in module.named_parameters(recurse=False) if p.ndim == 1]
+            if not own or isinstance(module, _PLAIN):
+                continue
+            owner_path = max((o for o in owners if o == "" or path == o or path.startswith(o + ".")), key=len)
+            direct = list(module.named_parameters(recurse=False))
+            saved = [(p, p.detach().clone(), getattr(p, "_is_hf_initialized", None)) for _, p in direct]
+            for _, p in direct:
+                if hasattr(p, "_is_hf_initialized"):
+                    del p._is_hf_initialized
+            try:
+                owners[owner_path]._init_weights(module)
+                for name, p in own:
+                    values = p.detach().float()
+                    if values.numel() and bool((values == values.flatten()[0]).all()):
+                        found[f"{path}.{name}" if path else name] = float(values.flatten()[0])
+            finally:
+                for p, value, flag in saved:
+                    p.copy_(value)
+                    if flag is not None:
+                        p._is_hf_initialized = flag
+    return found
+
+
 # --- token codes --------------------------------------------------------------------------------------
 
 
@@ -187,7 +339,7 @@ def _code_router(model: nn.Module, moe: MoeLayer, seed: int) -> nn.Module:
     """A router of `moe.router`'s own class that reads only the reserved dimensions, holding the values
     `moe.router`'s parameters and seeded buffers have there: its decisions on a code are the real
     router's on a token whose other dimensions are silent."""
-    config = copy.copy(model.config)
+    config = copy.copy(_text_config(model))
     config.hidden_size = moe.num_experts + 1
     router = type(moe.router)(config)
     state = {}
@@ -298,7 +450,7 @@ def token_codes(model: nn.Module, seed: int, vocab_size: int, moe: list[MoeLayer
 
 
 # Buffers that carry learned-like state and so get seeded values; others (rotary tables) are computed.
-SEEDED_BUFFERS = ("e_score_correction_bias",)
+SEEDED_BUFFERS = ("e_score_correction_bias", "tid2eid")
 
 
 # Parameters are drawn in parallel threads, this many at a time (each value depends on (seed, name)
@@ -312,11 +464,11 @@ def initialize(model: nn.Module, seed: int) -> None:
     """Overwrite every parameter (and seeded buffer) of `model` with its value for `seed`, cast."""
     targets = list(model.named_parameters())
     targets += [(n, b) for n, b in model.named_buffers() if n.rsplit(".", 1)[-1] in SEEDED_BUFFERS]
-    moe = find_moe_layers(model)
+    plan = plan_for(model)
 
     def value_of(target: tuple[str, torch.Tensor]) -> torch.Tensor:
         name, tensor = target
-        return reference_value(model, name, tensor.shape, seed, moe)
+        return reference_value(model, name, tensor.shape, seed, plan=plan)
 
     with ThreadPoolExecutor(max_workers=DRAW_THREADS) as pool:
         for start in range(0, len(targets), DRAW_THREADS):

@@ -273,7 +273,7 @@ class Project:
         """The dtypes `model` has a golden of (`scenario`, this project's class) in this project's goldens:
         what a check without --dtype checks."""
         return [d for d in DTYPE_NAMES
-                if os.path.lexists(store.path_for(self.goldens, GoldenKey(self.hardware_class, model, scenario, d)))]
+                if os.path.lexists(store.path_for(self.goldens, GoldenKey(self.hardware_class, model, scenario, d).recorded))]
 
     def no_golden(self, model: str, scenario: str = "step") -> MissingGoldenError:
         """The error for a model with no golden of `scenario` in any dtype on this class: the command that
@@ -323,6 +323,7 @@ def load_golden(project: Project, key: GoldenKey, background: bool = False) -> G
     `background`: decode it on a thread (`golden.background`): its manifest and inputs now, its other
     tensors when first used, where its errors (the same ones) are then raised.
     """
+    key = key.recorded  # a scenario checked against another's golden (`frozen_vision`: `vision`)
     path = store.path_for(project.goldens, key)
     if not os.path.lexists(path):  # anything there (a FIFO, a link) is for the reader to refuse
         load_config(project.configs, key.model)  # no config either: say that, not how to record

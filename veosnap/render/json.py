@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 
+from ..golden import names
 from ..numerics.compare import TensorResult
 from ..numerics.fmt import json_number
 from ..runs.diff import DiffReport, FieldChange, GoldenDiff
@@ -61,8 +62,20 @@ def tensor_dict(t: TensorResult) -> dict:
         "worst_rows": [{"row": w.row, "error": json_number(w.error),
                         "ratio": json_number(w.error / t.bound if t.bound > 0 else float("inf")),
                         "batch": w.batch, "pos": w.pos, "token": w.token} for w in t.worst_rows],
+        **_encoder_place(t.name),
         "estimate": sketch_note(t) or None, "sketch": {"width": t.width, "group": t.group} if t.sketched else None,
     }
+
+
+def _encoder_place(name: str) -> dict:
+    """An encoder tensor's place: its encoder (`vision`, `audio`) and block (None: a merger or projection);
+    nothing for the language model's tensors."""
+    parsed = names.try_parse(name)
+    if isinstance(parsed, names.EncoderOutput):
+        return {"encoder": parsed.encoder, "block": parsed.block}
+    if isinstance(parsed, names.Grad) and parsed.encoder is not None:
+        return {"encoder": parsed.encoder}
+    return {}
 
 
 def checks(reports: list[CheckReport]) -> str:

@@ -146,8 +146,10 @@ class RowsSection:
 
 
 def forward_order(name: names.TensorName) -> tuple:
-    """Sort key: the order a forward pass computes tensors (per layer its routes then its output; then
-    logits, loss and the train curves)."""
+    """Sort key: the order a forward pass computes tensors (the encoders' outputs first; per layer its routes
+    then its output; then logits, loss and the train curves)."""
+    if isinstance(name, names.EncoderOutput):
+        return (-1, *name.forward_order, str(name))
     layer = name.layer
     return (layer is None, layer if layer is not None else 0, {"routes": 0, "output": 1}.get(name.group, 2), str(name))
 

@@ -31,12 +31,13 @@ from ..golden import names
 from ..golden.background import PendingGolden, errors_after
 from ..golden.codec import Golden
 from ..golden.key import GoldenKey
-from ..numerics.compare import compare_route_sets, compare_tensors, same_route_tokens, structure_changes
-from ..reference import coverage, hardware, limits, models
+from ..numerics.compare import TensorResult, compare_route_sets, compare_tensors, same_route_tokens, structure_changes
+from ..reference import coverage, hardware, limits, models, scenarios
 from ..reference.capture import Capture
 from ..reference.determinism import deterministic, one_thread
 from ..reference.inputs import Batch
-from ..reference.zoo import Project, ToyConfig, load_checked
+from ..reference.scenarios import Scenario
+from ..reference.zoo import Project, ToyConfig, load_checked, load_config
 from .verdict import CheckReport, VersionDrift
 
 DEFAULT_TIMEOUT_S = torchrun.DEFAULT_TIMEOUT_S
@@ -61,17 +62,23 @@ def check_layouts(project: Project, key: GoldenKey, backend: Backend, layouts: S
     """
     timeout_s = guard.check_timeout(timeout_s)
     chosen = [(spec, registry.resolve(spec)) for spec in layouts]
+    scenario = scenarios.get(key.scenario)
+    try:
+        scenario.accept(load_config(project.configs, key.model).config)
+    except Unsupported as exc:  # a scenario the model cannot run (no encoder for it) is a skip, not an error
+        return [CheckReport(golden=str(key), model=key.model, dtype=key.dtype, backend=backend.spec, layout=spec,
+                            skipped=str(exc)) for spec, _ in chosen]
     # The golden's manifest and batch are read now; its other tensors are decoded on a thread while the
     # model is built and the candidate runs (golden.background): the first use of them waits for it.
     with one_thread():  # a golden's tensors are small: a thread pool would cost more than the work
         golden, toy = load_checked(project, key, cross_class, gold, background=True)
     with errors_after(golden):  # a golden still decoding: its own error, if any, comes first
-        return _check_loaded(project, key, backend, chosen, golden, toy, nproc, timeout_s, cross_class)
+        return _check_loaded(project, key, backend, chosen, golden, toy, nproc, timeout_s, cross_class, scenario)
 
 
 def _check_loaded(project: Project, key: GoldenKey, backend: Backend, chosen: list[tuple[str, Layout]],
                   golden: Golden, toy: ToyConfig, nproc: int, timeout_s: float,
-                  cross_class: bool) -> list[CheckReport]:
+                  cross_class: bool, scenario: Scenario) -> list[CheckReport]:
     """`check_layouts` once its golden and config are read."""
     batch = Batch.from_golden(golden)
     parameters = limits.check_config(toy)
@@ -97,7 +104,7 @@ def _check_loaded(project: Project, key: GoldenKey, backend: Backend, chosen: li
         if layout.distributed:
             spawned.append(index)
         else:
-            reports[index] = _in_process(golden, batch, toy, backend, layout, fields, timeout_s, family)
+            reports[index] = _in_process(golden, batch, toy, backend, layout, fields, timeout_s, family, scenario)
     if isinstance(golden, PendingGolden):
         # A corrupt golden is refused even when no layout ran (all declined, or the candidate failed first).
         golden = golden.result()
@@ -112,7 +119,7 @@ def _check_loaded(project: Project, key: GoldenKey, backend: Backend, chosen: li
                 reports[index] = _report(golden, fields, skipped=outcome.skipped, error=outcome.error)
                 continue
             with one_thread():
-                reports[index] = judge(golden, batch, outcome.result, fields)
+                reports[index] = judge(golden, batch, outcome.result, fields, scenario)
     ordered = [reports[index] for index in range(len(chosen))]
     selection = [*project.flags(), *(["--scenario", key.scenario] if key.scenario != "step" else []),
                  *(["--cross-class"] if cross_class else []),
@@ -139,10 +146,10 @@ def version_drift(golden: Golden) -> list[VersionDrift]:
 
 
 def _in_process(golden: Golden, batch: Batch, toy: ToyConfig, backend: Backend, layout: Layout,
-                fields: dict[str, str], timeout_s: float, family: str) -> CheckReport:
+                fields: dict[str, str], timeout_s: float, family: str, scenario: Scenario) -> CheckReport:
     """Run a layout here, on this machine's device, guarded and restored; its failure or decline becomes
     its report, and patches it left behind a note on it."""
-    ctx = LayoutContext.checking(golden, toy, hardware.device_for(hardware.detect()))
+    ctx = LayoutContext.checking(golden, toy, hardware.device_for(hardware.detect()), scenario)
     header = f"ERROR  {golden.key}  backend={fields['backend']}  layout={fields['layout']}"
     with pristine.kept(family) as left:
         try:
@@ -162,15 +169,21 @@ def _in_process(golden: Golden, batch: Batch, toy: ToyConfig, backend: Backend, 
             report = None
     if report is None:
         with one_thread():  # comparing is many small ops: a thread pool would cost more than the work
-            report = judge(golden, batch, result, fields)
+            report = judge(golden, batch, result, fields, scenario)
     if left:
         report.notes.append(f"candidate {fields['backend']} left patches behind (restored): {', '.join(left)}")
     return report
 
 
-def judge(golden: Golden, batch: Batch, result: LayoutResult, fields: dict[str, str]) -> CheckReport:
-    """A layout's result against its golden, with the notes its report must carry."""
-    report = compare(golden, batch, result.capture, result.replayed, **fields)
+def judge(golden: Golden, batch: Batch, result: LayoutResult, fields: dict[str, str],
+          scenario: Scenario | None = None) -> CheckReport:
+    """A layout's result against its golden (for `scenario`, when it is not the golden's own), with the notes
+    its report must carry."""
+    frozen = scenario.frozen if scenario is not None else ()
+    report = compare(golden, batch, result.capture, result.replayed, frozen=frozen, **fields)
+    if scenario is not None and scenario.name != golden.key.scenario:
+        report.notes.append(f"scenario {scenario.name}: the {' and '.join(frozen) or 'same'} encoder frozen, checked "
+                            f"against the {golden.key.scenario} golden without its gradients")
     report.notes.extend(result.notes)
     for reason, which in _by_reason(report.absent).items():
         report.notes.append(f"{', '.join(which)}: {reason}; not compared")
@@ -185,21 +198,27 @@ def judge(golden: Golden, batch: Batch, result: LayoutResult, fields: dict[str, 
 
 
 def compare(golden: Golden, batch: Batch, capture: Capture, replayed: Capture | None = None,
-            **report_fields: str) -> CheckReport:
+            frozen: tuple[str, ...] = (), **report_fields: str) -> CheckReport:
     """Routes first; then every tensor. With `replayed` (the candidate re-run on the golden's routes),
     tensors downstream of routing are judged from the replayed run so a kernel error is never mistaken
-    for a routing flip, or the other way round."""
+    for a routing flip, or the other way round. The gradients of the `frozen` encoders' parameters are not
+    compared, and a candidate that produced one fails on it."""
     tokens = batch.tokens()
     unreadable = _unreadable(capture.absent)
     routes = compare_route_sets(golden, capture.experts(), tokens, unreadable)
     source = replayed if replayed is not None else capture
     absent = {**capture.absent, **source.absent}
-    tensors = compare_tensors(golden, source.all_tensors(), tokens, gradients=source.backward,
+    produced = source.all_tensors()
+    skip = frozen_gradients(golden.compared_names(), frozen)
+    tensors = compare_tensors(golden, produced, tokens, gradients=source.backward,
                               same_routes=same_route_tokens(golden, source.experts()), sketches=source.sketches,
-                              absent=absent)
+                              absent=absent, skip=skip)
+    tensors += frozen_gradients_produced(golden, produced, frozen)
     # Parameters the golden holds as sketches are not in `tensors` on either side: a missing or extra
-    # one still fails, as the tensor comparison's "missing from the candidate".
-    structure = structure_changes(golden, source.tensors, {*capture.routes, *unreadable}, parameters=source.backward)
+    # one still fails, as the tensor comparison's "missing from the candidate". A frozen encoder's
+    # parameters have no gradient on purpose: not a structure change.
+    present = {**source.tensors, **{name: golden.tensors[name] for name in skip if name in golden.tensors}}
+    structure = structure_changes(golden, present, {*capture.routes, *unreadable}, parameters=source.backward)
     return CheckReport(golden=str(golden.key), model=golden.key.model, dtype=golden.key.dtype, tensors=tensors,
                        routes=routes, route_replay=replayed is not None, absent=absent, structure=structure,
                        **report_fields)
@@ -218,6 +237,23 @@ def _by_reason(absent: dict[str, str]) -> dict[str, list[str]]:
         if not isinstance(names.try_parse(name), names.Route):
             grouped.setdefault(why, []).append(name)
     return grouped
+
+
+def frozen_gradients(names_: list[str], frozen: tuple[str, ...]) -> set[str]:
+    """The gradient names among `names_` of parameters inside the `frozen` encoders."""
+    return {name for name in names_ if isinstance(parsed := names.try_parse(name), names.Grad)
+            and parsed.encoder in frozen}
+
+
+def frozen_gradients_produced(golden: Golden, produced: dict, frozen: tuple[str, ...]) -> list[TensorResult]:
+    """A failed result for each gradient the candidate produced for a frozen encoder's parameter."""
+    results = []
+    for name in sorted(frozen_gradients(list(produced), frozen)):
+        tol = golden.manifest.tolerance.get(name)
+        results.append(TensorResult(name, float("inf"), tol.bound if tol else 1.0, tol.noise if tol else 0.0,
+                                    problem=f"a gradient for a frozen parameter (the scenario freezes the "
+                                            f"{names.parse(name).encoder} encoder: it must not train)"))
+    return results
 
 
 def cross_class_notes(key: GoldenKey) -> list[str]:

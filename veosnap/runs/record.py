@@ -36,7 +36,7 @@ import transformers
 
 from .. import __version__
 from ..candidates import pristine
-from ..errors import GoldenError, VeosnapError
+from ..errors import GoldenError, Unsupported, VeosnapError
 from ..golden import codec, names, store
 from ..golden.codec import Golden
 from ..golden.key import DTYPE_NAMES, SCENARIOS, GoldenKey
@@ -47,7 +47,7 @@ from ..numerics import fmt
 from ..numerics.routes import flips
 from ..numerics.sketch import CandidateSketch, Plan, compare_sketch, plan
 from ..numerics.tolerance import ALPHA, FLOOR, TIE_EPSILON, Sample, noise, pooled_noises, tolerance_for
-from ..reference import coverage, hardware, inputs, limits, models, train
+from ..reference import coverage, hardware, inputs, limits, models, scenarios, train
 from ..reference.capture import run_step, step_shapes
 from ..reference.determinism import deterministic
 from ..reference.probes import RouteRecord, unread_routers
@@ -80,6 +80,9 @@ def build_golden(project: Project, key: GoldenKey, seed: int = 0, allow_near_tie
         raise VeosnapError(f"--sketch {sketch!r}: expected one of {', '.join(MODES)}")
     if key.scenario not in SCENARIOS:
         raise VeosnapError(f"unknown scenario {key.scenario!r} (known: {', '.join(SCENARIOS)})")
+    if key.recorded != key:
+        raise VeosnapError(f"{key}: scenario {key.scenario} has no golden of its own; it is checked against "
+                           f"{key.recorded} (record that)")
     if key.dtype not in DTYPE_NAMES:
         raise VeosnapError(f"unknown dtype {key.dtype!r} for a golden (expected one of: {', '.join(DTYPE_NAMES)})")
     if key.hardware_class != hardware.detect():
@@ -88,19 +91,25 @@ def build_golden(project: Project, key: GoldenKey, seed: int = 0, allow_near_tie
             "goldens are only recorded on the hardware they describe"
         )
     toy = load_config(project.configs, key.model)
+    scenario = scenarios.get(key.scenario)
+    try:
+        scenario.accept(toy.config)
+    except Unsupported as exc:
+        raise VeosnapError(f"{key}: {exc}") from None
     dtype = models.dtype_from_name(key.dtype)
     device = hardware.device_for(key.hardware_class)
     parameters = limits.check_config(toy)
-    batch = golden_batch(project, toy)
+    batch, spec = scenario_batch(project, toy, scenario)
     limits.check_memory(toy, parameters, batch.rows * batch.width, dtype, device, recording=True)
-    hyper = train.DEFAULT_HYPER if key.scenario == train.SCENARIO else None
+    hyper = train.DEFAULT_HYPER if scenario.train else None
     with deterministic() as settings:
         torch.manual_seed(seed)
-        model = models.build(toy, dtype, device, seed)
+        model = scenario.freeze(models.build(toy, dtype, device, seed))
         made = coverage.produces(model)
+        batch = inputs.with_rope_positions(batch, model)
         chosen = _plan(key, model, batch, sketch, seed, toy.golden_budget)
         reducer: Reducer = RecordReducer(chosen, batch.token_mask) if chosen.sketched else WHOLE
-        high = models.upcast_copy(model, toy, torch.float64)  # before training moves the weights
+        high = scenario.freeze(models.upcast_copy(model, toy, torch.float64))  # before training moves the weights
         with unread_routers(model) as unread:
             if hyper is None:
                 reference = run_step(model, batch, reducer=reducer)
@@ -157,8 +166,7 @@ def build_golden(project: Project, key: GoldenKey, seed: int = 0, allow_near_tie
             attn_implementation=models.REFERENCE_ATTN,
             experts_implementation=models.REFERENCE_EXPERTS,
             seed=seed,
-            batch=BatchSpec(layout="packed-rows" if toy.batch.packed_rows else "padded", padding_side="left",
-                            sequences=toy.batch.sequences, source=toy.batch.source),
+            batch=spec,
             noise_run="float64",
             train=hyper,
         ),
@@ -232,14 +240,30 @@ def _refused(where: object, exc: GoldenError) -> VeosnapError:
                         "--sketch auto, or fewer tokens or layers")
 
 
+def scenario_batch(project: Project, toy: ToyConfig, scenario: scenarios.Scenario) -> tuple[inputs.Batch, BatchSpec]:
+    """The batch a golden of `scenario` holds for the model of `toy` (3-D positions still to add), and how it
+    was made: a text scenario runs the config's recipe (`golden_batch`), a multimodal one its own rows."""
+    side = inputs.padding_side(toy.config)
+    if not scenario.multimodal:
+        recipe = toy.batch
+        return golden_batch(project, toy), BatchSpec(layout="packed-rows" if recipe.packed_rows else "padded",
+                                                     padding_side=side, sequences=recipe.sequences,
+                                                     source=recipe.source)
+    texts = tuple(row.text for row in scenario.rows if row.sample is None)
+    batch, family = inputs.multimodal_batch(project.testdata, list(scenario.rows), models.hf_config(toy), side)
+    return batch, BatchSpec(layout="padded", padding_side=side, sequences=texts, source=inputs.MEDIA_SEQUENCES_FILE,
+                            rows=tuple(str(row) for row in scenario.rows), media_family=family)
+
+
 def golden_batch(project: Project, toy: ToyConfig) -> inputs.Batch:
-    """The batch a golden of `toy` is recorded on, made from the test data by the config's recipe."""
+    """The text batch a golden of `toy` is recorded on, made from the test data by the config's recipe (padded
+    on the model's side, `inputs.padding_side`)."""
     recipe = toy.batch
     vocab = getattr(models.hf_config(toy).get_text_config(), "vocab_size", None)
     sequences = inputs.load_sequences(project.testdata, recipe.sequences, recipe.source, vocab, recipe.distinct)
     limits.check_sequences(project.testdata, recipe.sequences, sequences, toy, table=recipe.source)
     if not recipe.packed_rows:
-        return inputs.padded(sequences)
+        return inputs.padded(sequences, inputs.padding_side(toy.config))
     rows, at = [], 0
     for row in recipe.rows:
         rows.append(sequences[at:at + len(row)])
@@ -388,11 +412,12 @@ def fragile_error(key: GoldenKey, fragile: list[str], command: str) -> VeosnapEr
 
 def record(project: Project, model: str, dtype: str, scenario: str = "step", seed: int = 0,
            allow_near_ties: bool = False, allow_fragile: bool = False, sketch: str = "auto") -> RecordOutcome:
-    """Record one golden into the project's goldens directory; leaves an identical file untouched.
+    """Record one golden into the project's goldens directory; leaves an identical file untouched. A scenario
+    checked against another's golden (`frozen_vision`) records that one.
 
     A golden that cheap legitimate variants fail (`fragility`) is refused unless `allow_fragile`
     (then written, and the outcome lists them)."""
-    key = GoldenKey(project.hardware_class, model, scenario, dtype)
+    key = GoldenKey(project.hardware_class, model, scenario, dtype).recorded
     writable(project.goldens)
     path = store.path_for(project.goldens, key)
     store.check_writable(path, project.goldens)  # before the minutes a recording may take

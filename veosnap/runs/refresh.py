@@ -95,7 +95,7 @@ def refresh(project: Project, model: str, dtype: str, reason: str, force: bool =
             f"cannot refresh hardware class {project.hardware_class} on this machine ({here}): goldens are "
             f"re-recorded only on the hardware they describe; run `veosnap refresh` on a {project.hardware_class} machine"
         )
-    key = GoldenKey(project.hardware_class, model, scenario, dtype)
+    key = GoldenKey(project.hardware_class, model, scenario, dtype).recorded
     writable(project.goldens)
     path = store.path_for(project.goldens, key)
     store.check_writable(path, project.goldens)

@@ -8,6 +8,7 @@ tensors' names. A report also says where the versions it ran with differ from th
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from ..golden import names
@@ -94,12 +95,14 @@ class CheckReport:
 
     @property
     def first_divergence(self) -> str | None:
-        """The earliest decoder layer whose output exceeds its bound."""
-        failing = self._failing(names.LayerOutput)
+        """The earliest block, in forward order (encoders, then the language model's decoder layers), whose
+        output exceeds its bound."""
+        failing = self._failing(names.LayerOutput) + self._failing(names.EncoderOutput)
         if not failing:
             return None
-        parsed, first = min(failing, key=lambda pair: pair[0].layer)
-        return f"layer {parsed.layer} ({first.name}, {fmt.times(first.ratio)} bound)"
+        parsed, first = min(failing, key=lambda pair: _forward_order(pair[0]))
+        where = parsed.describe() if isinstance(parsed, names.EncoderOutput) else f"layer {parsed.layer}"
+        return f"{where} ({first.name}, {fmt.times(first.ratio)} bound)"
 
     @property
     def first_gradient_divergence(self) -> str | None:
@@ -111,6 +114,8 @@ class CheckReport:
             return None
         parsed, first = min(failing, key=lambda pair: _backward_order(pair[0], pair[1].name))
         where = parsed.within_layer if parsed.layer is None else f"layer {parsed.layer} {parsed.within_layer}"
+        if parsed.encoder is not None:
+            where = f"{parsed.encoder} encoder {parsed.module}"
         after = "; downstream of the forward divergence" if self.first_divergence or self._forward_failed() else ""
         return f"{where} ({first.name}, {fmt.times(first.ratio)} bound{after})"
 
@@ -118,8 +123,23 @@ class CheckReport:
         return any(not t.passed and names.parse(t.name) in (names.LOSS, names.LOGITS) for t in self.tensors)
 
 
-def _backward_order(grad: names.Grad, name: str) -> tuple[int, int, str]:
-    """Backward computes the LM head first, then the last layer down to the first, the embeddings last."""
+def _forward_order(name: names.TensorName) -> tuple:
+    """Encoders first (in `names.ENCODERS` order, block by block), then the decoder layers."""
+    if isinstance(name, names.EncoderOutput):
+        return (0, *name.forward_order)
+    return (1, name.layer, 0, 0)  # type: ignore[attr-defined]
+
+
+_BLOCK_RE = re.compile(r"\.(?:blocks|layers)\.(\d+)\.")
+
+
+def _backward_order(grad: names.Grad, name: str) -> tuple[int, int, int, str]:
+    """Backward computes the LM head first, then the last layer down to the first, then the encoders (they ran
+    after the embedding lookup: the last to run first, projection before blocks, the last block first), the
+    embeddings last."""
     if grad.layer is not None:
-        return (2, -grad.layer, name)
-    return (4 if "embed" in name else 0 if "lm_head" in name else 1, 0, name)
+        return (2, -grad.layer, 0, name)
+    if grad.encoder is not None:
+        block = _BLOCK_RE.search(grad.param)
+        return (3, -names.ENCODERS.index(grad.encoder), -int(block.group(1)) if block else -(1 << 30), name)
+    return (4 if "embed" in name else 0 if "lm_head" in name else 1, 0, 0, name)

@@ -56,24 +56,42 @@ def _selection(args: argparse.Namespace, project: Project) -> list[tuple[str, st
     return [(m, d) for m in models for d in dtypes]
 
 
-def _checked(args: argparse.Namespace, project: Project) -> list[tuple[str, str]]:
-    """What `check` (and `--matrix`) checks: without --dtype, each model's dtypes that have a golden (of
-    --scenario, on this class); a model named by --model with none is an error saying how to record them,
-    a model of a --tier with none is left out with a note, unless none of the tier has any."""
+def _checked(args: argparse.Namespace, project: Project) -> list[tuple[str, str, str]]:
+    """What `check` (and `--matrix`) checks, as (model, scenario, dtype): without --dtype, the dtypes that
+    have a golden of that scenario on this class; a model named by --model with none is an error saying how
+    to record them, a model of a --tier with none is left out with a note, unless none of the tier has any."""
     if args.dtype:
-        return _selection(args, project)
+        return [(m, s, d) for m, d in _selection(args, project) for s in _scenarios(args, project, m)]
     models = list(dict.fromkeys(m for m, _ in _selection(args, project)))
     chosen, missing = [], []
     for model in models:
-        dtypes = project.recorded_dtypes(model, args.scenario)
-        if not dtypes:
-            missing.append(model)
-        chosen += [(model, d) for d in dtypes]
+        for scenario in _scenarios(args, project, model):
+            dtypes = project.recorded_dtypes(model, scenario)
+            if not dtypes:
+                missing.append((model, scenario))
+            chosen += [(model, scenario, d) for d in dtypes]
     if missing and (args.model or not chosen):
-        raise project.no_golden(missing[0], args.scenario)
-    for model in missing:
-        print(f"veosnap: {project.no_golden(model, args.scenario)} (left out)", file=sys.stderr)
+        raise project.no_golden(*missing[0])
+    for model, scenario in missing:
+        print(f"veosnap: {project.no_golden(model, scenario)} (left out)", file=sys.stderr)
     return chosen
+
+
+def _scenarios(args: argparse.Namespace, project: Project, model: str, recording: bool = False) -> list[str]:
+    """The scenarios to run for `model`: those named (`all`: every one the model can run; a scenario the
+    model cannot run is left out unless the model was named too, so its report says why)."""
+    from ..reference import scenarios
+    from ..reference.zoo import load_config
+
+    named = args.scenario or ["step"]
+    config = load_config(project.configs, model).config
+    if "all" in named:
+        chosen = [s.name for s in scenarios.applicable(config)]
+    else:
+        chosen = [name for name in named if args.model or scenarios.get(name).applies(config)]
+    if recording:  # a scenario checked against another's golden records that one, once
+        chosen = [GoldenKey("cpu", model, name).recorded.scenario for name in chosen]
+    return list(dict.fromkeys(chosen))
 
 
 def cmd_record(args: argparse.Namespace) -> int:
@@ -81,19 +99,21 @@ def cmd_record(args: argparse.Namespace) -> int:
 
     project = _recording_project(args)
     for model, dtype in _selection(args, project):
-        outcome = record(project, model, dtype, scenario=args.scenario, seed=args.seed,
-                         allow_near_ties=args.allow_near_ties, allow_fragile=args.allow_fragile, sketch=args.sketch)
-        margin = "" if outcome.min_margin is None else f"  min router margin {fmt.num(outcome.min_margin)}"
-        note = f"  ({outcome.note})" if outcome.note else ""
-        state = "wrote" if outcome.written else "unchanged"
-        bundled = outcome.config is not None and not outcome.config.is_relative_to(project.configs)
-        zoo = f"  (config from veosnap's bundled zoo: {outcome.config})" if bundled else ""
-        print(f"{state:9s} {outcome.path}{margin}{note}{zoo}")
-        if outcome.routes_not_captured:
-            print(f"veosnap: warning: {outcome.path}: {outcome.routes_not_captured}", file=sys.stderr)
-        if outcome.fragile:
-            print(f"veosnap: warning: {outcome.path}: fragile golden written (--allow-fragile): legitimate "
-                  f"variants exceed its bounds ({'; '.join(outcome.fragile)})", file=sys.stderr)
+        for scenario in _scenarios(args, project, model, recording=True):
+            outcome = record(project, model, dtype, scenario=scenario, seed=args.seed,
+                             allow_near_ties=args.allow_near_ties, allow_fragile=args.allow_fragile,
+                             sketch=args.sketch)
+            margin = "" if outcome.min_margin is None else f"  min router margin {fmt.num(outcome.min_margin)}"
+            note = f"  ({outcome.note})" if outcome.note else ""
+            state = "wrote" if outcome.written else "unchanged"
+            bundled = outcome.config is not None and not outcome.config.is_relative_to(project.configs)
+            zoo = f"  (config from veosnap's bundled zoo: {outcome.config})" if bundled else ""
+            print(f"{state:9s} {outcome.path}{margin}{note}{zoo}")
+            if outcome.routes_not_captured:
+                print(f"veosnap: warning: {outcome.path}: {outcome.routes_not_captured}", file=sys.stderr)
+            if outcome.fragile:
+                print(f"veosnap: warning: {outcome.path}: fragile golden written (--allow-fragile): legitimate "
+                      f"variants exceed its bounds ({'; '.join(outcome.fragile)})", file=sys.stderr)
     return EXIT_OK
 
 
@@ -128,8 +148,8 @@ def cmd_check(args: argparse.Namespace) -> int:
         backend = backends.resolve(args.backend or "eager")  # importing a backend's file may print too
         reports = [
             report_
-            for model, dtype in _checked(args, project)
-            for report_ in check_layouts(project, GoldenKey(project.hardware_class, model, args.scenario, dtype),
+            for model, scenario, dtype in _checked(args, project)
+            for report_ in check_layouts(project, GoldenKey(project.hardware_class, model, scenario, dtype),
                                          backend, args.layout or ["single"], nproc=args.nproc, timeout_s=args.timeout,
                                          cross_class=args.cross_class)
         ]
@@ -168,11 +188,13 @@ def cmd_refresh(args: argparse.Namespace) -> int:
 
     project = _recording_project(args)
     for model, dtype in _selection(args, project):
-        outcome = refresh(project, model, dtype, args.reason, force=args.force, scenario=args.scenario,
-                          allow_near_ties=args.allow_near_ties, allow_fragile=args.allow_fragile, sketch=args.sketch)
-        print(f"{outcome.action:9s} {outcome.path}  ({outcome.why})")
-        if outcome.diff is not None:
-            print("\n".join(render_text.diff_golden(outcome.diff)))
+        for scenario in _scenarios(args, project, model, recording=True):
+            outcome = refresh(project, model, dtype, args.reason, force=args.force, scenario=scenario,
+                              allow_near_ties=args.allow_near_ties, allow_fragile=args.allow_fragile,
+                              sketch=args.sketch)
+            print(f"{outcome.action:9s} {outcome.path}  ({outcome.why})")
+            if outcome.diff is not None:
+                print("\n".join(render_text.diff_golden(outcome.diff)))
     return EXIT_OK
 
 
@@ -197,7 +219,8 @@ def cmd_matrix(args: argparse.Namespace) -> int:
         raise VeosnapError("--matrix takes --backends a,b,c (not --backend)")
     guard.check_timeout(args.timeout)
     project = _project(args)
-    selection = _checked(args, project)
+    scenario = _one_scenario(args)
+    selection = [(m, d) for m, _, d in _checked(args, project)]
     models = list(dict.fromkeys(m for m, _ in selection))
     dtypes = list(dict.fromkeys(d for _, d in selection))
     default_specs, unavailable = matrix.default_backends()
@@ -210,10 +233,17 @@ def cmd_matrix(args: argparse.Namespace) -> int:
     with _candidates_print_to_stderr() as terminal:
         result = matrix.run_matrix(project, models, dtypes, specs, layouts,
                                    check_cells=matrix.default_check(args.nproc, args.timeout), on_cell=progress,
-                                   unavailable=unavailable, scenario=args.scenario, rows=selection)
+                                   unavailable=unavailable, scenario=scenario, rows=selection)
     out = render_json.matrix(result) if args.format == "json" else render_text.matrix(result, color=terminal)
     sys.stdout.write(out if out.endswith("\n") else out + "\n")
     return EXIT_OK if result.passed else EXIT_FAILED
+
+
+def _one_scenario(args: argparse.Namespace) -> str:
+    named = args.scenario or ["step"]
+    if len(named) > 1 or named[0] == "all":
+        raise VeosnapError("--matrix checks one scenario: give one --scenario")
+    return named[0]
 
 
 def _list_option(value: str | None, flag: str) -> list[str]:
@@ -274,9 +304,13 @@ def _selectors(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", action="append", choices=DTYPE_NAMES, help="repeatable; default: both")
 
 
-def _scenario(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--scenario", choices=SCENARIOS, default="step",
-                   help="step: one forward and backward; train: a few AdamW steps with clipping (default step)")
+def _scenario(p: argparse.ArgumentParser, repeatable: bool = True) -> None:
+    p.add_argument("--scenario", action="append" if repeatable else "store",
+                   choices=[*SCENARIOS, "all"] if repeatable else SCENARIOS, default=None if repeatable else "step",
+                   help="step: one forward and backward of the text batch; train: a few AdamW steps with clipping; "
+                        "vision, audio: one step of a multimodal batch; frozen_vision: vision with the vision "
+                        "encoder frozen" + ("; all: every one a model can run (repeatable; default step)"
+                                            if repeatable else " (default step)"))
 
 
 def build_parser() -> argparse.ArgumentParser:

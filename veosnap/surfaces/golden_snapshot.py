@@ -167,7 +167,7 @@ class GoldenExtension(AbstractSyrupyExtension):
         return bool(serialized_data.matches(snapshot_data, Path(self.get_location_for(serialized_data))))
 
     def get_location_for(self, data: Recording | CandidateCheck) -> str:
-        return str(self.goldens / data.key.relpath)
+        return str(self.goldens / data.key.recorded.relpath)
 
     def diff_lines(self, serialized_data: Any, snapshot_data: Any) -> Iterator[str]:
         yield from serialized_data.diff_lines(snapshot_data or None)

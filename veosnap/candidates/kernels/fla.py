@@ -11,7 +11,7 @@ Packed batches: the layer is not given the position ids, so a forward pre-hook o
 that holds a gated DeltaNet computes cu_seqlens from them and passes `cu_seq_lens_q` down, which the
 layer hands to both functions (the keyword a framework's collator passes): both kernels then keep the
 packed sequences apart, which the torch reference cannot (an eager packed run of these models fails
-its golden by design; docs/models-next.md). Padded batches run as they are (the layer zeroes padding).
+its golden by design; docs/models.md). Padded batches run as they are (the layer zeroes padding).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from ...golden import names
 from ...numerics.routes import flips
 from ...reference import train
 from ...reference.capture import Capture, Part, auxiliary_loss, forward_backward, reduce_gradients
-from ...reference.inputs import Batch
+from ...reference.inputs import Batch, Media
 from ...reference.probes import RouteRecord
 from ...reference.reduce import WHOLE, CandidateReducer, Reducer, Rows, assemble_rows
 from .. import context
@@ -197,7 +197,7 @@ class _Runner:
         def forward_backward_step() -> tuple[torch.Tensor, dict[int, RouteRecord]]:
             parts = self.passes(None)
             # Only each step's loss and routes are kept: no token outputs cross between ranks.
-            gathered = self.gather([replace(p, logits=None, layers={}) for p in parts], ({}, {}))
+            gathered = self.gather([replace(p, logits=None, layers={}, encoders={}) for p in parts], ({}, {}))
             if gathered is None:
                 return sum(p.loss for p in parts), {}
             if not unreadable:
@@ -277,6 +277,12 @@ def assemble(ctx: LayoutContext, pieces: list[tuple[Part, torch.Tensor]],
             sketches[str(name)] = reducer.finish(str(name), rows)
         else:
             tensors[str(name)] = _grid(batch, _scatter(ctx, name, values, pieces))
+    # Encoder outputs (always whole) have rows of their own (patches, audio frames), kind by kind (images, then
+    # videos), each kind's passes in (rank, pass) order: the golden's order of media as long as shards keep
+    # rows in order.
+    for name in dict.fromkeys(n for part in parts for n in part.encoders):
+        tensors[name] = torch.cat([part.encoders[name][kind] for kind in Media.KINDS for part in parts
+                                   if kind in part.encoders.get(name, {})])
     routes = {}
     for layer in sorted(parts[0].routes):
         if any(layer not in p.routes for p in parts):  # read in some passes only: not a route of every token
@@ -296,8 +302,7 @@ def _grid(batch: Batch, flat: torch.Tensor) -> torch.Tensor:
 def _scatter(ctx: LayoutContext, name: names.TensorName, values: list[torch.Tensor],
              pieces: list[tuple[Part, torch.Tensor]]) -> torch.Tensor:
     """[rows * width, ...]: each pass's per-token rows at the golden positions its shard names."""
-    rows = torch.cat([v.reshape(-1, *v.shape[v.ndim - _row_dims(name):]) if _row_dims(name) else v.reshape(-1)
-                      for v in values])
+    rows = torch.cat([_token_rows(name, v) for v in values])
     positions = torch.cat([positions for _, positions in pieces])
     if rows.shape[0] != positions.numel():
         raise LayoutError(f"{name}: the passes produced {rows.shape[0]} token rows for {positions.numel()} positions")
@@ -326,6 +331,10 @@ def _covered(ctx: LayoutContext, name: names.TensorName, positions: torch.Tensor
     return covered
 
 
-def _row_dims(name: names.TensorName) -> int:
-    """How many trailing dimensions one token's row has (a route margin is one number per token)."""
-    return 0 if isinstance(name, names.Route) and name.part == "margin" else 1
+def _token_rows(name: names.TensorName, value: torch.Tensor) -> torch.Tensor:
+    """A pass's token tensor with one entry per token slot: logits and layer outputs are [rows, positions,
+    ...] (a token's row may have several dimensions: DeepSeek-V4's residual streams), routes [tokens, k], a
+    route margin one number per token."""
+    if isinstance(name, names.Route):
+        return value.reshape(-1) if name.part == "margin" else value.reshape(-1, value.shape[-1])
+    return value.reshape(-1, *value.shape[2:]) if value.ndim > 2 else value.reshape(-1, value.shape[-1])

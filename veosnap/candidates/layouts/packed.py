@@ -16,6 +16,9 @@ from .protocol import Layout, LayoutContext, Setup, Shard
 NO_PACKING = {
     "gpt_oss": "transformers' GptOssModel builds its attention masks without position_ids, so packed sequences "
                "attend to each other (a transformers bug, seen with 5.24)",
+    "deepseek_v4": "DeepSeek-V4's compressors cut windows at fixed positions of the row and its indexer sees every "
+                   "earlier window: packed sequences would read each other's compressed entries (a property of "
+                   "the architecture, not of a kernel)",
 }
 
 
@@ -34,11 +37,8 @@ class Packed(Layout):
 
 def pack(batch: Batch) -> Shard:
     """The batch's sequences packed into one row, each packed token at its golden position."""
-    if batch.extra:
-        raise Unsupported(f"packing a batch with {', '.join(sorted(batch.extra))} is not supported yet")
-    sequences = inputs.sequences_of(batch)  # a row may already hold several packed sequences
     real = batch.token_mask.nonzero().flatten()  # the golden position of each packed token, in order
-    return Shard(inputs.packed(sequences), real)
+    return Shard(inputs.pack(batch), real)
 
 
 LAYOUT = Packed()

@@ -44,6 +44,7 @@ from ...golden.codec import Golden
 from ...golden.manifest import TrainHyper
 from ...reference import models
 from ...reference.inputs import Batch
+from ...reference.scenarios import Scenario
 from ...reference.train import clip_global
 from ...reference.zoo import ToyConfig
 
@@ -65,10 +66,13 @@ class LayoutContext:
     mesh: object | None = None  # the DeviceMesh `Layout.mesh` built for this run (set by the engine)
 
     @classmethod
-    def checking(cls, golden: Golden, toy: ToyConfig, device: torch.device, **place: object) -> LayoutContext:
-        """The context of a check against `golden`, the model built from `toy`; `place`: rank, world,
-        local_rank, workdir."""
+    def checking(cls, golden: Golden, toy: ToyConfig, device: torch.device, scenario: Scenario | None = None,
+                 **place: object) -> LayoutContext:
+        """The context of a check against `golden`, the model built from `toy` (with the encoders `scenario`
+        freezes frozen); `place`: rank, world, local_rank, workdir."""
         build = models.builder(toy, golden.key.dtype, golden.manifest.reference.seed)
+        if scenario is not None and scenario.frozen:
+            build = _frozen(build, scenario)
         return cls(golden, Batch.from_golden(golden), device, build, hyper=golden.manifest.reference.train, **place)
 
     @property
@@ -100,6 +104,10 @@ class LayoutContext:
             import torch.distributed as dist
 
             dist.barrier()
+
+
+def _frozen(build: Callable[[torch.device], nn.Module], scenario: Scenario) -> Callable[[torch.device], nn.Module]:
+    return lambda device: scenario.freeze(build(device))
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,7 @@ DEFAULT_TIMEOUT_S = 600.0
 END_GRACE_S = 10.0  # how long torchrun gets to end its ranks after a timeout
 WORKER = "veosnap.candidates.layouts.worker"
 REPLAYED = "replayed."
+PROGRESS = "progress-rank"  # OUT/progress-rank<R>.txt: the block rank R last entered (see `where_ranks_were`)
 SKETCH = "sketch."  # a sketched tensor's reduction: sketch.<name>.values / .counts / .off_support
 PREFIX = "veosnap-layouts-"
 LOCK = "owner.lock"  # held by the parent while the run lives
@@ -199,10 +200,27 @@ def _run_group(cmd: list[str], env: dict, out: Path, timeout_s: float) -> str:
               for p in sorted(out.glob("error-rank*.txt"), key=lambda p: p.stat().st_mtime_ns)}
     if code is None:
         first = next(iter(errors.values()), "")
-        return f"timed out after {timeout_s:g} s (process group killed)" + (f"; {first}" if first else "")
+        return (f"timed out after {timeout_s:g} s (process group killed)" + (f"; {first}" if first else "")
+                + where_ranks_were(out))
     if code == 0:
         return ""
-    return explain_failure(text, errors, code, time.monotonic() - started)
+    return explain_failure(text, errors, code, time.monotonic() - started) + where_ranks_were(out)
+
+
+def where_ranks_were(out: Path) -> str:
+    """'; ranks stopped in different blocks: rank 0 in forward of ..., rank 1 in ...' when the ranks' last
+    blocks differ (a collective some rank never joined), else ''."""
+    places = {}
+    for path in out.glob(f"{PROGRESS}*.txt"):
+        try:
+            places[int(path.stem.removeprefix(PROGRESS))] = path.read_text(encoding="utf-8").strip()
+        except (OSError, ValueError):
+            continue
+    if len(set(places.values())) < 2:
+        return ""
+    listed = ", ".join(f"rank {rank} in {where}" for rank, where in sorted(places.items()))
+    return (f"; the ranks stopped in different blocks ({listed}): a collective one rank never joined, as when "
+            "an encoder runs on some ranks only")
 
 
 # torchrun's failure summary: a "rank : N (local_rank: M)" line followed by its "exitcode : S" line.

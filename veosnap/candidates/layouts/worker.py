@@ -38,17 +38,56 @@ import argparse  # noqa: E402
 import traceback  # noqa: E402
 from datetime import timedelta  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import Callable  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
 
 from ...errors import Unsupported, describe  # noqa: E402
 from ...golden.key import GoldenKey  # noqa: E402
-from ...reference import models  # noqa: E402
+from ...reference import models, scenarios  # noqa: E402
+from ...reference.probes import decoder_layers, find_encoders  # noqa: E402
 from ...reference.zoo import Project, load_checked  # noqa: E402
 from .. import backends, guard, pristine  # noqa: E402
 from . import engine, registry, torchrun  # noqa: E402
 from .protocol import LayoutContext  # noqa: E402
+
+
+def _reporting_progress(build: Callable[[torch.device], nn.Module], path: Path) -> Callable[[torch.device], nn.Module]:
+    """`build`, the model it makes writing to `path` which block this rank last entered, forward or backward:
+    when a rank waits for ever in a collective its peers never joined (an encoder that ran on one rank
+    only), the parent says where each rank was."""
+
+    def built(device: torch.device) -> nn.Module:
+        model = build(device)
+        paths = {id(m): n for n, m in model.named_modules()}
+        blocks = [*((paths[id(b)], b) for e in find_encoders(model) for b in e.blocks),
+                  *((f"decoder layer {i}", layer) for i, layer in enumerate(decoder_layers(model)))]
+
+        def install(_model: nn.Module, _args: tuple) -> None:
+            # At the first forward, after the layout wrapped the model: prepended, these run before the
+            # hooks a wrapper put on the blocks (FSDP2 gathers a block's parameters in one).
+            handle.remove()
+            for name, block in blocks:
+                block.register_forward_pre_hook(lambda _m, _a, name=name: _say(path, f"forward of {name}"),
+                                                prepend=True)
+                block.register_forward_hook(lambda _m, _a, out, name=name: _on_backward(out, path, name))
+
+        handle = model.register_forward_pre_hook(install)
+        return model
+
+    return built
+
+
+def _say(path: Path, where: str) -> None:
+    path.write_text(where, encoding="utf-8")
+
+
+def _on_backward(output: object, path: Path, name: str) -> None:
+    hidden = output[0] if isinstance(output, (tuple, list)) else output
+    if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+        hidden.register_hook(lambda grad: _say(path, f"backward of {name}"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         golden, toy = load_checked(project, GoldenKey(args.hardware_class, args.model, args.scenario, args.dtype),
                                    cross_class=True)
         backend = backends.resolve(args.backend)
-        ctx = LayoutContext.checking(golden, toy, device, rank=rank, world=world, local_rank=local, workdir=out)
+        ctx = LayoutContext.checking(golden, toy, device, scenarios.get(args.scenario), rank=rank, world=world,
+                                     local_rank=local, workdir=out)
+        ctx.build = _reporting_progress(ctx.build, out / f"{torchrun.PROGRESS}{rank}.txt")
         family = models.modeling_module(toy)
         models.skeleton(toy)  # pins the reference's torch fallbacks before the modules are snapshot
         for index, spec in enumerate(args.layout):
