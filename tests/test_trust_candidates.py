@@ -110,7 +110,7 @@ def line(text: str) -> int:
 
 
 def veosnap_check(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     return subprocess.run([sys.executable, "-m", "veosnap", "check", *DIRS, *argv], capture_output=True, text=True,
                           env=env, timeout=timeout)
 
@@ -283,7 +283,7 @@ def _downstream(root: Path) -> Path:
 def test_item6_pytest_snapshot_update_records_from_a_pristine_process(tmp_path):
     project = _downstream(tmp_path)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "VEOSNAP_")) and k != "PYTHONPATH"}
-    env["PYTHONPATH"] = str(REPO)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     plugin = [] if any(ep.value == "veosnap.surfaces.pytest_plugin" for ep in entry_points(group="pytest11")) \
         else ["-p", "veosnap.surfaces.pytest_plugin"]
     done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *plugin, "-q",

@@ -382,7 +382,7 @@ def test_item9_special_files_are_never_read(tmp_path):
     commands = [["verify", str(root)], ["ls", "--goldens", str(root), *dirs], ["show", str(made["FIFO"])],
                 ["show", str(zero)], ["verify", str(zero)], ["diff", str(REPO / "goldens"), str(root)],
                 ["check", "--goldens", str(root), *dirs, "--model", "llama", "--dtype", "float32"]]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run([sys.executable, "-c", SPECIAL, json.dumps(commands)], capture_output=True, text=True,
                           env=env, timeout=600)
     codes = json.loads(done.stdout.splitlines()[-1])

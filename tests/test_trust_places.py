@@ -29,7 +29,7 @@ LLAMA = GoldenKey(CLASS, "llama", "step", "float32")
 
 def pytest_in(project: Path, *args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "VEOSNAP_")) and k != "PYTHONPATH"}
-    env["PYTHONPATH"] = str(REPO)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     plugin = [] if any(ep.value == "veosnap.surfaces.pytest_plugin" for ep in entry_points(group="pytest11")) \
         else ["-p", "veosnap.surfaces.pytest_plugin"]
     return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *plugin, "-q", *args],

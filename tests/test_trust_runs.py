@@ -54,7 +54,8 @@ def wait_for(condition, what: str):  # noqa: ANN001, ANN201
 def start_hanging_ddp_check(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
     private = tmp_path / "tmp"
     private.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(private)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           "TMPDIR": str(private)}
     proc = subprocess.Popen([sys.executable, "-m", "veosnap", "check", "--goldens", str(REPO / "goldens"),
                              "--configs", str(REPO / "toy_configs"), "--testdata", str(REPO / "testdata"),
                              "--hardware-class", CLASS, "--model", "llama", "--dtype", "float32",

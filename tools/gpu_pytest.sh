@@ -3,23 +3,24 @@
 #
 #     bash tools/gpu_pytest.sh [--record] [--part K/N | --jobs N] [PYTEST ARGS...]
 #
-# Installs the carried wheels (.whl/: zstandard, syrupy, transformers 5.24, the GPU kernel libraries)
-# into /tmp/site without a package index, then runs the suite with this checkout on PYTHONPATH. With
-# --record it first records this machine's class's goldens (both scenarios, tools/gpu_session.py
-# record; a tar of them comes back under $OUT/record) so the suite checks goldens of the code it runs.
-# Writes $OUT/env.txt, $OUT/pytest.log and $OUT/junit.xml, and prints a table of outcomes per test
-# file at the end. The whole script keeps to $GPU_PYTEST_BUDGET_S seconds (default 510): pytest is
-# ended when that time is up (-m "not heavy" runs a shorter suite), so the log always comes back inside
-# a 9-minute device command. --part K/N runs the K-th of N slices of the test files (every N-th file,
-# by name), for when one command cannot hold the whole suite.
+# Installs the carried wheels ($GPU_PYTEST_WHEELS, default .whl/: zstandard, syrupy, transformers 5.24,
+# the GPU kernel libraries) into /tmp/site without a package index, then runs the suite with this
+# checkout on PYTHONPATH. With --record it first records this machine's class's goldens (both
+# scenarios, tools/gpu_session.py record; a tar of them comes back under $OUT/record) so the suite
+# checks goldens of the code it runs. Writes $OUT/env.txt, $OUT/pytest.log and $OUT/junit.xml, and
+# prints a table of outcomes per test file at the end. The whole script keeps to $GPU_PYTEST_BUDGET_S
+# seconds (default 510): pytest is ended when that time is up (-m "not heavy" runs a shorter suite), so
+# the log always comes back inside a 9-minute device command. --part K/N runs the K-th of N slices of
+# the test files (every N-th file, by name), for when one command cannot hold the whole suite.
 #
 # --jobs N runs N pytest processes at once, all on the one GPU, on disjoint slices of the test files
 # (tools/pytest_slices.py plan: the slowest files spread first, by tools/test_seconds.txt), each with
 # its own --basetemp, log and junit report and OMP_NUM_THREADS = cores / N, all within the one budget;
 # $OUT/pytest.log holds the slices' logs one after the other, $OUT/junit.xml their merged reports,
 # $OUT/seconds.txt the seconds per file (a refresh of tools/test_seconds.txt), and the table is of all
-# of them. GPU_PYTEST_FILES="tests/test_a.py tests/test_b.py" slices those files only. Exit status: pytest's (124: ended at the budget); with --jobs, 0 when every slice passed,
-# else the first failing slice's.
+# of them. GPU_PYTEST_FILES="tests/test_a.py tests/test_b.py" slices those files only.
+# Exit status: pytest's (124: ended at the budget); with --jobs, 0 when every slice passed, else the
+# first failing slice's.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-pytest-out}
@@ -27,10 +28,11 @@ BUDGET=${GPU_PYTEST_BUDGET_S:-510}
 SECONDS=0
 mkdir -p "$OUT"
 
-if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -3
+WHEELS=${GPU_PYTEST_WHEELS:-.whl}  # the carried folder of wheels (.whl/s: transformers, zstandard, syrupy)
+if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$WHEELS"/*.whl 2>&1 | tail -3
 else
-    echo "no wheels in .whl/: using what this Python has"
+    echo "no wheels in $WHEELS/: using what this Python has"
 fi
 export PYTHONPATH=/tmp/site:$PWD
 
@@ -89,17 +91,19 @@ for k in "${!PLAN[@]}"; do
     [ -n "${PLAN[$k]}" ] || continue  # more slices than files: an empty slice would run the whole suite
     read -ra files <<< "${PLAN[$k]}"
     echo "slice $(( k + 1 ))/$JOBS: ${files[*]}"
-    OMP_NUM_THREADS=$THREADS timeout --signal=INT --kill-after=10 "$LIMIT" \
-        "${PYTEST[@]}" --basetemp="$SLICES/tmp-$(( k + 1 ))" --junitxml="$SLICES/junit-$(( k + 1 )).xml" \
-        "${files[@]}" "$@" > "$SLICES/pytest-$(( k + 1 )).log" 2>&1 &
+    (
+        OMP_NUM_THREADS=$THREADS timeout --signal=INT --kill-after=10 "$LIMIT" \
+            "${PYTEST[@]}" --basetemp="$SLICES/tmp-$(( k + 1 ))" --junitxml="$SLICES/junit-$(( k + 1 )).xml" \
+            "${files[@]}" "$@" > "$SLICES/pytest-$(( k + 1 )).log" 2>&1
+        echo "$? $(( $(date +%s) - start ))" > "$SLICES/status-$(( k + 1 ))"
+    ) &
     pids+=($!); names+=($(( k + 1 )))
 done
+wait "${pids[@]}"
 status=0
-for i in "${!pids[@]}"; do
-    wait "${pids[$i]}"; s=$?
-    k=${names[$i]}
-    echo "slice $k/$JOBS: pytest exit status $s after $(( $(date +%s) - start )) s (limit $LIMIT s)" \
-        | tee -a "$SLICES/status.txt"
+for k in "${names[@]}"; do
+    read -r s took < "$SLICES/status-$k"
+    echo "slice $k/$JOBS: pytest exit status $s after $took s (limit $LIMIT s)" | tee -a "$SLICES/status.txt"
     if [ "$s" -ne 0 ] && [ "$s" -ne 5 ] && [ "$status" -eq 0 ]; then status=$s; fi  # 5: nothing collected there
 done
 for k in "${names[@]}"; do

@@ -3,11 +3,11 @@
     python tools/pytest_slices.py plan N [FILE...]  # N lines: the test files of each slice
     python tools/pytest_slices.py table JUNIT... [--merged FILE] [--seconds FILE]
 
-`plan` spreads the files (default `tests/test_*.py`) over N slices so that the slowest slice is as short as it can be made
-greedily: files longest first, each onto the slice with the least time so far (LPT), timing each file by
-`tools/test_seconds.txt` (`test_file seconds` per line, measured on the H200 where known; a file not
-listed counts as the median of the listed ones). Slices are disjoint and cover every file; a slice may be
-empty when N exceeds the number of files.
+`plan` spreads the files (default `tests/test_*.py`) over N slices so that the slowest slice is as
+short as it can be made greedily: files longest first, each onto the slice with the least time so far
+(LPT), timing each file by `tools/test_seconds.txt` (`test_file seconds` per line; a file not listed
+counts as the median of the listed ones). Slices are disjoint and cover every file; a slice may be empty
+when N exceeds the number of files.
 
 `table` reads the junit reports of the slices and prints one table of outcomes and seconds per test file
 (and the total); `--merged` writes them as one junit document, `--seconds` writes the per-file seconds in
