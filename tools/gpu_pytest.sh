@@ -15,7 +15,8 @@
 #
 # --jobs N runs N pytest processes at once, all on the one GPU, on disjoint slices of the test files
 # (tools/pytest_slices.py plan: the slowest files spread first, by tools/test_seconds.txt), each with
-# its own --basetemp, log and junit report and OMP_NUM_THREADS = cores / N, all within the one budget;
+# its own --basetemp, log and junit report, and OMP_NUM_THREADS = TORCHINDUCTOR_COMPILE_THREADS = cores / N
+# (N processes of 16 threads each would oversubscribe the cores), all within the one budget;
 # $OUT/pytest.log holds the slices' logs one after the other, $OUT/junit.xml their merged reports,
 # $OUT/seconds.txt the seconds per file (a refresh of tools/test_seconds.txt), and the table is of all
 # of them. GPU_PYTEST_FILES="tests/test_a.py tests/test_b.py" slices those files only.
@@ -87,18 +88,20 @@ THREADS=$(( $(nproc) / JOBS )); [ "$THREADS" -ge 1 ] || THREADS=1
 read -ra ONLY <<< "${GPU_PYTEST_FILES:-}"  # a few files instead of tests/test_*.py (to try the mode)
 mapfile -t PLAN < <(python3 tools/pytest_slices.py plan "$JOBS" "${ONLY[@]}")
 pids=(); names=()
+set -m  # job control: without it a background job ignores SIGINT, and the budget's INT could not end pytest
 for k in "${!PLAN[@]}"; do
     [ -n "${PLAN[$k]}" ] || continue  # more slices than files: an empty slice would run the whole suite
     read -ra files <<< "${PLAN[$k]}"
     echo "slice $(( k + 1 ))/$JOBS: ${files[*]}"
     (
-        OMP_NUM_THREADS=$THREADS timeout --signal=INT --kill-after=10 "$LIMIT" \
+        OMP_NUM_THREADS=$THREADS TORCHINDUCTOR_COMPILE_THREADS=$THREADS timeout --signal=INT --kill-after=10 "$LIMIT" \
             "${PYTEST[@]}" --basetemp="$SLICES/tmp-$(( k + 1 ))" --junitxml="$SLICES/junit-$(( k + 1 )).xml" \
             "${files[@]}" "$@" > "$SLICES/pytest-$(( k + 1 )).log" 2>&1
         echo "$? $(( $(date +%s) - start ))" > "$SLICES/status-$(( k + 1 ))"
     ) &
     pids+=($!); names+=($(( k + 1 )))
 done
+set +m
 wait "${pids[@]}"
 status=0
 for k in "${names[@]}"; do
