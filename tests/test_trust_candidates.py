@@ -22,7 +22,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
-from golden_repo import CLASS, REPO
+from golden_repo import CLASS, REPO, gpus_for
 
 import veosnap
 from veosnap.candidates import backends
@@ -145,6 +145,7 @@ def test_item5_a_backend_or_hook_that_ends_the_process_is_an_error_naming_it(can
     assert done.stdout.rstrip().endswith("1 passed, 5 failed")
 
 
+@gpus_for(2)  # two ranks: NCCL, one GPU each, on a CUDA machine
 def test_item5_exits_are_errors_in_every_layout(candidates):
     done = veosnap_check("--model", "llama", "--backend", f"{candidates}:exits_in_a_hook", "--layout", "microbatch",
                          "--layout", "packed", "--layout", "ddp")
