@@ -17,12 +17,33 @@ spec.loader.exec_module(slices)
 FILES = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_*.py"))
 
 
-@pytest.mark.parametrize("n", [1, 2, 6, 8, len(FILES) + 3])
-def test_slices_are_disjoint_and_cover_every_test_file(n):
-    plan = slices.plan(FILES, n, slices.known_seconds())
+@pytest.mark.parametrize("n", [1, 2, 6, 8, 10, len(FILES) + 3])
+def test_slices_are_disjoint_and_cover_every_test_file(n, monkeypatch):
+    monkeypatch.chdir(REPO)  # as gpu_pytest.sh runs it: test files relative to the repository root
+    seconds, split = slices.read_weights()
+    plan = slices.plan(FILES, n, seconds, split)
     assert len(plan) == n
     flat = [f for s in plan for f in s]
-    assert sorted(flat) == FILES and len(set(flat)) == len(flat)
+    assert len(set(flat)) == len(flat)
+    whole = sorted(f for f in flat if "::" not in f)
+    parts = {f.split("::")[0] for f in flat if "::" in f}
+    assert sorted([*whole, *parts]) == FILES and not parts & set(whole)
+    for f in parts:  # a file cut in parts: every test function of it in exactly one
+        assert sorted(i for i in flat if i.startswith(f + "::")) == sorted(slices.test_functions(Path(f)))
+
+
+def test_a_file_marked_split_and_longer_than_a_share_goes_in_parts_by_test_function(tmp_path):
+    heavy = tmp_path / "test_heavy.py"
+    heavy.write_text("def test_a():\n    pass\n\n\ndef test_b():\n    pass\n\n\nclass TestC:\n"
+                     "    def test_d(self):\n        pass\n\n\ndef helper():\n    pass\n")
+    light = [str(tmp_path / f"test_l{i}.py") for i in range(3)]
+    seconds = {"test_heavy": 300, "test_l0": 50, "test_l1": 50, "test_l2": 50}
+    plan = slices.plan([str(heavy), *light], 3, seconds, {"test_heavy"})  # a share: 150 s, so 2 parts
+    heavy_parts = [[i for i in s if "test_heavy" in i] for s in plan]
+    assert sorted(map(len, heavy_parts)) == [0, 1, 2]
+    assert sorted(i for p in heavy_parts for i in p) == [f"{heavy}::TestC::test_d", f"{heavy}::test_a",
+                                                         f"{heavy}::test_b"]
+    assert slices.plan([str(heavy), *light], 3, seconds)[0] == [str(heavy)]  # not marked: whole
 
 
 def test_the_longest_files_go_to_different_slices_and_the_slowest_slice_is_near_the_best():

@@ -5,9 +5,12 @@
 
 `plan` spreads the files (default `tests/test_*.py`) over N slices so that the slowest slice is as
 short as it can be made greedily: files longest first, each onto the slice with the least time so far
-(LPT), timing each file by `tools/test_seconds.txt` (`test_file seconds` per line; a file not listed
-counts as the median of the listed ones). Slices are disjoint and cover every file; a slice may be empty
-when N exceeds the number of files.
+(LPT), timing each file by `tools/test_seconds.txt` (`test_file seconds [split]` per line; a file not
+listed counts as the median of the listed ones). A file marked `split` that alone would take longer than
+an even share (total / N) is cut into that many parts by its test functions (`file::test_name`, found in
+its source, the file's time shared by function): mark only files whose module- and session-scoped
+fixtures are cheap, since each part sets them up again. Slices are disjoint and cover every test; a
+slice may be empty when N exceeds the number of files.
 
 `table` reads the junit reports of the slices and prints one table of outcomes and seconds per test file
 (and the total); `--merged` writes them as one junit document, `--seconds` writes the per-file seconds in
@@ -18,6 +21,8 @@ missing or unreadable (that slice's pytest did not get as far as writing it).
 from __future__ import annotations
 
 import argparse
+import ast
+import math
 import statistics
 import sys
 import xml.etree.ElementTree as ET
@@ -28,29 +33,63 @@ ROOT = Path(__file__).resolve().parent.parent
 SECONDS = ROOT / "tools" / "test_seconds.txt"
 
 
-def known_seconds(path: Path = SECONDS) -> dict[str, float]:
-    """`test_file -> seconds` from a weights file (comments after `#`)."""
-    seconds = {}
+def read_weights(path: Path = SECONDS) -> tuple[dict[str, float], set[str]]:
+    """`test_file -> seconds` from a weights file (comments after `#`), and the files marked `split`."""
+    seconds, split = {}, set()
     if path.is_file():
         for line in path.read_text(encoding="utf-8").splitlines():
             fields = line.split("#", 1)[0].split()
-            if len(fields) == 2:
+            if len(fields) in (2, 3):
                 seconds[fields[0]] = float(fields[1])
-    return seconds
+                if fields[2:] == ["split"]:
+                    split.add(fields[0])
+    return seconds, split
 
 
-def plan(files: list[str], n: int, seconds: dict[str, float]) -> list[list[str]]:
-    """`files` in `n` disjoint slices, longest first onto the least loaded slice (ties: by name)."""
+def known_seconds(path: Path = SECONDS) -> dict[str, float]:
+    """`test_file -> seconds` from a weights file."""
+    return read_weights(path)[0]
+
+
+def test_functions(path: Path) -> list[str]:
+    """`file::test_x` (and `file::TestX::test_y`) node ids of a test file's functions, from its source."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    ids = []
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test"):
+            ids.append(f"{path.as_posix()}::{node.name}")
+        elif isinstance(node, ast.ClassDef) and node.name.startswith("Test"):
+            ids += [f"{path.as_posix()}::{node.name}::{m.name}" for m in node.body
+                    if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef)) and m.name.startswith("test")]
+    return ids
+
+
+def plan(files: list[str], n: int, seconds: dict[str, float], split: frozenset[str] | set[str] = frozenset(),
+         functions=test_functions) -> list[list[str]]:  # noqa: ANN001
+    """`files` in `n` disjoint slices, longest first onto the least loaded slice (ties: by name); a file in
+    `split` longer than total / n goes in parts of its test functions (`functions(path)`)."""
     if n < 1:
         raise ValueError(f"--jobs needs at least 1 slice, not {n}")
     default = statistics.median(seconds.values()) if seconds else 1.0
     cost = {f: seconds.get(Path(f).stem, default) for f in files}
+    share = sum(cost.values()) / n
+    units: list[tuple[float, list[str]]] = []  # (seconds, pytest arguments) placed whole
+    for f in files:
+        parts = math.ceil(cost[f] / share) if Path(f).stem in split and share > 0 else 1
+        ids = functions(Path(f)) if parts > 1 else []
+        parts = min(parts, len(ids))
+        if parts > 1:
+            for k in range(parts):
+                chunk = ids[k::parts]
+                units.append((cost[f] * len(chunk) / len(ids), chunk))
+        else:
+            units.append((cost[f], [f]))
     slices: list[list[str]] = [[] for _ in range(n)]
     load = [0.0] * n
-    for f in sorted(files, key=lambda f: (-cost[f], f)):
+    for seconds_of, args in sorted(units, key=lambda u: (-u[0], u[1])):
         i = min(range(n), key=lambda i: (load[i], i))
-        slices[i].append(f)
-        load[i] += cost[f]
+        slices[i] += args
+        load[i] += seconds_of
     return [sorted(s) for s in slices]
 
 
@@ -102,7 +141,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.command == "plan":
         files = args.files or sorted(str(f.relative_to(ROOT)) for f in (ROOT / "tests").glob("test_*.py"))
-        for s in plan(files, args.n, known_seconds()):
+        for s in plan(files, args.n, *read_weights()):
             print(" ".join(s))
         return 0
     return table(args.reports, args.merged, args.seconds)
