@@ -440,7 +440,7 @@ def test_an_unreadable_directory_is_one_line(capsys, goldens, monkeypatch):
     # Tests may run as root, which reads any directory: simulate what stat() raises for others.
     from veosnap.reference import zoo
 
-    def denied(project, key):  # noqa: ANN001
+    def denied(project, key, background=False):  # noqa: ANN001
         raise PermissionError(13, "Permission denied", str(goldens / CLASS))
 
     monkeypatch.setattr(zoo, "load_golden", denied)

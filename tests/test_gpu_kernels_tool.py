@@ -76,3 +76,13 @@ def test_no_pythonpath_or_one_without_pth_files_changes_nothing(tmp_path: Path,
     env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), str(tmp_path / "missing")])}
     assert tool.read_pythonpath_pth_files(env) == []
     assert env["PYTHONPATH"] == os.pathsep.join([str(tmp_path), str(tmp_path / "missing")])
+
+
+def test_plan_keeps_only_the_models_and_dtypes_asked_for() -> None:
+    tool = load_tool()
+    dirs = {"goldens": "", "configs": ""}
+    project = tool.project_from(dirs)
+    cells, not_applicable = tool.plan([(project, dirs)], ["liger", "liger@ieee"], ["mixtral", "llama"], ["float32"])
+    assert {(c["model"], c["dtype"]) for c in cells["liger"]} == {("mixtral", "float32"), ("llama", "float32")}
+    assert {c["model"] for c in cells["liger@ieee"]} == {"mixtral"}  # llama has no experts: n/a
+    assert {(c["model"], c["dtype"], c["backend"]) for c in not_applicable} == {("llama", "float32", "liger@ieee")}

@@ -92,6 +92,17 @@ def test_fa4_declines_a_dtype_its_kernels_do_not_take(repo_project: Project) -> 
     assert report.skipped == "flash_attn.cute computes attention in float16/bfloat16 only, not float32"
 
 
+def test_fa4_names_its_known_sm90_backward_bug_only_where_it_applies() -> None:
+    note = fa4.known_issue("4.0.0b36", (9, 0), {16, 64})
+    assert note.startswith("known flash-attn 4.0.0b36 bug on sm90: wrong backward (dq; dk/dv with GQA) for head dim 16,")
+    assert "docs/findings/fa4-sm90-backward-head-dim.md" in note
+    assert "48, 80" in fa4.known_issue("4.0.0b36", (9, 0), {48, 80, 96})
+    assert fa4.known_issue("4.0.0b36", (9, 0), {24, 32, 64, 128, 192}) is None  # both sides round alike
+    assert fa4.known_issue("4.0.0b36", (10, 0), {16}) is None  # Blackwell runs another backward
+    assert fa4.known_issue("4.0.0b36", None, {16}) is None  # not on a GPU
+    assert fa4.known_issue("4.0.1", (9, 0), {16}) is None  # a version not known to have it
+
+
 def test_quack_declines_a_dense_model_and_fla_a_model_without_linear_attention(repo_project: Project) -> None:
     (dense,) = run(repo_project, "llama", "quack_on_torch")
     assert dense.skipped == "LlamaForCausalLM has no MoE experts module (quack replaces the experts' GEMMs)"

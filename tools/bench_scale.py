@@ -11,19 +11,30 @@ with `--sketch auto` and checks a candidate against it, and prints one table:
     eager f+b           the eager reference's (the slowest candidate; the issue's own figures were eager's)
     check               a whole `veosnap check` (after the record and the candidate alone: its Triton kernels are
                         compiled and cuBLAS is warm, as for a user's check after the first)
-    own                 veosnap's own time in that check, the sum of its phases:
-        load / decompress / parse   reading the file, zstd, safetensors + hashes + validation
+    own                 veosnap's own time in that check, on its critical path (the main thread): the sum of
+        load / head / wait          reading the file; decoding its head (the manifest and the batch:
+                                    golden.background); waiting for the decode thread where the golden's
+                                    tensors are first used (after the model build)
+        setup                       before the candidate runs: reading the config, the limits (config, batch,
+                                    memory), the golden's coverage of the model (a meta-device skeleton), the
+                                    version drift
         reduce (grads)               capture's hooks and gradient pass: sketches, host copies of whole tensors
                                      (in brackets: the gradient pass alone)
         compare / report             every tensor against the golden; the text and JSON reports
     rest                check - build - cand f+b - own: what no phase covers (hooks on routes, assembling the
                         capture), and the noise of timing the candidate apart (it can come out negative)
     own/f+b             the issue's target: <= 0.25 on the H200 at ~1B parameters (aim 0.1); own/eager likewise
+    decode off path     zstd decompress / safetensors parse + hashes + validation, on the decode thread while
+                        the model is built (not in own: only `wait` is)
+    serial own          the same check again with the golden read and decoded before anything else, on the
+                        main thread (as before the decode thread; in brackets its decompress / parse), and
+                        its ratio to cand f+b: what the overlap saves
     peak                GPU: torch.cuda.max_memory_allocated during the check / during the candidate alone;
                         CPU: resident set size, sampled, same two phases
     sketch GB/s         the row-sketch kernel on a logits-shaped tensor, against a copy's GB/s (read + write)
 
     python tools/bench_scale.py                       # the sizes for this machine (CPU: up to ~0.1B)
+    python tools/bench_scale.py --sizes toy,llama-17m  # the CPU breakdown at a small width (about 2 minutes)
     python tools/bench_scale.py --sizes toy,llama-1b --dtypes bfloat16 --budget-s 480
     OUT=/tmp/out python tools/bench_scale.py          # also writes $OUT/bench_scale.json and .md
 
@@ -58,12 +69,16 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import veosnap.golden.background as background_module  # noqa: E402
 import veosnap.golden.codec as codec_module  # noqa: E402
 import veosnap.golden.store as store_module  # noqa: E402
+import veosnap.reference.coverage as coverage_module  # noqa: E402
+import veosnap.reference.limits as limits_module  # noqa: E402
 import veosnap.reference.models as models_module  # noqa: E402
+import veosnap.reference.zoo as zoo_module  # noqa: E402
 import veosnap.runs.check as check_module  # noqa: E402
 from veosnap.candidates import backends  # noqa: E402
-from veosnap.errors import Unsupported  # noqa: E402
+from veosnap.errors import GoldenError, Unsupported  # noqa: E402
 from veosnap.golden import store  # noqa: E402
 from veosnap.golden.key import GoldenKey  # noqa: E402
 from veosnap.numerics.sketch import rowsketch  # noqa: E402
@@ -155,10 +170,12 @@ class Phases:
 _DEPTH = threading.local()  # one depth for every wrapper: a phase inside another is counted once
 
 
-def timed(phase: str, fn: Callable, nested: bool = False) -> Callable:
-    """`fn`, adding its (synchronized) time to the active `Phases` under `phase`: only when no other
-    phase is running (a phase within another is counted once), unless `nested` (its own depth: the
-    golden's read, decode and decompress nest, and are split by difference)."""
+def timed(phase: str, fn: Callable, nested: bool = False, host: bool = False) -> Callable:
+    """`fn`, adding its time to the active `Phases` under `phase`: only when no other phase is running
+    (a phase within another is counted once), unless `nested` (its own depth: the golden's decode and
+    decompress nest, and are split by difference). Device work is synchronized around it unless `host`
+    (host-only work, which may run on the golden's decode thread: no sync there). Time spent on another
+    thread than the main one is added as `bg:<phase>` (off the check's critical path)."""
     depth = threading.local() if nested else _DEPTH
 
     def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
@@ -166,13 +183,16 @@ def timed(phase: str, fn: Callable, nested: bool = False) -> Callable:
         if phases is None or getattr(depth, "n", 0):
             return fn(*args, **kwargs)
         depth.n = 1
-        sync()
+        if not host:
+            sync()
         start = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
-            sync()
-            phases.add(phase, time.perf_counter() - start)
+            if not host:
+                sync()
+            main = threading.current_thread() is threading.main_thread()
+            phases.add(phase if main else f"bg:{phase}", time.perf_counter() - start)
             depth.n = 0
 
     return wrapper
@@ -183,18 +203,24 @@ def instrument() -> None:
     phase reads 0) rather than failing the run."""
     import veosnap.candidates.layouts.engine as engine_module
 
+    host = {"nested": True, "host": True}
     targets = [
-        (store_module, "read", "read", True), (codec_module, "decode", "decode", True),
-        (codec_module, "_decompress", "decompress", True), (models_module, "build", "build", False),
-        (check_module, "compare", "compare", False), (Reducer, "keep_tokens", "reduce", False),
-        (Reducer, "keep_rows", "reduce", False), (CandidateReducer, "finish", "reduce", False),
-        (engine_module, "reduce_gradients", "grads", False),
+        (store_module, "load", "load", {"host": True}), (background_module, "_head", "head", {"host": True}),
+        (background_module._Decode, "result", "wait", {"host": True}),
+        (codec_module, "decode", "decode", host), (codec_module, "_decompress", "decompress", host),
+        (zoo_module, "load_config", "setup:config", {}), (limits_module, "check_config", "setup:limits", {}),
+        (limits_module, "check_batch", "setup:limits", {}), (limits_module, "check_memory", "setup:limits", {}),
+        (coverage_module, "require", "setup:coverage", {}), (check_module, "version_drift", "setup:versions", {}),
+        (models_module, "build", "build", {}),
+        (check_module, "compare", "compare", {}), (Reducer, "keep_tokens", "reduce", {}),
+        (Reducer, "keep_rows", "reduce", {}), (CandidateReducer, "finish", "reduce", {}),
+        (engine_module, "reduce_gradients", "grads", {}),
     ]
-    for owner, attribute, phase, nested in targets:
+    for owner, attribute, phase, how in targets:
         if not callable(getattr(owner, attribute, None)):
             console.print(f"[yellow]not timed: {getattr(owner, '__name__', owner)}.{attribute} (moved?)[/yellow]")
             continue
-        setattr(owner, attribute, timed(phase, getattr(owner, attribute), nested=nested))
+        setattr(owner, attribute, timed(phase, getattr(owner, attribute), **how))
     if getattr(store_module, "decode", None) is not None:
         store_module.decode = codec_module.decode  # store imported it by name
 
@@ -276,6 +302,9 @@ class Row:
     own_s: float = 0.0
     rest_s: float = 0.0
     phases: dict = field(default_factory=dict)
+    serial_check_s: float = 0.0  # the same check with the golden decoded first, on the main thread
+    serial_own_s: float = 0.0
+    serial_phases: dict = field(default_factory=dict)
     peak_check: int = 0
     peak_candidate: int = 0
     sketch_gbps: float = 0.0
@@ -322,9 +351,40 @@ def run_size(size: Size, dtype: str, workdir: Path) -> Row:
         return row
 
     # No warm-up check: the record just ran the same sketch kernels (compiled) and the candidate alone
-    # warmed cuBLAS, so this check is what a user's second check in CI costs.
+    # warmed cuBLAS, so this check is what a user's second check in CI costs. Then the same check with
+    # the golden decoded before anything else (serially, as before the decode thread): what it saves.
+    report, phases, row.check_s, row.peak_check = one_check(project, key, backend)
+    row.passed = report.passed
+    if not report.passed:
+        row.note += f"check {report.status}: {report.error or (report.worst and report.worst.name)}; "
+    row.build_s = phases.get("build")
+    row.phases = split_phases(phases)
+    row.own_s = own_time(row.phases)
+    row.rest_s = row.check_s - row.build_s - row.fwd_bwd_s - (row.own_s - row.phases["report"])
+    _, serial, serial_check_s, _ = one_check(project, key, backend, serial=True)
+    row.serial_phases = split_phases(serial)
+    row.serial_own_s = own_time(row.serial_phases)
+    row.serial_check_s = serial_check_s
+    row.sketch_gbps, row.copy_gbps = kernel_throughput(golden, dtype)
+    return row
+
+
+def one_check(project: Project, key: GoldenKey, backend, serial: bool = False):  # noqa: ANN001, ANN201
+    """One `check` of `backend` against the golden for `key`, then its text and JSON reports: the report, its
+    `Phases`, the check's wall seconds and its peak memory. `serial`: the golden is read and decoded whole
+    before anything else (no decode thread), as before issue 10's overlap."""
     phases = Phases()
     peak = Peak()
+    saved = background_module.read
+    if serial:
+        def read_serially(path, root=None, advise=lambda exc: exc):  # noqa: ANN001, ANN202
+            try:
+                return store_module.read(path, root)
+            except GoldenError as exc:
+                raise advise(exc) from None
+
+        background_module.read = read_serially
+    models_module._SKELETONS.clear()  # as in a fresh `veosnap check`: the record built this config's skeleton
     Phases.active = phases
     try:
         with peak.measure():
@@ -332,26 +392,41 @@ def run_size(size: Size, dtype: str, workdir: Path) -> Row:
             started = time.perf_counter()
             report = check_module.check(project, key, backend)
             sync()
-            row.check_s = time.perf_counter() - started
+            check_s = time.perf_counter() - started
         start = time.perf_counter()
         render_text.checks([report])
         render_json.checks([report])
         phases.add("report", time.perf_counter() - start)
     finally:
         Phases.active = None
-    row.peak_check = peak.bytes
-    row.passed = report.passed
-    if not report.passed:
-        row.note += f"check {report.status}: {report.error or (report.worst and report.worst.name)}; "
-    read, decode, decompress = phases.get("read"), phases.get("decode"), phases.get("decompress")
-    row.build_s = phases.get("build")
-    row.phases = {"load": read - decode, "decompress": decompress, "parse": decode - decompress,
-                  "reduce": phases.get("reduce"), "grads": phases.get("grads"), "compare": phases.get("compare"),
-                  "report": phases.get("report")}
-    row.own_s = sum(row.phases.values())
-    row.rest_s = row.check_s - row.build_s - row.fwd_bwd_s - (row.own_s - row.phases["report"])
-    row.sketch_gbps, row.copy_gbps = kernel_throughput(golden, dtype)
-    return row
+        background_module.read = saved
+    return report, phases, check_s, peak.bytes
+
+
+# The phases of a check's own time, in the table's order. On the critical path (the main thread):
+ON_PATH = ("load", "head", "wait", "decompress", "parse", "setup", "reduce", "grads", "compare", "report")
+
+
+SETUP = ("config", "limits", "coverage", "versions")  # its parts
+
+
+def split_phases(phases: Phases) -> dict[str, float]:
+    """A check's phases: `decompress` and `parse` (= decode - decompress) on the main thread (a serial read)
+    or, as `bg:decompress` and `bg:parse`, on the decode thread (off the critical path: only `wait`, the main
+    thread blocked on it, counts)."""
+    out = {name: phases.get(name) for name in ON_PATH if name not in ("decompress", "parse", "setup")}
+    for part in SETUP:
+        out[f"setup:{part}"] = phases.get(f"setup:{part}")
+    out["setup"] = sum(out[f"setup:{part}"] for part in SETUP)
+    for prefix in ("", "bg:"):
+        out[f"{prefix}decompress"] = phases.get(f"{prefix}decompress")
+        out[f"{prefix}parse"] = phases.get(f"{prefix}decode") - phases.get(f"{prefix}decompress")
+    return out
+
+
+def own_time(phases: dict[str, float]) -> float:
+    """veosnap's own time on the check's critical path: the main thread's phases."""
+    return sum(phases[name] for name in ON_PATH)
 
 
 def candidate_alone(toy, dtype: str, golden, backend) -> tuple[float, int, int, float]:  # noqa: ANN001
@@ -438,30 +513,39 @@ def fmt_s(s: float) -> str:
 
 
 COLUMNS = ("size", "dtype", "params", "tokens", "golden", "sketched", "record", "build", "candidate", "cand f+b",
-           "eager f+b", "check", "own", "load/dec/parse", "reduce (grads)", "compare", "report", "rest", "own/f+b",
-           "own/eager", "peak check/cand", "sketch/copy GB/s", "note")
+           "eager f+b", "check", "own", "load/head/wait", "setup (config/limits/coverage/versions)", "reduce (grads)", "compare", "report", "rest",
+           "own/f+b", "own/eager", "decode off path (dec/parse)", "serial own (dec/parse)", "serial/f+b",
+           "peak check/cand", "sketch/copy GB/s", "note")
+
+
+def ms(s: float) -> str:
+    return f"{s * 1e3:.0f}"
 
 
 def cells(r: Row) -> list[str]:
-    p = r.phases
+    p, q = r.phases, r.serial_phases
     if not r.candidate:
         return [r.size, r.dtype, f"{r.params / 1e6:.1f}M", str(r.tokens), fmt_bytes(r.golden_bytes), r.sketched,
-                fmt_s(r.record_s), *[""] * 16, r.note]
+                fmt_s(r.record_s), *[""] * (len(COLUMNS) - 8), r.note]
     return [r.size, r.dtype, f"{r.params / 1e6:.1f}M" if r.params < 1e9 else f"{r.params / 1e9:.2f}B", str(r.tokens),
             fmt_bytes(r.golden_bytes), r.sketched, fmt_s(r.record_s), fmt_s(r.build_s), r.candidate,
             fmt_s(r.fwd_bwd_s), fmt_s(r.eager_s), fmt_s(r.check_s), fmt_s(r.own_s),
-            f"{p['load'] * 1e3:.0f}/{p['decompress'] * 1e3:.0f}/{p['parse'] * 1e3:.0f} ms",
+            f"{ms(p['load'])}/{ms(p['head'])}/{ms(p['wait'])} ms",
+            f"{fmt_s(p['setup'])} ({'/'.join(ms(p['setup:' + part]) for part in SETUP)} ms)",
             f"{fmt_s(p['reduce'] + p['grads'])} ({fmt_s(p['grads'])})", fmt_s(p["compare"]), fmt_s(p["report"]),
             ("-" if r.rest_s < 0 else "") + fmt_s(abs(r.rest_s)), f"{r.ratio:.2f}",
             f"{r.own_s / r.eager_s:.2f}" if r.eager_s else "",
+            f"{ms(p['bg:decompress'])}/{ms(p['bg:parse'])} ms",
+            f"{fmt_s(r.serial_own_s)} ({ms(q['decompress'])}/{ms(q['parse'])} ms)" if q else "",
+            f"{r.serial_own_s / r.fwd_bwd_s:.2f}" if q and r.fwd_bwd_s else "",
             f"{fmt_bytes(r.peak_check)} / {fmt_bytes(r.peak_candidate)}",
             f"{r.sketch_gbps:.1f} / {r.copy_gbps:.1f}", ("" if r.passed else "FAILED ") + r.note]
 
 
 def print_table(rows: list[Row]) -> str:
     device = torch.cuda.get_device_name() if CUDA else "CPU"
-    table = Table(title=f"veosnap at scale on {device} (torch {torch.__version__}; own = load + decompress + parse + "
-                        "reduce + compare + report)")
+    table = Table(title=f"veosnap at scale on {device} (torch {torch.__version__}; own = load + head + wait + setup + "
+                        "reduce + compare + report, on the check's critical path)")
     for col in COLUMNS:
         table.add_column(col, justify="left" if col in ("size", "dtype", "candidate", "note") else "right")
     for r in rows:

@@ -3,6 +3,7 @@ float32 reproductions, in one unattended command.
 
     python3 tools/gpu_kernels.py --out $OUT                  # everything, within --budget seconds (420)
     python3 tools/gpu_kernels.py --out DIR --backends fa4,quack --models llama,qwen3_moe --jobs 2
+    python3 tools/gpu_kernels.py --out DIR --backends liger,liger@ieee --dtypes float32 --no-repro
 
 What it runs (all of it under the budget; cells it cannot reach in time are listed as not run):
 
@@ -126,8 +127,8 @@ def applies(label: str, config: dict, dtype: str) -> str | None:
     return None
 
 
-def plan(projects: list[tuple[object, dict]], labels: list[str], models: list[str] | None
-         ) -> tuple[dict[str, list[dict]], list[dict]]:
+def plan(projects: list[tuple[object, dict]], labels: list[str], models: list[str] | None,
+         dtypes: list[str] | None = None) -> tuple[dict[str, list[dict]], list[dict]]:
     """Cells per backend label (ordered: toy width first, bfloat16 first) and the cells not run.
 
     `projects` are (Project, the dirs that resolve it in a worker): the machine's goldens, and a
@@ -141,7 +142,7 @@ def plan(projects: list[tuple[object, dict]], labels: list[str], models: list[st
         for key, path in store.list_goldens(project.goldens):
             if key.hardware_class != project.hardware_class or key.scenario.startswith("train"):
                 continue
-            if models and key.model not in models:
+            if (models and key.model not in models) or (dtypes and key.dtype not in dtypes):
                 continue
             try:
                 config = load_config(project.configs, key.model).config
@@ -441,6 +442,7 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=4, help="worker processes at once (default 4)")
     parser.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated backend labels")
     parser.add_argument("--models", default="", help="comma-separated models (default: every golden here)")
+    parser.add_argument("--dtypes", default="", help="comma-separated golden dtypes (default: all)")
     parser.add_argument("--no-repro", action="store_true", help="skip the float32 reproductions")
     parser.add_argument("--goldens", default="", help="goldens directory (default: ./goldens)")
     parser.add_argument("--configs", default="", help="model configs directory (default: ./toy_configs)")
@@ -466,7 +468,8 @@ def main() -> None:
             scratch = None
         if scratch is not None:
             projects.append(scratch)
-    groups, not_applicable = plan(projects, labels, [m for m in args.models.split(",") if m] or None)
+    groups, not_applicable = plan(projects, labels, [m for m in args.models.split(",") if m] or None,
+                                  [d for d in args.dtypes.split(",") if d] or None)
     print(f"{sum(len(c) for c in groups.values())} cells to run on {project.hardware_class} goldens in "
           f"{project.goldens}; {len(not_applicable)} not applicable", flush=True)
     repros = [] if args.no_repro else [(w, e) for w in ("liger", "fla") for e in ({}, IEEE)]

@@ -63,6 +63,10 @@ class Golden:
         """Tensors a check compares numerically (inputs, route ids and margins are not), whole or sketched."""
         return sorted(self.manifest.tolerance)
 
+    def held_names(self) -> set[str]:
+        """The names of the tensors the golden holds, whole or sketched."""
+        return set(self.tensors) | set(self.sketches)
+
     def stored_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor the file holds: the whole ones and each sketched tensor's parts (`N#sketch`, ...)."""
         stored = dict(self.tensors)
@@ -229,14 +233,35 @@ def _safetensors_metadata(raw: bytes, source: object) -> dict[str, str]:
 def _check_tensor_set(golden: Golden, source: object) -> None:
     """The payload holds exactly what a golden holds: its known inputs, every toleranced tensor, and each
     MoE layer's expert ids and margins; an extra or missing tensor would blame the candidate for it."""
-    present = set(golden.tensors)
-    held = present | set(golden.sketches)  # what the golden holds, whole or sketched
-    tolerance = golden.manifest.tolerance
+    check_tensor_names(golden.manifest, set(golden.tensors), set(golden.sketches), source)
+    check_inputs(golden.input_tensors(), golden.manifest, source)
+
+
+def check_stored_names(manifest: Manifest, stored: set[str], source: object) -> None:
+    """What the reader's checks on names say of a payload's tensor names alone (`stored`: as in the file,
+    sketch parts included), before any tensor is read; the reader itself says it with more detail."""
+    entries = {} if manifest.sketch is None else manifest.sketch.tensors
+    whole = {name for name in stored if split_name(name) is None}
+    expected = set()
+    for name, entry in entries.items():
+        if not isinstance(names.try_parse(name), SKETCHABLE) or name in whole:
+            raise GoldenError(source, f"tensor {name!r} cannot be stored sketched as it is")
+        expected |= {f"{name}#sketch", f"{name}#norms"} | ({f"{name}#support"} if entry.spec.support is not None
+                                                           else set())
+    if stored - whole != expected:
+        raise GoldenError(source, "the sketch parts stored are not the ones the manifest lists")
+    check_tensor_names(manifest, whole, set(entries), source)
+
+
+def check_tensor_names(manifest: Manifest, present: set[str], sketched: set[str], source: object) -> None:
+    """The names of the tensors stored whole (`present`) and sketched are the ones a golden holds."""
+    held = present | sketched  # what the golden holds, whole or sketched
+    tolerance = manifest.tolerance
     for name in sorted(tolerance):
         if name not in held:
             raise GoldenError(source, f"tensor {name!r} has a tolerance but is missing from the payload")
     required_inputs = [f"inputs.{f.name}" for f in names.INPUT_FIELDS.values() if f.required]
-    for required in (*map(str, REQUIRED.get(golden.key.scenario, REQUIRED["step"])), *required_inputs):
+    for required in (*map(str, REQUIRED.get(manifest.key.scenario, REQUIRED["step"])), *required_inputs):
         if required not in held:
             raise GoldenError(source, f"tensor {required!r} is missing")
     route_layers = {parsed.layer for name in tolerance
@@ -248,14 +273,21 @@ def _check_tensor_set(golden: Golden, source: object) -> None:
     for name in sorted(present):
         if not _belongs(name, tolerance, route_layers):
             raise GoldenError(source, f"tensor {name!r} is not part of a golden (extra or hand-added)")
-    if set(golden.manifest.min_margin) != route_layers:
+    if set(manifest.min_margin) != route_layers:
         raise GoldenError(source, "manifest router margins do not match the MoE layers in the payload")
-    shape = golden.tensors["inputs.input_ids"].shape
-    for field in (f for f in names.INPUT_FIELDS.values() if f.token_grid and f"inputs.{f.name}" in present):
-        t = golden.tensors[f"inputs.{field.name}"]
+
+
+def check_inputs(inputs: dict[str, torch.Tensor], manifest: Manifest, source: object) -> None:
+    """The stored batch (`inputs.<field>` tensors) is well formed and the one the manifest describes."""
+    for required in (f"inputs.{f.name}" for f in names.INPUT_FIELDS.values() if f.required):
+        if required not in inputs:
+            raise GoldenError(source, f"tensor {required!r} is missing")
+    shape = inputs["inputs.input_ids"].shape
+    for field in (f for f in names.INPUT_FIELDS.values() if f.token_grid and f"inputs.{f.name}" in inputs):
+        t = inputs[f"inputs.{field.name}"]
         if t.dtype != torch.int64 or t.ndim != 2 or t.shape != shape:
             raise GoldenError(source, f"tensor 'inputs.{field.name}' is {_describe(t)}, expected int64 {list(shape)} (2-D)")
-    if tensors_hash(golden.input_tensors()) != golden.manifest.inputs_hash:
+    if tensors_hash(inputs) != manifest.inputs_hash:
         raise GoldenError(source, "inputs hash mismatch: the stored batch is not the one the manifest describes")
 
 

@@ -91,7 +91,7 @@ def _numbers(what: str, values: list[int]) -> str:
 
 def gaps(golden: Golden, made: Produces) -> list[str]:
     """Each way `golden` falls short of what the model produces (empty: it covers the model)."""
-    manifest, have = golden.manifest, set(golden.tensors) | set(golden.sketches)  # whole or sketched
+    manifest, have = golden.manifest, golden.held_names()
     step = golden.key.scenario != "train"
     found: list[str] = []
     excused, unread, forward_only = set(), set(), False

@@ -146,8 +146,9 @@ def check_batch(golden: Golden, toy: ToyConfig) -> None:
     vocab = getattr(models.hf_config(toy).get_text_config(), "vocab_size", None)
     if not isinstance(vocab, int):
         return
+    inputs = golden.inputs()
     for field in ("input_ids", "labels"):
-        ids = golden.tensors.get(f"inputs.{field}")
+        ids = inputs.get(field)
         if ids is None:
             continue
         bad = (ids < 0) & (ids != -100) if field == "labels" else ids < 0

@@ -95,19 +95,32 @@ def _uninitialized(config: transformers.PretrainedConfig, dtype: torch.dtype) ->
     return model
 
 
+# Skeletons by config hash: a check asks for one three times (limits, coverage, the modeling module), and
+# building one costs time per layer. Read-only meta modules; a few configs per process at most.
+_SKELETONS: dict[str, nn.Module] = {}
+_SKELETONS_KEPT = 8
+
+
 def skeleton(toy: ToyConfig) -> nn.Module:
     """The reference model for `toy` on the meta device: its parameter names, layers and routers, no memory.
+    Built once per config (the same module again after: read it, never change it).
 
     Check a config's size first (`limits.check_config`): building still costs time per layer.
     """
-    config = hf_config(toy)
-    with warnings.catch_warnings(), quiet_transformers(), torch.device("meta"):
-        warnings.simplefilter("ignore")
-        try:
-            model = transformers.AutoModelForCausalLM.from_config(
-                config, attn_implementation=REFERENCE_ATTN, experts_implementation=REFERENCE_EXPERTS)
-        except Exception as exc:  # noqa: BLE001 - a config transformers accepts but cannot instantiate
-            raise VeosnapError(f"{toy.path}: transformers cannot build this model ({_cause(exc)})") from None
+    key = toy.hash
+    model = _SKELETONS.get(key)
+    if model is None:
+        config = hf_config(toy)
+        with warnings.catch_warnings(), quiet_transformers(), torch.device("meta"):
+            warnings.simplefilter("ignore")
+            try:
+                model = transformers.AutoModelForCausalLM.from_config(
+                    config, attn_implementation=REFERENCE_ATTN, experts_implementation=REFERENCE_EXPERTS)
+            except Exception as exc:  # noqa: BLE001 - a config transformers accepts but cannot instantiate
+                raise VeosnapError(f"{toy.path}: transformers cannot build this model ({_cause(exc)})") from None
+        if len(_SKELETONS) >= _SKELETONS_KEPT:
+            _SKELETONS.pop(next(iter(_SKELETONS)))
+        _SKELETONS[key] = model
     # Pinned here too (process-wide, idempotent), before any candidate runs: a check snapshots the modeling
     # module afterwards (`candidates.pristine`), and the reference's own pinning is no candidate's patch.
     pin_torch_fallbacks(model)

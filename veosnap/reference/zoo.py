@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import GoldenError, MissingGoldenError, VeosnapError
+from ..golden import background as golden_background
 from ..golden import store
 from ..golden.codec import Golden
 from ..golden.key import GoldenKey, check_name
@@ -287,8 +288,12 @@ def writable(goldens: Path) -> Path:
                        "--goldens DIR of your project")
 
 
-def load_golden(project: Project, key: GoldenKey) -> Golden:
-    """The golden for `key`, validated; a clear error when it (or its whole hardware class) is missing."""
+def load_golden(project: Project, key: GoldenKey, background: bool = False) -> Golden:
+    """The golden for `key`, validated; a clear error when it (or its whole hardware class) is missing.
+
+    `background`: decode it on a thread (`golden.background`): its manifest and inputs now, its other
+    tensors when first used, where its errors (the same ones) are then raised.
+    """
     path = store.path_for(project.goldens, key)
     if not os.path.lexists(path):  # anything there (a FIFO, a link) is for the reader to refuse
         load_config(project.configs, key.model)  # no config either: say that, not how to record
@@ -302,34 +307,42 @@ def load_golden(project: Project, key: GoldenKey) -> Golden:
             )
         raise MissingGoldenError(f"{path}: no golden for {key}; record it with `{record}` on {key.hardware_class} "
                                  "hardware")
+
+    def advise(exc: GoldenError) -> GoldenError:
+        if not exc.fix:
+            return exc
+        # the same advice, with this project's flags, so it runs as printed
+        return GoldenError(exc.path, exc.problem, rerecord(key, project.recording_command(
+            "refresh", key, "--force", "--reason", "<why>")))
+
+    if background:
+        return golden_background.read(path, project.goldens, advise)
     try:
         return store.read(path, root=project.goldens)
     except GoldenError as exc:
-        if not exc.fix:
-            raise
-        # the same advice, with this project's flags, so it runs as printed
-        raise GoldenError(exc.path, exc.problem, rerecord(key, project.recording_command(
-            "refresh", key, "--force", "--reason", "<why>"))) from None
+        raise advise(exc) from None
 
 
 def load_checked(project: Project, key: GoldenKey, cross_class: bool = False,
-                 gold: Golden | None = None) -> tuple[Golden, ToyConfig]:
+                 gold: Golden | None = None, background: bool = False) -> tuple[Golden, ToyConfig]:
     """The golden for `key` and the toy config a candidate is built from, both validated.
 
     Refuses a golden recorded from another config, and goldens of another hardware class than this
-    machine's unless `cross_class` (which measures how far the two classes are apart).
+    machine's unless `cross_class` (which measures how far the two classes are apart). `background`:
+    see `load_golden`.
     """
-    gold = gold if gold is not None else load_golden(project, key)
-    here = hardware.detect()
-    if key.hardware_class != here and not cross_class:
-        raise VeosnapError(
-            f"{gold.path}: a {key.hardware_class} golden cannot check a candidate running on {here}; "
-            f"use the {here} goldens, or pass --cross-class to measure how far the two classes are apart"
-        )
-    toy = load_config(project.configs, key.model)
-    if toy.hash != gold.manifest.config_hash:
-        # refresh, not record: the golden changes with an approval trail, reviewed in the diff
-        refresh = project.recording_command("refresh", key, "--reason", "config changed: <why>")
-        raise GoldenError(gold.path, f"recorded from another config than {toy.path} (config hash differs); "
-                          f"if the change is intended, re-record it with `{refresh}`")
+    gold = gold if gold is not None else load_golden(project, key, background)
+    with golden_background.errors_after(gold):
+        here = hardware.detect()
+        if key.hardware_class != here and not cross_class:
+            raise VeosnapError(
+                f"{gold.path}: a {key.hardware_class} golden cannot check a candidate running on {here}; "
+                f"use the {here} goldens, or pass --cross-class to measure how far the two classes are apart"
+            )
+        toy = load_config(project.configs, key.model)
+        if toy.hash != gold.manifest.config_hash:
+            # refresh, not record: the golden changes with an approval trail, reviewed in the diff
+            refresh = project.recording_command("refresh", key, "--reason", "config changed: <why>")
+            raise GoldenError(gold.path, f"recorded from another config than {toy.path} (config hash differs); "
+                              f"if the change is intended, re-record it with `{refresh}`")
     return gold, toy

@@ -28,6 +28,7 @@ from ..candidates.layouts.engine import LayoutResult
 from ..candidates.layouts.protocol import Layout, LayoutContext
 from ..errors import Unsupported, VeosnapError, describe
 from ..golden import names
+from ..golden.background import PendingGolden, errors_after
 from ..golden.codec import Golden
 from ..golden.key import GoldenKey
 from ..numerics.compare import compare_route_sets, compare_tensors, same_route_tokens, structure_changes
@@ -60,8 +61,18 @@ def check_layouts(project: Project, key: GoldenKey, backend: Backend, layouts: S
     """
     timeout_s = guard.check_timeout(timeout_s)
     chosen = [(spec, registry.resolve(spec)) for spec in layouts]
+    # The golden's manifest and batch are read now; its other tensors are decoded on a thread while the
+    # model is built and the candidate runs (golden.background): the first use of them waits for it.
     with one_thread():  # a golden's tensors are small: a thread pool would cost more than the work
-        golden, toy = load_checked(project, key, cross_class, gold)
+        golden, toy = load_checked(project, key, cross_class, gold, background=True)
+    with errors_after(golden):  # a golden still decoding: its own error, if any, comes first
+        return _check_loaded(project, key, backend, chosen, golden, toy, nproc, timeout_s, cross_class)
+
+
+def _check_loaded(project: Project, key: GoldenKey, backend: Backend, chosen: list[tuple[str, Layout]],
+                  golden: Golden, toy: ToyConfig, nproc: int, timeout_s: float,
+                  cross_class: bool) -> list[CheckReport]:
+    """`check_layouts` once its golden and config are read."""
     batch = Batch.from_golden(golden)
     parameters = limits.check_config(toy)
     limits.check_batch(golden, toy)
@@ -87,6 +98,9 @@ def check_layouts(project: Project, key: GoldenKey, backend: Backend, layouts: S
             spawned.append(index)
         else:
             reports[index] = _in_process(golden, batch, toy, backend, layout, fields, timeout_s, family)
+    if isinstance(golden, PendingGolden):
+        # A corrupt golden is refused even when no layout ran (all declined, or the candidate failed first).
+        golden = golden.result()
     if spawned:
         _check_nproc(batch, nproc)
         for index in spawned:

@@ -20,6 +20,10 @@ Declined with the reason: float32 and float64 goldens (fa4 computes in float16/b
 dropout, masks other than a 2D padding mask, and head dims fa4 refuses on this GPU (its own message,
 on the first call). fa4 runs forward on compute capability 8.x and backward from 9.0: on 8.x the
 check is forward only.
+
+Known issue: flash-attn 4.0.0b36's sm90 backward is wrong for head dims that are not a multiple of 32
+(docs/findings/fa4-sm90-backward-head-dim.md). Such checks run and fail, as they should, and the
+report says why in a note (`known_issue`).
 """
 
 from __future__ import annotations
@@ -50,13 +54,33 @@ class Kernels:
     label: str = "flash_attn.cute"
     dtypes: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
     backward_capability: tuple[int, int] = (9, 0)
+    version: str = ""  # flash-attn-4's version, for its known issues
+
+
+# flash-attn 4 versions whose sm90 backward rounds the float32 dQ (and GQA dK/dV) accumulators' head dim
+# to 16 in the kernel but to 32 in the postprocess: wrong gradients where the two differ
+# (docs/findings/fa4-sm90-backward-head-dim.md). A version that fixes it is simply not listed.
+SM90_BACKWARD_HEAD_DIM_BUG = {"4.0.0b36"}
 
 
 def library() -> Kernels:
     """flash-attn 4's entry points (importing it loads the CuTe DSL; an import failure is the check's ERROR)."""
     from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
 
-    return Kernels(flash_attn_func, flash_attn_varlen_func, label=f"flash_attn.cute {installed('flash-attn-4')}")
+    version = installed("flash-attn-4")
+    return Kernels(flash_attn_func, flash_attn_varlen_func, label=f"flash_attn.cute {version}", version=version)
+
+
+def known_issue(version: str, capability: tuple[int, int] | None, head_dims: set[int]) -> str | None:
+    """The report's note when this check runs into a known flash-attn 4 bug (None: it does not)."""
+    if capability is None or capability[0] != 9 or version not in SM90_BACKWARD_HEAD_DIM_BUG:
+        return None
+    bad = sorted(d for d in head_dims if d <= 128 and -(-d // 16) % 2)  # rounded to 16, not a multiple of 32
+    if not bad:
+        return None
+    return (f"known flash-attn {version} bug on sm90: wrong backward (dq; dk/dv with GQA) for head dim "
+            f"{', '.join(map(str, bad))}, not a multiple of 32; expect failing gradients "
+            f"(docs/findings/fa4-sm90-backward-head-dim.md, tools/repro_fa4.py)")
 
 
 def fa4(model: nn.Module) -> Iterator[nn.Module]:
@@ -80,12 +104,13 @@ def switch(model: nn.Module, kernels: Kernels) -> Iterator[nn.Module | backends.
         names = "/".join(str(d).removeprefix("torch.") for d in kernels.dtypes)
         raise Unsupported(f"{kernels.label} computes attention in {names} only, not {str(param.dtype)[6:]}")
     ran = Ran(NAME, model, "attention modules")
+    head_dims: set[int] = set()  # what the kernels were called with, for `known_issue`
     attentions, masks = AttentionInterface._global_mapping, AttentionMaskInterface._global_mapping
     saved = [(table, table.get(IMPLEMENTATION)) for table in (attentions, masks)]
     # Named without "flash": transformers treats any "flash..." implementation as one of its own flash
     # kernels and tries to load it. Models then call it as they call sdpa or eager (vision encoders
     # chunk by image), with the flash-style 2D padding mask registered for it below.
-    AttentionInterface.register(IMPLEMENTATION, attention_forward(kernels, ran))
+    AttentionInterface.register(IMPLEMENTATION, attention_forward(kernels, ran, head_dims))
     AttentionMaskInterface.register(IMPLEMENTATION, flash_attention_mask)
     try:
         try:
@@ -103,6 +128,10 @@ def switch(model: nn.Module, kernels: Kernels) -> Iterator[nn.Module | backends.
         yield candidate
         ran.require_some()
         notes.append(ran.line())
+        capability = torch.cuda.get_device_capability(param.device) if param.device.type == "cuda" else None
+        issue = known_issue(kernels.version, capability, head_dims)
+        if issue:
+            notes.append(issue)
     finally:
         for table, value in saved:
             if value is None:
@@ -111,8 +140,9 @@ def switch(model: nn.Module, kernels: Kernels) -> Iterator[nn.Module | backends.
                 table[IMPLEMENTATION] = value
 
 
-def attention_forward(kernels: Kernels, ran: Ran) -> Callable:
-    """transformers' attention-interface function for `kernels`: HF layout in, HF layout out."""
+def attention_forward(kernels: Kernels, ran: Ran, head_dims: set[int] | None = None) -> Callable:
+    """transformers' attention-interface function for `kernels`: HF layout in, HF layout out (the head
+    dims it calls the kernels with are added to `head_dims`)."""
 
     def forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
@@ -130,6 +160,8 @@ def attention_forward(kernels: Kernels, ran: Ran) -> Callable:
             if v_dim > q.shape[-1]:
                 raise Unsupported(f"value head dim {v_dim} is wider than the query's {q.shape[-1]}")
             v = F.pad(v, (0, q.shape[-1] - v_dim))
+        if head_dims is not None:
+            head_dims.add(q.shape[-1])
         causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
         options = {"softmax_scale": scaling, "causal": causal, "softcap": softcap or 0.0}
         if sliding_window is not None:
