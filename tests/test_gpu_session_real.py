@@ -76,3 +76,101 @@ def _first_two(inner):  # noqa: ANN001, ANN202 - the budget runs out after two c
         return inner(project, key, backend, layouts)
 
     return run
+
+
+# --- tools/gpu_real.py: the real tier recorded and checked in one command, worker processes sharing a GPU ---
+
+gpu_real = pytest.importorskip("gpu_real")
+
+
+def test_gpu_real_without_cuda_skips_and_plans(tmp_path):
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_real.py"), "--out", str(tmp_path)],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0 and "skipped, no CUDA device" in done.stdout, done.stderr
+    assert list(tmp_path.iterdir()) == []
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_real.py"), "--plan", "--model", "qwen3-real",
+                           "--dtype", "float32", "--jobs", "2"], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert "| record qwen3-real float32 |" in done.stdout and "| check qwen3-real float32 compile |" in done.stdout
+    # the record (which runs eager and sdpa too), 7 other backends and compile; 1 of the 2 workers records
+    assert "9 units" in done.stdout and "on 2 workers (1 recording)" in done.stdout
+
+
+def test_units_wait_for_their_golden_and_share_the_memory():
+    U = gpu_real.Unit
+    units = [U("record", "big", "float32", gib=100, est_s=10), U("check", "big", "float32", "eager", gib=40, est_s=5),
+             U("check", "big", "float32", "sdpa", gib=40, est_s=5), U("record", "small", "float32", gib=20, est_s=2),
+             U("check", "small", "float32", "eager", gib=5, est_s=1)]
+    # while big's record runs (100 of 120 GiB), small's record fits beside it; big's checks wait for it
+    assert gpu_real.next_unit(units[1:], set(), [units[0]], 120, {("big", "float32")}) == units[3]
+    assert gpu_real.next_unit(units[1:], set(), [units[0]], 120, {("big", "float32")}, free=("check",)) is None
+    assert gpu_real.next_unit(units[1:3], set(), [units[0]], 120, set()) is None
+    # recorded: one check of a (model, dtype) at a time, so the next one reuses the worker's weights
+    assert gpu_real.next_unit(units[1:3], {("big", "float32")}, [], 120, set()) == units[1]
+    assert gpu_real.next_unit(units[2:3], {("big", "float32")}, [units[1]], 120, {("big", "float32")}) is None
+    plan = gpu_real.simulate(units, {"record": 2, "check": 1}, capacity_gib=120)
+    starts = {r["unit"]: r["start"] for r in plan["started"]}
+    assert starts["record small float32"] == starts["record big float32"]  # side by side
+    assert starts["check big float32 eager"] >= starts["record big float32"] + 10
+    assert plan["not_reached"] == []
+    one = gpu_real.simulate(units, {"record": 1, "check": 1}, capacity_gib=120)
+    assert one["end_s"] > plan["end_s"]  # one recording worker: the records one after the other
+    assert gpu_real.simulate(units, {"record": 2, "check": 1}, 120, budget_s=0)["not_reached"]  # nothing starts late
+
+
+def test_gpu_real_records_then_checks_on_worker_processes(tmp_path):
+    """The whole phase on the CPU with two toys: a recording worker records each golden and judges it with
+    the recorder's variants (their reports are the matrix's cells), a checking worker runs the other
+    backends, and a planted fault's whole report comes back in details.tar."""
+    import shutil
+
+    from golden_repo import CLASS
+
+    from veosnap.reference.zoo import Project
+
+    shutil.copytree(ROOT / "toy_configs", tmp_path / "toy_configs")
+    project = Project.resolve(goldens=tmp_path / "goldens", configs=tmp_path / "toy_configs",
+                              testdata=ROOT / "testdata", hardware_class=CLASS)
+    out = tmp_path / "out"
+    out.mkdir()
+    faults = f"{ROOT}/tests/faults.py:kv_groups_swapped"
+    result = gpu_real.phase_real(project, out, ["llama", "qwen3_moe"], ["float32"], ["eager", "sdpa_math", faults],
+                                 [], {"record": 1, "check": 1}, capacity_gib=1000, budget_s=3600)
+    goldens = {g["model"]: g for g in result["goldens"]}
+    assert {m: (g["status"], g["fragile"], g["written"]) for m, g in goldens.items()} == {
+        "llama": ("recorded", [], True), "qwen3_moe": ("recorded", [], True)}
+    status = {(c["model"], c["backend"]): c["status"] for c in result["single"]["cells"]}
+    assert status == {("llama", "eager"): "pass", ("llama", "sdpa"): "pass", ("llama", "sdpa_math"): "pass",
+                      ("llama", faults): "fail", ("qwen3_moe", "eager"): "pass", ("qwen3_moe", "sdpa"): "pass",
+                      ("qwen3_moe", "grouped_mm"): "pass", ("qwen3_moe", "batched_mm"): "pass",
+                      ("qwen3_moe", "sdpa_math"): "pass", ("qwen3_moe", faults): "fail"}, status
+    pids = {u["unit"].split(" ")[0]: u["pid"] for u in result["units"] if "pid" in u}
+    assert pids["record"] != pids["check"]  # records on their own (pristine) worker
+    files = sorted(f.name for f in out.iterdir())
+    assert files == ["details.tar", f"goldens-real-{CLASS}-1.tar", "real.json", "real.txt"], files
+    with tarfile.open(out / f"goldens-real-{CLASS}-1.tar") as tar:
+        assert sorted(tar.getnames()) == [f"{CLASS}/llama/step-float32.safetensors.zst",
+                                          f"{CLASS}/qwen3_moe/step-float32.safetensors.zst"]
+    with tarfile.open(out / "details.tar") as tar:
+        assert any("llama-float32" in name and "kv_groups_swapped" in name for name in tar.getnames())
+    assert "| eager/single | 2/0/0/0 |" in (out / "real.txt").read_text()
+
+
+def test_gpu_real_abandons_what_still_runs_at_stop_s_and_writes_what_it_has(tmp_path):
+    import shutil
+
+    from golden_repo import CLASS
+
+    from veosnap.reference.zoo import Project
+
+    shutil.copytree(ROOT / "toy_configs", tmp_path / "toy_configs")
+    project = Project.resolve(goldens=tmp_path / "goldens", configs=tmp_path / "toy_configs",
+                              testdata=ROOT / "testdata", hardware_class=CLASS)
+    out = tmp_path / "out"
+    out.mkdir()
+    # a worker takes seconds to start: the record is still running at 1 s
+    result = gpu_real.phase_real(project, out, ["llama"], ["float32"], ["eager", "sdpa_math"], [],
+                                 {"record": 1, "check": 1}, capacity_gib=1000, budget_s=3600, stop_s=1)
+    assert [g["status"] for g in result["goldens"]] == ["abandoned at --stop-s 1"]
+    assert result["not_reached"] == ["check llama float32 sdpa_math"]
+    assert sorted(f.name for f in out.iterdir()) == ["real.json", "real.txt"]

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+import torch
 import realshape_faults
 from golden_repo import CLASS
 
@@ -259,3 +260,34 @@ def check_layouts_single(project: Project, model: str, spec: str) -> list[CheckR
     from veosnap.runs.check import check_layouts
 
     return check_layouts(project, GoldenKey(CLASS, model, "step", "float32"), backends.resolve(spec), ["single"])
+
+
+def test_the_fragility_check_leaves_out_batched_mm_where_its_copies_of_the_experts_are_too_large(repo_project):
+    """batched_mm copies each chosen expert's weights per token: tens of MB at toy shapes, tens of GB at
+    real ones (the 20 GB peak of a cpu real-shape refresh), so the recorder judges with it at toy shapes only."""
+    from veosnap.reference import limits
+    from veosnap.runs.record import BATCHED_MM_JUDGE_LIMIT
+
+    def gathered(model: str) -> int:
+        toy = load_config(repo_project.configs, model)
+        batch = golden_batch(repo_project, toy)
+        return limits.batched_mm_bytes(toy, batch.rows * batch.width, torch.float32)
+
+    assert gathered("qwen3") == gathered("qwen3-real") == 0  # dense: nothing to gather
+    assert 0 < gathered("qwen3_moe") < 2**26 < BATCHED_MM_JUDGE_LIMIT  # 24 MiB
+    # 600 tokens x top-8 x (3 x 1024 x 128) values x 4 bytes x 2 (the copies and their gradient) x 2 layers
+    assert gathered("qwen3_moe-real-small") == 600 * 8 * 3 * 1024 * 128 * 4 * 2 * 2 > BATCHED_MM_JUDGE_LIMIT
+
+
+def test_the_recorder_judges_with_batched_mm_at_toy_shapes_only(repo_project):
+    from golden_repo import golden_path
+
+    from veosnap.golden import store
+    from veosnap.runs.record import batched_mm_too_large
+
+    toy, real = golden_path("qwen3_moe"), golden_path("qwen3_moe-real-small")
+    if not toy.is_file():
+        pytest.skip(f"no committed {CLASS} qwen3_moe golden")
+    assert not batched_mm_too_large(repo_project, store.read(toy))
+    if real.is_file():  # the cpu real tier has it; the H200's until its goldens are recorded does not
+        assert batched_mm_too_large(repo_project, store.read(real))

@@ -4,7 +4,9 @@
     python tools/gpu_session.py matrix  --out DIR   # GPU backends x zoo; precision regression; cross-class
     python tools/gpu_session.py layouts --out DIR   # layouts on this machine's GPUs (NCCL), all models
 
-The real-shape tier (`toy_configs/*-real*`, declared by their veosnap.json), one command each:
+The real-shape tier (`toy_configs/*-real*`, declared by their veosnap.json): `tools/gpu_real.py` records
+and checks it in one command, several processes sharing the GPU (docs/gpu.md says what fits); or here,
+one command each, one unit at a time:
 
     python tools/gpu_session.py record-real --dtype float32 --out DIR    # its cuda goldens, in tars of <= 15 MiB
     python tools/gpu_session.py record-real --dtype bfloat16 --out DIR

@@ -11,10 +11,16 @@ allocated): parameters, the golden batch's rows, width and real tokens, and esti
   which `limits.check_memory` leaves out;
 - check: float32 weights and gradients, and the same activations in float32.
 
-Estimates, not measurements (the H200 run of `tools/gpu_session.py realshape` measures peaks). Prints
+Estimates, not measurements (`tools/gpu_real.py` reports each unit's peak on the H200). Prints
 a markdown table; `--json` for machines.
 
+`--measure` measures instead, on this machine (CPU: resident memory): it records each model's float32
+step golden into a scratch directory phase by phase, as `veosnap record` and `veosnap refresh` run it
+when they write (the reference and its float64 twin, then the fragility variants, each a check), and
+prints each phase's peak resident set (VmHWM, reset between phases) and what stays resident after it.
+
     python tools/realshape_memory.py [--model NAME]... [--json]
+    python tools/realshape_memory.py --measure [--model NAME]... [--dtype float32]
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from veosnap.reference import limits, models
 from veosnap.reference.zoo import Project, load_config
@@ -47,7 +54,8 @@ def estimate(project: Project, name: str) -> dict:
     record = params * limits.RECORD_BYTES_PER_PARAMETER + (activations + attention) * 8
     check = params * limits.CHECK_BYTES_PER_PARAMETER + (activations + attention) * 4
     return {"model": name, "real_config": _real(toy), "parameters": params, "rows": rows, "width": width,
-            "tokens": tokens, "sequences": len(toy.batch.sequences), "distinct_ids": toy.batch.distinct,
+            "tokens": tokens, "sequences": len(toy.batch.sequences) if toy.batch else rows,
+            "distinct_ids": toy.batch.distinct if toy.batch else None,
             "record_gib": record / 2**30, "check_gib": check / 2**30}
 
 
@@ -58,12 +66,80 @@ def _real(toy) -> str:  # noqa: ANN001
         return ""
 
 
+def _rss_gib() -> tuple[float, float]:
+    """(peak since the last reset, now) of this process's resident set, GiB (Linux)."""
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    return (int(fields["VmHWM"].split()[0]) / 2**20, int(fields["VmRSS"].split()[0]) / 2**20)
+
+
+def _reset_peak() -> None:
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident set
+
+
+def measure(project: Project, name: str, dtype: str) -> list[dict]:
+    """Peak and remaining resident memory of each phase of recording `name`'s step golden (written:
+    the variants run), in a scratch goldens directory."""
+    import gc
+    import tempfile
+    import time
+
+    from veosnap.candidates import backends, pristine
+    from veosnap.golden.key import GoldenKey
+    from veosnap.runs.check import check
+    from veosnap.runs.record import _MOE_ONLY, VARIANTS, batched_mm_too_large, build_golden
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="veosnap-memory-") as scratch:
+        project = Project(Path(scratch), project.configs, project.testdata, project.hardware_class)
+        key = GoldenKey(project.hardware_class, name, "step", dtype)
+
+        def phase(label, fn):  # noqa: ANN001, ANN202
+            gc.collect()
+            _reset_peak()
+            t0 = time.perf_counter()
+            result = fn()
+            gc.collect()
+            peak, now = _rss_gib()
+            rows.append({"model": name, "dtype": dtype, "phase": label, "peak_gib": peak, "after_gib": now,
+                         "seconds": time.perf_counter() - t0})
+            print(f"  {name} {dtype} {label}: peak {peak:.1f} GiB, {now:.1f} GiB after, "
+                  f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+            return result
+
+        golden = phase("reference + float64 twin", lambda: build_golden(project, key))
+        moe = bool(golden.route_layers())
+        for variant in VARIANTS:
+            if variant in _MOE_ONLY and not moe:
+                continue
+            if variant == "batched_mm" and batched_mm_too_large(project, golden):
+                rows.append({"model": name, "dtype": dtype, "phase": "variant batched_mm: left out (too large)",
+                             "peak_gib": 0.0, "after_gib": 0.0, "seconds": 0.0})
+                continue
+            with pristine.own_variants():
+                phase(f"variant {variant} (a check)",
+                      lambda v=variant: check(project, key, backends.shipped(v), gold=golden))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", action="append")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--measure", action="store_true", help="measure a recording's phases here (resident memory)")
+    parser.add_argument("--dtype", default="float32", help="--measure: the golden's dtype (default float32)")
     args = parser.parse_args(argv)
     project = Project.resolve()
+    if args.measure:
+        rows = [r for name in args.model or project.models("real") for r in measure(project, name, args.dtype)]
+        if args.json:
+            print(json.dumps(rows, indent=2))
+            return 0
+        print("| model | dtype | phase | peak GiB | GiB after | seconds |")
+        print("|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['model']} | {r['dtype']} | {r['phase']} | {r['peak_gib']:.1f} | {r['after_gib']:.1f} | "
+                  f"{r['seconds']:.0f} |")
+        return 0
     rows = [estimate(project, name) for name in args.model or project.models("real")]
     if args.json:
         print(json.dumps(rows, indent=2))

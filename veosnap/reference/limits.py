@@ -72,6 +72,21 @@ def check_config(toy: ToyConfig) -> int:
             f"read one more as an offset, so hidden_size must be at least {moe[0].num_experts + 1}")
     return count
 
+# transformers' `batched_mm` experts (made for a few tokens) copy each chosen expert's weights once per
+# (token, choice) and keep the copies for backward, where their gradient is as large again.
+BATCHED_MM_COPIES = 2
+_EXPERT_WEIGHTS = ("gate_up_proj", "up_proj", "gate_proj", "down_proj")
+
+
+def batched_mm_bytes(toy: ToyConfig, tokens: int, dtype: torch.dtype) -> int:
+    """The memory `batched_mm` gathers for `tokens` positions, over every MoE layer (0 for a dense model):
+    tokens x top_k copies of one expert's weights, `BATCHED_MM_COPIES` times."""
+    text = models.hf_config(toy).get_text_config()
+    top_k = getattr(text, "num_experts_per_tok", None) or getattr(text, "experts_per_token", None) or 0
+    per_expert = sum(p.numel() // p.shape[0] for name, p in models.skeleton(toy).named_parameters()
+                     if p.dim() == 3 and name.rsplit(".", 1)[-1] in _EXPERT_WEIGHTS)
+    return tokens * top_k * per_expert * (torch.finfo(dtype).bits // 8) * BATCHED_MM_COPIES
+
 
 def check_memory(toy: ToyConfig, parameters: int, tokens: int, dtype: torch.dtype, device: torch.device,
                  recording: bool) -> None:

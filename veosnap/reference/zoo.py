@@ -32,7 +32,7 @@ from ..errors import GoldenError, MissingGoldenError, VeosnapError
 from ..golden import background as golden_background
 from ..golden import store
 from ..golden.codec import Golden
-from ..golden.key import GoldenKey, check_name
+from ..golden.key import DTYPE_NAMES, SCENARIOS, GoldenKey, check_name
 from ..golden.manifest import config_hash, rerecord
 from . import hardware
 
@@ -268,6 +268,35 @@ class Project:
         scenario = [] if key.scenario == "step" else ["--scenario", key.scenario]
         return self.command(verb, *options, "--model", key.model, "--dtype", key.dtype, *scenario,
                             hardware_class=False)
+
+    def recorded_dtypes(self, model: str, scenario: str = "step") -> list[str]:
+        """The dtypes `model` has a golden of (`scenario`, this project's class) in this project's goldens:
+        what a check without --dtype checks."""
+        return [d for d in DTYPE_NAMES
+                if os.path.lexists(store.path_for(self.goldens, GoldenKey(self.hardware_class, model, scenario, d)))]
+
+    def no_golden(self, model: str, scenario: str = "step") -> MissingGoldenError:
+        """The error for a model with no golden of `scenario` in any dtype on this class: the command that
+        records them (as run on that hardware, with this project's flags), and where goldens of it do exist."""
+        toy = load_config(self.configs, model)  # an unknown model: say that, not how to record
+        # The cpu real tier is float32 only (bfloat16 at real shapes is the GPU's): advise what runs here.
+        dtypes = ["--dtype", "float32"] if toy.tier == "real" and self.hardware_class == "cpu" else []
+        scenario_flag = [] if scenario == "step" else ["--scenario", scenario]
+        record = self.command("record", "--model", model, *dtypes, *scenario_flag, hardware_class=False)
+        what = model if scenario == "step" else f"{model} ({scenario} scenario)"
+        hints = []
+        other = [s for s in SCENARIOS if s != scenario and self.recorded_dtypes(model, s)]
+        if other:
+            hints.append(f"{model} has {self.hardware_class} goldens of scenario {', '.join(other)} "
+                         f"(add --scenario {other[0]})")
+        classes = sorted(p.name for p in self.goldens.iterdir() if p.is_dir()) if self.goldens.is_dir() else []
+        elsewhere = [c for c in classes if c != self.hardware_class and (self.goldens / c / model).is_dir()]
+        if elsewhere:
+            hints.append(f"goldens of {model} exist for {', '.join(elsewhere)} (another hardware class: "
+                         f"--hardware-class {elsewhere[0]} --cross-class compares across classes)")
+        return MissingGoldenError(f"no golden for {what} on {self.hardware_class} in {shown(self.goldens)}: "
+                                  f"record with `{record}` on {self.hardware_class} hardware"
+                                  + "".join(f"; {h}" for h in hints))
 
 
 def shown(path: Path) -> str:

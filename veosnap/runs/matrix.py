@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 from ..candidates import backends as backends_mod
 from ..candidates.backends import Backend
@@ -146,15 +146,18 @@ def run_matrix(
     on_cell: Callable[[Cell, int, int], None] | None = None,
     unavailable: dict[str, str] | None = None,
     scenario: str = "step",
+    rows: Sequence[tuple[str, str]] | None = None,
 ) -> Matrix:
     """Check every (model, dtype) with every (backend, layout); `on_cell(cell, done, total)` reports progress.
+
+    `rows`: the (model, dtype) pairs to check, when not every model has every dtype (default: all pairs).
 
     Backend specs are resolved first, so a misspelt one is a usage error before anything runs.
     """
     resolved = {spec: backends_mod.resolve(spec) for spec in backend_specs}
     check_cells = check_cells or default_check()
     layouts = list(layouts)
-    rows = [Row(m, d) for m in models for d in dtypes]
+    rows = [Row(m, d) for m, d in rows] if rows is not None else [Row(m, d) for m in models for d in dtypes]
     columns = [Column(b, layout) for b in backend_specs for layout in layouts]
     cells: list[Cell] = []
     start = time.perf_counter()

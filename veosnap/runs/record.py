@@ -351,6 +351,8 @@ def fragility(project: Project, golden: Golden) -> list[str]:
     for variant in VARIANTS:
         if variant in _MOE_ONLY and not moe:
             continue
+        if variant == "batched_mm" and batched_mm_too_large(project, golden):
+            continue  # at real shapes its gathered expert weights would dwarf the recording (README, "Two tiers")
         with pristine.own_variants():
             report = check(project, golden.manifest.key, backends.shipped(variant), gold=golden)
         if report.passed or report.skipped or report.error:
@@ -362,6 +364,19 @@ def fragility(project: Project, golden: Golden) -> list[str]:
         name = "eager (the reference itself, run again)" if variant == "eager" else variant
         found.append(f"{name}: {', '.join(parts)}")
     return found
+
+
+# The fragility check leaves batched_mm out where its copies of the experts' weights (`limits.batched_mm_bytes`)
+# exceed this: at real shapes (600 tokens x top-8 of 128 experts) they take 15-30 GB, three times the
+# recording itself; the toys gather under 50 MiB. `veosnap check --backend batched_mm` still runs it.
+BATCHED_MM_JUDGE_LIMIT = 2 << 30
+
+
+def batched_mm_too_large(project: Project, golden: Golden) -> bool:
+    toy = load_config(project.configs, golden.manifest.key.model)
+    tokens = golden.inputs()["input_ids"].numel()
+    return limits.batched_mm_bytes(toy, tokens, models.dtype_from_name(golden.manifest.key.dtype)) \
+        > BATCHED_MM_JUDGE_LIMIT
 
 
 def fragile_error(key: GoldenKey, fragile: list[str], command: str) -> VeosnapError:

@@ -56,6 +56,26 @@ def _selection(args: argparse.Namespace, project: Project) -> list[tuple[str, st
     return [(m, d) for m in models for d in dtypes]
 
 
+def _checked(args: argparse.Namespace, project: Project) -> list[tuple[str, str]]:
+    """What `check` (and `--matrix`) checks: without --dtype, each model's dtypes that have a golden (of
+    --scenario, on this class); a model named by --model with none is an error saying how to record them,
+    a model of a --tier with none is left out with a note, unless none of the tier has any."""
+    if args.dtype:
+        return _selection(args, project)
+    models = list(dict.fromkeys(m for m, _ in _selection(args, project)))
+    chosen, missing = [], []
+    for model in models:
+        dtypes = project.recorded_dtypes(model, args.scenario)
+        if not dtypes:
+            missing.append(model)
+        chosen += [(model, d) for d in dtypes]
+    if missing and (args.model or not chosen):
+        raise project.no_golden(missing[0], args.scenario)
+    for model in missing:
+        print(f"veosnap: {project.no_golden(model, args.scenario)} (left out)", file=sys.stderr)
+    return chosen
+
+
 def cmd_record(args: argparse.Namespace) -> int:
     from ..runs.record import record
 
@@ -108,7 +128,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         backend = backends.resolve(args.backend or "eager")  # importing a backend's file may print too
         reports = [
             report_
-            for model, dtype in _selection(args, project)
+            for model, dtype in _checked(args, project)
             for report_ in check_layouts(project, GoldenKey(project.hardware_class, model, args.scenario, dtype),
                                          backend, args.layout or ["single"], nproc=args.nproc, timeout_s=args.timeout,
                                          cross_class=args.cross_class)
@@ -177,7 +197,7 @@ def cmd_matrix(args: argparse.Namespace) -> int:
         raise VeosnapError("--matrix takes --backends a,b,c (not --backend)")
     guard.check_timeout(args.timeout)
     project = _project(args)
-    selection = _selection(args, project)
+    selection = _checked(args, project)
     models = list(dict.fromkeys(m for m, _ in selection))
     dtypes = list(dict.fromkeys(d for _, d in selection))
     default_specs, unavailable = matrix.default_backends()
@@ -190,7 +210,7 @@ def cmd_matrix(args: argparse.Namespace) -> int:
     with _candidates_print_to_stderr() as terminal:
         result = matrix.run_matrix(project, models, dtypes, specs, layouts,
                                    check_cells=matrix.default_check(args.nproc, args.timeout), on_cell=progress,
-                                   unavailable=unavailable, scenario=args.scenario)
+                                   unavailable=unavailable, scenario=args.scenario, rows=selection)
     out = render_json.matrix(result) if args.format == "json" else render_text.matrix(result, color=terminal)
     sys.stdout.write(out if out.endswith("\n") else out + "\n")
     return EXIT_OK if result.passed else EXIT_FAILED

@@ -1,0 +1,523 @@
+"""The real-shape tier on one GPU in one device command: record its goldens and check them with every
+legitimate backend, several worker processes sharing the GPU.
+
+    python tools/gpu_real.py --out DIR [--jobs 4] [--record-jobs 2] [--budget-s 400] [--stop-s 500]
+                             [--dtype D]... [--model M]... [--no-compile]
+    python tools/gpu_real.py --plan [--jobs 4] ...   # no GPU needed: the estimated schedule, what fits
+
+Work comes in units: `record (model, dtype)` and `check (model, dtype, backend)`, the checks after their
+golden's record. A record is `veosnap record`: the reference, its float64 twin, then the fragility check
+(the shipped `eager`, `sdpa`, and on MoE models `grouped_mm` and `batched_mm`, against the new golden);
+their reports are the matrix's cells for those backends, and a golden they fail is FRAGILE: reported, not
+written, left out of the tars. Records run on `--record-jobs` workers that run nothing else, so they stay
+pristine (as `veosnap record` requires; a touched process would record in a fresh child and judge again);
+the other backends run on the remaining workers. Units are taken smallest model first (a time budget
+leaves out the largest), a (model, dtype)'s units one at a time, so each worker draws a model's weights
+once and keeps them for its next build (`--no-weight-cache`), and a unit starts only when its memory
+estimate (`tools/realshape_memory.py`: record or check GiB, plus batched_mm's copies of the experts) fits
+beside those running, within `--capacity-gib` (default: 92% of the GPU); a check that cannot fit at all
+is a skip with the reason. Each worker takes cores / jobs threads. After `--budget-s` seconds nothing new
+starts; at `--stop-s` the units still running are abandoned (their workers killed) and what is done is
+written, so the command ends within the device call.
+
+Back under DIR (at most 8 files): `real.json` (every unit: seconds, memory, margins, the matrix),
+`real.txt` (the goldens' table, the matrix, the worst ratio per backend: docs/gpu.md's table),
+`goldens-real-<class>-N.tar` (at most 15 MiB each; unpack into goldens/), and `details.tar` with the whole
+report of each failing or erroring check. Without CUDA (and without --plan) it says so and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import multiprocessing
+import os
+import sys
+import time
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+from veosnap.golden.key import GoldenKey  # noqa: E402
+from veosnap.reference.zoo import Project, load_config  # noqa: E402
+
+REAL_BACKENDS = ["eager", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "sdpa_math", "flex_attention", "grouped_mm",
+                 "batched_mm", "sdpa+grouped_mm", "liger"]
+COMPILE_MODELS = ["qwen3-real", "qwen3_moe-real-small"]  # the smallest dense and MoE: compiles take minutes
+RECORD_JUDGES = ("eager", "sdpa", "grouped_mm", "batched_mm")  # `record.VARIANTS`, run by the record units
+MAX_FILES = 8
+
+# Time model for --plan, from the H200 runs of tools/bench_scale.py (docs/scale.md, 2026-11-30: 0.78B and
+# 1.25B parameters at 8,136 tokens: build 6.0-8.5 s, record 16-27 s, check 6-9 s, f+b 0.06-0.85 s).
+# Per billion parameters (B) and per B x thousand tokens (Bkt). Estimates, not measurements.
+BUILD_S_PER_B = 7.0  # drawing the deterministic weights on the host, then the copy to the GPU
+CACHED_BUILD_S_PER_B = 1.5  # the same weights from this worker's cache: allocation, copy, host to device (guess)
+F64_S_PER_BKT = 1.2  # the recorder's float64 twin, forward and backward
+STEP_S_PER_BKT = {"float32": 0.09, "bfloat16": 0.012}  # one candidate step, TF32 off
+COMPILE_S = 60.0  # an inductor compile of a real-shape model (guess: "minutes" for both dtypes)
+PROCESS_START_S = 12.0  # a spawned worker importing torch and transformers
+
+
+@dataclass(frozen=True)
+class Unit:
+    kind: str  # "record" | "check"
+    model: str
+    dtype: str
+    backend: str = ""
+    gib: float = 0.0  # memory estimate (GPU)
+    est_s: float = 0.0  # time estimate (for --plan)
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind} {self.model} {self.dtype}" + (f" {self.backend}" if self.backend else "")
+
+
+def plan_units(project: Project, models: list[str], dtypes: list[str], specs: list[str],
+               compile_models: list[str], cached: bool = True) -> list[Unit]:
+    """Every unit, in the order they are taken: smallest model first; per (model, dtype) its record, then
+    its checks (the heaviest backend last)."""
+    from realshape_memory import estimate
+
+    from veosnap.reference import limits, models as vmodels
+
+    from veosnap.reference.probes import find_moe_layers
+
+    sizes = {m: estimate(project, m) for m in models}
+    for m, e in sizes.items():
+        e["moe"] = bool(find_moe_layers(vmodels.skeleton(load_config(project.configs, m))))
+    units = []
+    for model in sorted(models, key=lambda m: (sizes[m]["parameters"], m)):
+        e = sizes[model]
+        b, kt = e["parameters"] / 1e9, e["rows"] * e["width"] / 1000
+        moe = e.get("moe", True)
+        for dtype in dtypes:
+            judges = [j for j in RECORD_JUDGES if moe or j not in ("grouped_mm", "batched_mm")]
+            per_judge = (CACHED_BUILD_S_PER_B if cached else BUILD_S_PER_B) * b + STEP_S_PER_BKT[dtype] * b * kt
+            judge_s = len(judges) * per_judge
+            record_s = 2 * BUILD_S_PER_B * b + F64_S_PER_BKT * b * kt + judge_s
+            units.append(Unit("record", model, dtype, gib=e["record_gib"], est_s=record_s))
+            for i, spec in enumerate([s for s in specs if s not in RECORD_JUDGES]
+                                     + (["compile"] if model in compile_models else [])):
+                build = (CACHED_BUILD_S_PER_B if cached and i else BUILD_S_PER_B) * b
+                step = STEP_S_PER_BKT[dtype] * b * kt + (COMPILE_S if spec == "compile" else 0.0)
+                gib = e["check_gib"]
+                if "batched_mm" in spec.split("+"):  # it copies each chosen expert's weights per token
+                    toy = load_config(project.configs, model)
+                    gib += limits.batched_mm_bytes(toy, e["rows"] * e["width"], vmodels.dtype_from_name(dtype)) / 2**30
+                units.append(Unit("check", model, dtype, spec, gib=gib, est_s=build + step))
+    return units
+
+
+def next_unit(pending: list[Unit], recorded: set[tuple[str, str]], running: list[Unit], capacity_gib: float,
+              busy: set[tuple[str, str]], free: tuple[str, ...] = ("record", "check")) -> Unit | None:
+    """The first pending unit that may start now: a worker of its kind `free`, its golden recorded (checks),
+    no other unit of its (model, dtype) running (one worker draws its weights, the next reuses them), and
+    its memory fitting. A unit larger than the whole capacity starts alone."""
+    used = sum(u.gib for u in running)
+    for unit in pending:
+        pair = (unit.model, unit.dtype)
+        if unit.kind not in free:
+            continue
+        if unit.kind == "check" and pair not in recorded:
+            continue
+        if pair in busy:
+            continue
+        if used + unit.gib <= capacity_gib or not running:
+            return unit
+    return None
+
+
+def fitting(units: list[Unit], capacity_gib: float) -> tuple[list[Unit], list[tuple[Unit, str]]]:
+    """The checks that fit the GPU, and those that cannot, with the reason (batched_mm at real shapes:
+    its copies of the experts' weights take hundreds to thousands of GiB)."""
+    keep, declined = [], []
+    for u in units:
+        if u.kind == "check" and u.gib > capacity_gib:
+            declined.append((u, f"needs about {u.gib:,.0f} GiB (batched_mm copies each chosen expert's weights per "
+                                f"token), over the {capacity_gib:.0f} GiB here"))
+        else:
+            keep.append(u)
+    return keep, declined
+
+
+def _free(workers: dict[str, int], running: list[Unit]) -> tuple[str, ...]:
+    return tuple(k for k, n in workers.items() if sum(u.kind == k for u in running) < n)
+
+
+def simulate(units: list[Unit], workers: dict[str, int], capacity_gib: float, budget_s: float = math.inf) -> dict:
+    """The schedule `run` would follow if every unit took its estimate: when each starts and ends.
+    `workers`: how many workers take records and how many take checks."""
+    clock, pending, running, recorded, rows = PROCESS_START_S, list(units), [], set(), []
+    while pending or running:
+        busy = {(u.model, u.dtype) for u, _ in running}
+        now = [u for u, _ in running]
+        unit = None if clock > budget_s else next_unit(pending, recorded, now, capacity_gib, busy, _free(workers, now))
+        if unit is not None:
+            pending.remove(unit)
+            running.append((unit, clock + unit.est_s))
+            rows.append({"unit": unit.label, "start": clock, "end": clock + unit.est_s, "gib": unit.gib})
+            continue
+        if not running:  # over the budget (or nothing can ever start): the rest is not reached
+            break
+        done = min(running, key=lambda r: r[1])
+        running.remove(done)
+        clock = done[1]
+        if done[0].kind == "record":
+            recorded.add((done[0].model, done[0].dtype))
+    return {"end_s": clock, "started": rows, "not_reached": [u.label for u in pending]}
+
+
+# --- in the worker processes ------------------------------------------------------------------------
+
+_CACHE: dict = {}
+
+
+def _worker_init(threads: int, weight_cache: bool) -> None:
+    torch.set_num_threads(threads)
+    if weight_cache:
+        _cache_weights()
+
+
+def _cache_weights() -> None:
+    """Keep the last model's drawn weights in this worker: the next build of the same config, dtype and seed
+    copies them instead of drawing them again (the same values: they are what the draw produced)."""
+    from veosnap.reference import weights
+
+    draw = weights.initialize
+
+    def initialize(model: torch.nn.Module, seed: int) -> None:
+        targets = dict(model.named_parameters())
+        targets.update((n, b) for n, b in model.named_buffers() if n.rsplit(".", 1)[-1] in weights.SEEDED_BUFFERS)
+        key = (seed, type(model).__name__, model.config.to_json_string(),
+               tuple((n, tuple(t.shape), str(t.dtype)) for n, t in targets.items()))
+        kept = _CACHE.get(key)
+        if kept is None:
+            draw(model, seed)
+            _CACHE.clear()  # one model's weights at a time (host memory)
+            _CACHE[key] = {n: t.detach().to("cpu", copy=True) for n, t in targets.items()}
+            return
+        with torch.no_grad():
+            for n, t in targets.items():
+                t.copy_(kept[n])
+
+    weights.initialize = initialize
+
+
+def _release() -> None:
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak_gib() -> float:
+    return round(torch.cuda.max_memory_allocated() / 2**30, 1) if torch.cuda.is_available() else 0.0
+
+
+def run_unit(project: Project, unit: Unit) -> dict:
+    """One unit, in a worker: a record's row and its judges' reports, or a check's report (pickled back).
+    The worker's cached GPU memory is given back after it, for the units of the other workers."""
+    try:
+        return _run_unit(project, unit)
+    finally:
+        _release()
+
+
+def _run_unit(project: Project, unit: Unit) -> dict:
+    from veosnap.candidates import backends, pristine
+    from veosnap.golden import store
+    from veosnap.runs import record
+    from veosnap.runs.check import check
+
+    _release()
+    key = GoldenKey(project.hardware_class, unit.model, "step", unit.dtype)
+    t = time.perf_counter()
+    if unit.kind == "check":
+        report = check(project, key, backends.resolve(unit.backend))
+        return {"report": report, "seconds": round(time.perf_counter() - t, 1), "peak_gib": _peak_gib(),
+                "pid": os.getpid()}
+    try:
+        assert not pristine.touched(), "a record worker ran a candidate"  # else `recorded` records in a child
+        golden = record.recorded(project, key).golden
+        data, note = record.stored_bytes(project, golden)
+        row = {"status": "recorded", "record_s": round(time.perf_counter() - t, 1), "peak_gib": _peak_gib(),
+               "bytes": len(data), "min_margin": min(golden.manifest.min_margin.values(), default=None), "note": note}
+    except Exception as exc:  # noqa: BLE001 - one golden's failure (an OOM, a near-tie) must not end the run
+        return {"status": f"{type(exc).__name__}: {exc}".splitlines()[0][:400],
+                "seconds": round(time.perf_counter() - t, 1), "peak_gib": _peak_gib(), "pid": os.getpid()}
+    # The fragility check of `veosnap record`, its reports kept: the matrix's cells for these backends.
+    reports = {}
+    moe = bool(golden.route_layers())
+    for variant in RECORD_JUDGES:
+        if variant in ("grouped_mm", "batched_mm") and not moe:
+            continue
+        if variant == "batched_mm" and record.batched_mm_too_large(project, golden):
+            reports[variant] = "batched_mm left out of the fragility check: its copies of the experts' weights " \
+                               "exceed record.BATCHED_MM_JUDGE_LIMIT"
+            continue
+        _release()
+        with pristine.own_variants():
+            reports[variant] = check(project, key, backends.shipped(variant), gold=golden)
+    fragile = [v for v, r in reports.items() if not isinstance(r, str) and not (r.passed or r.skipped or r.error)]
+    path = store.path_for(project.goldens, key)
+    if not fragile:
+        store.write_bytes(data, path, project.goldens)
+    return {**row, "fragile": fragile, "judges": reports, "path": str(path.relative_to(project.goldens)),
+            "written": not fragile, "seconds": round(time.perf_counter() - t, 1), "pid": os.getpid()}
+
+
+# --- in the parent ----------------------------------------------------------------------------------
+
+
+def run(project: Project, units: list[Unit], workers: dict[str, int], capacity_gib: float, budget_s: float,
+        stop_s: float = math.inf, weight_cache: bool = True, on_done=None) -> dict:  # noqa: ANN001
+    """Run `units` on worker processes (`workers`: how many take records, how many checks) within the
+    memory capacity and time budget. Returns every unit's outcome and what was not reached."""
+    start = time.perf_counter()
+    threads = max(1, (os.cpu_count() or 1) // sum(workers.values()))
+    context = multiprocessing.get_context("spawn")  # CUDA cannot be forked
+
+    def pool(kind: str) -> ProcessPoolExecutor:
+        return ProcessPoolExecutor(workers[kind], mp_context=context, initializer=_worker_init,
+                                   initargs=(threads, weight_cache))
+
+    pools = {kind: pool(kind) for kind, n in workers.items() if n}
+    pending, running, recorded, failed, results = list(units), {}, set(), set(), []
+    while pending or running:
+        for unit in [u for u in pending if u.kind == "check" and (u.model, u.dtype) in failed]:
+            pending.remove(unit)
+            results.append({"unit": unit, "status": "not run: its golden was not written"})
+        now = list(running.values())
+        unit = None if time.perf_counter() - start > budget_s else next_unit(
+            pending, recorded, now, capacity_gib, {(u.model, u.dtype) for u in now},
+            tuple(k for k in _free(workers, now) if k in pools))
+        if unit is not None:
+            pending.remove(unit)
+            running[pools[unit.kind].submit(run_unit, project, unit)] = unit
+            print(f"{time.perf_counter() - start:6.0f} s  start {unit.label} ({unit.gib:.0f} GiB est.)", flush=True)
+            continue
+        if not running:
+            break
+        left = None if math.isinf(stop_s) else max(1.0, stop_s - (time.perf_counter() - start))
+        done, _ = wait(list(running), timeout=left, return_when=FIRST_COMPLETED)
+        if not done:  # past --stop-s: abandon what still runs, so the command ends with its results written
+            for future, u in running.items():
+                results.append({"unit": u, "status": f"abandoned at --stop-s {stop_s:g}"})
+            running.clear()
+            for executor in pools.values():
+                for process in list(getattr(executor, "_processes", {}).values()):
+                    process.kill()
+                executor.shutdown(wait=False, cancel_futures=True)
+            return {"results": results, "not_reached": [u.label for u in pending],
+                    "seconds": time.perf_counter() - start}
+        for future in done:
+            unit = running.pop(future, None)
+            if unit is None:  # a unit of a pool that broke, already reported
+                continue
+            try:
+                out = future.result()
+            except BrokenProcessPool as exc:  # a worker died (a CUDA fault, the OOM killer): its pool goes too
+                out = {"status": f"worker died: {exc}"}
+                for other, u in list(running.items()):
+                    if u.kind == unit.kind:
+                        results.append({"unit": u, "status": "worker died (another unit's)"})
+                        running.pop(other)
+                        if u.kind == "record":
+                            failed.add((u.model, u.dtype))
+                pools[unit.kind].shutdown(wait=False, cancel_futures=True)
+                pools[unit.kind] = pool(unit.kind)
+            except Exception as exc:  # noqa: BLE001
+                out = {"status": f"{type(exc).__name__}: {exc}".splitlines()[0][:400]}
+            if unit.kind == "record":
+                (recorded if out.get("written") else failed).add((unit.model, unit.dtype))
+            results.append({"unit": unit, **out})
+            if on_done:
+                on_done(results[-1], time.perf_counter() - start)
+    for executor in pools.values():
+        executor.shutdown(wait=True)
+    return {"results": results, "not_reached": [u.label for u in pending], "seconds": time.perf_counter() - start}
+
+
+def _summaries(project: Project, done: dict, out: Path, models: list[str], dtypes: list[str],  # noqa: ANN202
+               specs: list[str]):
+    """The goldens' rows (fragile ones marked), and the matrices (single backends, compile)."""
+    import gpu_session
+
+    from veosnap.runs import matrix
+
+    def cell(unit: Unit, backend: str, r: object, seconds: float = 0.0) -> matrix.Cell:
+        if isinstance(r, str):
+            return matrix.Cell(unit.model, unit.dtype, backend, matrix.SINGLE, "skip", reason=r)
+        return dataclasses.replace(matrix.Cell.from_report(r, seconds), backend=backend)
+
+    cells, goldens = [], []
+    for r in done["results"]:
+        unit = r["unit"]
+        if unit.kind == "record":
+            cells += [cell(unit, v, report) for v, report in r.get("judges", {}).items()]
+            goldens.append({"model": unit.model, "dtype": unit.dtype,
+                            **{k: v for k, v in r.items() if k not in ("unit", "judges")}})
+        elif "report" in r:
+            cells.append(cell(unit, unit.backend, r["report"], r["seconds"]))
+        elif r.get("status") == "skip":
+            cells.append(cell(unit, unit.backend, r["reason"]))
+        else:
+            cells.append(matrix.Cell(unit.model, unit.dtype, unit.backend, matrix.SINGLE, "error",
+                                     reason=r.get("status", "")))
+    for label in done["not_reached"]:
+        kind, model, dtype, *backend = label.split(" ")
+        if kind == "check":
+            cells.append(matrix.Cell(model, dtype, backend[0], matrix.SINGLE, "skip", reason="NotRun: over --budget-s"))
+    for label in done["not_reached"]:
+        kind, model, dtype, *_ = label.split(" ")
+        if kind == "record":
+            goldens.append({"model": model, "dtype": dtype, "status": "not run (over --budget-s)"})
+    rows = [matrix.Row(m, d) for m in models for d in dtypes]
+    columns = list(dict.fromkeys([*(j for j in RECORD_JUDGES if any(c.backend == j for c in cells)), *specs]))
+    single = matrix.Matrix(rows, [matrix.Column(s) for s in columns], [c for c in cells if c.backend != "compile"])
+    compiled = matrix.Matrix([r for r in rows if any(c.backend == "compile" and (c.model, c.dtype) == (r.model, r.dtype)
+                                                     for c in cells)],
+                             [matrix.Column("compile")], [c for c in cells if c.backend == "compile"])
+    data = {"single": gpu_session._finish_matrix(single, out, "single"),
+            "compile": gpu_session._finish_matrix(compiled, out, "compile")}
+    return goldens, single, compiled, data
+
+
+def phase_real(project: Project, out: Path, models: list[str], dtypes: list[str], specs: list[str],
+               compile_models: list[str], workers: dict[str, int], capacity_gib: float, budget_s: float,
+               stop_s: float = math.inf, weight_cache: bool = True) -> dict:
+    """Record and check; write DIR's files; return what `real.json` holds."""
+    import gpu_session
+
+    from veosnap.render import text as render_text
+    from veosnap.runs import verify
+
+    units, too_large = fitting(plan_units(project, models, dtypes, specs, compile_models, weight_cache), capacity_gib)
+    plan = simulate(units, workers, capacity_gib, budget_s)
+    jobs = sum(workers.values())
+    print(f"{len(units)} units on {workers} workers within {capacity_gib:.0f} GiB; estimated end "
+          f"{plan['end_s']:.0f} s, not reached by the estimate: {len(plan['not_reached'])}", flush=True)
+
+    def progress(r: dict, at: float) -> None:
+        status = r.get("status") or r["report"].status
+        ratio = r["report"].worst.ratio if "report" in r and r["report"].worst else ""
+        print(f"{at:6.0f} s  done  {r['unit'].label}: {status} {ratio} ({r.get('seconds', '')} s, "
+              f"{r.get('peak_gib', '')} GiB)", flush=True)
+
+    done = run(project, units, workers, capacity_gib, budget_s, stop_s, weight_cache, on_done=progress)
+    done["results"] += [{"unit": u, "status": "skip", "reason": why} for u, why in too_large]
+    goldens, single, compiled, data = _summaries(project, done, out, models, dtypes, specs)
+    mine = {(g["model"], g["dtype"]) for g in goldens if g.get("written")}
+    checked = [r for r in (verify.verify([project.goldens]) if mine else [])
+               if r.key and r.key.hardware_class == project.hardware_class
+               and (r.key.model, r.key.dtype) in mine and r.key.scenario == "step"]
+    bad = [r.line() for r in checked if not r.ok]
+    keep = [project.goldens / g["path"] for g in goldens if g.get("written")]
+    tars = gpu_session.pack_tars(keep, project.goldens, out, f"goldens-real-{project.hardware_class}")
+    table = ["| model | dtype | status | record s | with judges s | peak GiB | golden KiB | min margin | fragile |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for g in goldens:
+        status = g.get("status", "") + (" FRAGILE, not written" if g.get("fragile") else "")
+        table.append(f"| {g['model']} | {g['dtype']} | {status} | {g.get('record_s', '')} | {g.get('seconds', '')} | "
+                     f"{g.get('peak_gib', '')} | {round(g['bytes'] / 1024) if 'bytes' in g else ''} | "
+                     f"{g.get('min_margin', '')} | {', '.join(g.get('fragile', [])) or ''} |")
+    text = "\n".join([*table, f"verified {len(checked)}: {len(bad)} bad", *bad, f"tars: {tars}",
+                      f"not reached: {done['not_reached']}",
+                      f"{done['seconds']:.0f} s on {jobs} workers ({workers})", "",
+                      render_text.matrix(single), gpu_session._worst_table(single),
+                      *([render_text.matrix(compiled), gpu_session._worst_table(compiled)] if compiled.cells else [])])
+    units_rows = [{"unit": r["unit"].label, **{k: v for k, v in r.items() if k not in ("unit", "report", "judges")},
+                   **({"status": r["report"].status} if "report" in r else {})} for r in done["results"]]
+    result = {"env": gpu_session.environment(), "workers": workers, "capacity_gib": capacity_gib, "budget_s": budget_s,
+              "weight_cache": weight_cache, "seconds": done["seconds"], "plan": plan, "units": units_rows,
+              "goldens": goldens, "verify_bad": bad, "tars": tars, "not_reached": done["not_reached"], **data}
+    gpu_session.save(out, "real.json", result)
+    (out / "real.txt").write_text(text + "\n")
+    print(text, flush=True)
+    gpu_session._bundle_details(out, {"real.json", "real.txt", *[t for t in tars if not t.startswith("LEFT OUT")]})
+    for folder in sorted((d for d in out.rglob("*") if d.is_dir()), reverse=True):
+        if not any(folder.iterdir()):
+            folder.rmdir()  # bundled into details.tar
+    files = [f for f in out.iterdir() if f.is_file()]
+    if len(files) > MAX_FILES:
+        print(f"WARNING: {len(files)} files to bring back, over {MAX_FILES}: run again with fewer --model", flush=True)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-out")))
+    parser.add_argument("--jobs", type=int, default=4, help="worker processes sharing the GPU (default 4)")
+    parser.add_argument("--record-jobs", type=int, help="of which take records only (default: 2, at most half)")
+    parser.add_argument("--budget-s", type=float, default=400.0, help="start nothing new after this (default 400)")
+    parser.add_argument("--stop-s", type=float, default=500.0,
+                        help="abandon what still runs and write the results (default 500)")
+    parser.add_argument("--capacity-gib", type=float, help="GPU memory the units may share (default: 92%% of it)")
+    parser.add_argument("--dtype", action="append", choices=("float32", "bfloat16"), help="default: both")
+    parser.add_argument("--model", action="append", help="default: the real tier")
+    parser.add_argument("--backends", help="comma-separated (default: REAL_BACKENDS that run here)")
+    parser.add_argument("--no-compile", action="store_true", help=f"leave out compile on {', '.join(COMPILE_MODELS)}")
+    parser.add_argument("--no-weight-cache", action="store_true", help="draw every model's weights in every check")
+    parser.add_argument("--plan", action="store_true", help="print the estimated schedule; run nothing")
+    args = parser.parse_args(argv)
+    project = Project.resolve(goldens=ROOT / "goldens", configs=ROOT / "toy_configs", testdata=ROOT / "testdata",
+                              hardware_class="cuda-sm90" if args.plan else None)
+    models = args.model or project.models("real")
+    for m in models:
+        load_config(project.configs, m)
+    dtypes = args.dtype or ["bfloat16", "float32"]
+    specs = args.backends.split(",") if args.backends else REAL_BACKENDS
+    compile_models = [] if args.no_compile else [m for m in COMPILE_MODELS if m in models]
+    cache = not args.no_weight_cache
+    args.record_jobs = args.record_jobs or max(1, min(2, args.jobs // 2))
+    if not 0 < args.record_jobs < args.jobs:
+        parser.error("--record-jobs must be at least 1 and less than --jobs")
+    workers = {"record": args.record_jobs, "check": args.jobs - args.record_jobs}
+    if args.plan:
+        capacity = args.capacity_gib or 0.92 * 139.8
+        units, too_large = fitting(plan_units(project, models, dtypes, specs, compile_models, cache), capacity)
+        plan = simulate(units, workers, capacity, args.budget_s)
+        serial = sum(u.est_s for u in units)
+        print(f"| unit | GiB (est.) | start s | end s |\n|---|---|---|---|")
+        for r in plan["started"]:
+            print(f"| {r['unit']} | {r['gib']:.0f} | {r['start']:.0f} | {r['end']:.0f} |")
+        for u, why in too_large:
+            print(f"| {u.label} | {u.gib:,.0f} | declined: {why} | |")
+        print(f"\n{len(units)} units, {serial:.0f} s one after another; on {args.jobs} workers "
+              f"({args.record_jobs} recording) within {capacity:.0f} GiB "
+              f"the estimate ends at {plan['end_s']:.0f} s; not reached within --budget-s {args.budget_s:g}: "
+              f"{len(plan['not_reached'])} ({', '.join(plan['not_reached'][:12])}"
+              f"{' ...' if len(plan['not_reached']) > 12 else ''})")
+        return 0
+    if not torch.cuda.is_available():
+        print("gpu_real: skipped, no CUDA device here (it records and checks the cuda real-shape goldens; "
+              "--plan estimates without one)")
+        return 0
+    from veosnap.candidates import backends
+
+    here = set(backends.runnable_builtins())
+    runnable = [s for s in specs if all(p in here for p in s.split("+"))]
+    print(f"not installed here: {sorted(set(specs) - set(runnable))}", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    capacity = args.capacity_gib or 0.92 * torch.cuda.get_device_properties(0).total_memory / 2**30
+    phase_real(project, args.out, models, dtypes, runnable, compile_models, workers, capacity, args.budget_s,
+               args.stop_s, cache)
+    return 0
+
+
+if __name__ == "__main__":
+    # Run as the module `gpu_real` (tools/ is on the path, also in the spawned workers), so what the workers
+    # unpickle (units, their function) is `gpu_real.*`, never this script's `__main__.*`.
+    import gpu_real
+
+    sys.exit(gpu_real.main())
