@@ -94,7 +94,8 @@ for k in "${!PLAN[@]}"; do
     read -ra files <<< "${PLAN[$k]}"
     echo "slice $(( k + 1 ))/$JOBS: ${files[*]}"
     (
-        OMP_NUM_THREADS=$THREADS TORCHINDUCTOR_COMPILE_THREADS=$THREADS timeout --signal=INT --kill-after=10 "$LIMIT" \
+        export OMP_NUM_THREADS=$THREADS TORCHINDUCTOR_COMPILE_THREADS=$THREADS
+        timeout --signal=INT --kill-after=10 "$LIMIT" \
             "${PYTEST[@]}" --basetemp="$SLICES/tmp-$(( k + 1 ))" --junitxml="$SLICES/junit-$(( k + 1 )).xml" \
             "${files[@]}" "$@" > "$SLICES/pytest-$(( k + 1 )).log" 2>&1
         echo "$? $(( $(date +%s) - start ))" > "$SLICES/status-$(( k + 1 ))"
