@@ -83,14 +83,14 @@ def test_a_tier_check_leaves_out_models_without_goldens_with_a_note(project_dir,
         path.write_bytes(b"")  # selection looks at names only
     project = Project.resolve(hardware_class=CLASS)
     args = build_parser().parse_args(["check", "--tier", "real"])
-    assert _checked(args, project) == [("qwen3-real", "float32"), ("qwen3_moe-real-small", "float32"),
-                                       ("qwen3_moe-real-small", "bfloat16")]
+    assert _checked(args, project) == [("qwen3-real", "step", "float32"), ("qwen3_moe-real-small", "step", "float32"),
+                                       ("qwen3_moe-real-small", "step", "bfloat16")]
     notes = capsys.readouterr().err.splitlines()
     assert len(notes) == len(project.models("real")) - 2
     assert all(line.startswith("veosnap: no golden for ") and line.endswith("(left out)") for line in notes)
     # named with --dtype, a dtype is asked for whether or not it was recorded (a missing one is an error later)
     args = build_parser().parse_args(["check", "--model", "qwen3-real", "--dtype", "bfloat16"])
-    assert _checked(args, project) == [("qwen3-real", "bfloat16")]
+    assert _checked(args, project) == [("qwen3-real", "step", "bfloat16")]
 
 
 def test_a_tier_without_any_golden_is_an_error(project_dir, capsys) -> None:

@@ -10,12 +10,14 @@ import tarfile
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 gpu_session = pytest.importorskip("gpu_session")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here: the phases would run (minutes each), not skip")
 def test_without_cuda_the_real_phases_skip_with_the_reason(tmp_path):
     for phase in ("record-real", "matrix-real", "layouts-real"):
         done = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_session.py"), phase, "--out", str(tmp_path)],

@@ -12,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from golden_repo import CLASS
+from golden_repo import CLASS, gpus_for
 import torch
 
 import veosnap
@@ -161,6 +161,7 @@ def test_the_recorder_still_records_the_committed_moe_goldens_byte_for_byte(proj
 # --- 3. a generator backend's patch stays applied while any layout runs ----------------------------------
 
 
+@gpus_for(2)  # two ranks: NCCL, one GPU each, on a CUDA machine
 def test_generator_backends_stay_applied_under_packed_and_fsdp2_and_are_undone_after(
         project: Project, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     log = tmp_path / "events.txt"
@@ -177,6 +178,7 @@ def test_generator_backends_stay_applied_under_packed_and_fsdp2_and_are_undone_a
 # --- 4. where it runs; a framework that parallelizes the model itself -----------------------------------
 
 
+@gpus_for(2)  # two ranks: NCCL, one GPU each, on a CUDA machine
 def test_a_backend_is_told_where_it_runs_in_process_and_on_every_rank(project: Project) -> None:
     reports = {**check("qwen3_moe", "where", "single", "packed", project=project),
                **check("qwen3_moe", "where", "ddp", "fsdp2", "hsdp", "ep", "sp", project=project)}
@@ -190,15 +192,17 @@ def test_a_backend_is_told_where_it_runs_in_process_and_on_every_rank(project: P
         "ep": ("ep", "0/2", "0/2", "ep:2", "True"),
         "sp": ("sp", "0/2", "0/2", "sp:2", "True"),
     }
-    assert all(t["accessor"] == "True" and t["golden"] == "cpu/qwen3_moe/step-float32" for t in told.values())
+    assert all(t["accessor"] == "True" and t["golden"] == f"{CLASS}/qwen3_moe/step-float32" for t in told.values())
     assert told["ep"]["sharded_before"] == "True"  # the ep layout hands an ordinary backend transformers' EP model
 
 
+@gpus_for(2)  # two ranks: NCCL, one GPU each, on a CUDA machine
 def test_a_backend_that_parallelizes_gets_the_plain_reference_even_under_ep(project: Project) -> None:
     (report,) = check("qwen3_moe", "where_parallelizing", "ep", project=project).values()
     assert "layout=ep" in report.skipped and "sharded_before=False" in report.skipped
 
 
+@gpus_for(2)  # two ranks: NCCL, one GPU each, on a CUDA machine
 def test_a_framework_shards_the_model_itself_and_the_layout_does_not_shard_it_again(project: Project) -> None:
     reports = check("llama", "own_fsdp2", "fsdp2", "hsdp", project=project)
     for report in reports.values():
@@ -206,6 +210,7 @@ def test_a_framework_shards_the_model_itself_and_the_layout_does_not_shard_it_ag
         assert any("parallelized by the backend" in note for note in report.notes)
 
 
+@gpus_for(2)  # two ranks: NCCL, one GPU each, on a CUDA machine
 def test_full_gradients_read_a_framework_reduction_and_a_forgotten_reduction_fails(project: Project) -> None:
     assert check("llama", "own_reduction", "ddp", project=project)["ddp"].passed
     report = check("llama", "own_reduction_forgotten", "fsdp2", project=project)["fsdp2"]
@@ -233,6 +238,7 @@ def test_two_steps_of_a_combination_cannot_both_adapt_the_batch() -> None:
 # --- 5. a candidate that prints cannot corrupt --format json ------------------------------------------
 
 
+@gpus_for(2)  # two ranks: NCCL, one GPU each, on a CUDA machine
 def test_a_candidate_printing_to_stdout_leaves_the_json_document_whole() -> None:
     spec = f"{PLUGIN}:chatty+{PLUGIN}:collator_form"  # and adapts the batch, under a layout of every kind
     done = subprocess.run([sys.executable, "-m", "veosnap", "check", "--model", "llama", "--dtype", "float32",
@@ -308,6 +314,7 @@ def test_a_structure_change_is_said_before_any_number_naming_the_versions(drifte
 # --- 8. the first real error of a rank ------------------------------------------------------------------
 
 
+@gpus_for(2)  # two ranks: NCCL, one GPU each, on a CUDA machine
 def test_the_rank_that_failed_first_is_reported_not_the_one_torchrun_stopped(project: Project) -> None:
     report = check("llama", "rank0_fails_first", "fsdp2", project=project)["fsdp2"]
     assert report.status == "ERROR"

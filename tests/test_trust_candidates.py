@@ -22,7 +22,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
-from golden_repo import REPO, needs_cpu
+from golden_repo import CLASS, REPO, gpus_for
 
 import veosnap
 from veosnap.candidates import backends
@@ -32,12 +32,10 @@ from veosnap.reference.zoo import Project
 from veosnap.runs.check import check_layouts
 from veosnap.surfaces.cli import main
 
-# Every test here checks candidates against the committed cpu goldens.
-pytestmark = needs_cpu
-
-LLAMA = GoldenKey("cpu", "llama", "step", "float32")
+# Every test here checks candidates against the committed goldens of this machine's class.
+LLAMA = GoldenKey(CLASS, "llama", "step", "float32")
 DIRS = ["--goldens", str(REPO / "goldens"), "--configs", str(REPO / "toy_configs"), "--testdata",
-        str(REPO / "testdata"), "--hardware-class", "cpu", "--dtype", "float32"]
+        str(REPO / "testdata"), "--hardware-class", CLASS, "--dtype", "float32"]
 
 CANDIDATES = textwrap.dedent('''
     import ctypes, os, signal, sys, threading, time
@@ -112,7 +110,7 @@ def line(text: str) -> int:
 
 
 def veosnap_check(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     return subprocess.run([sys.executable, "-m", "veosnap", "check", *DIRS, *argv], capture_output=True, text=True,
                           env=env, timeout=timeout)
 
@@ -143,10 +141,11 @@ def test_item5_a_backend_or_hook_that_ends_the_process_is_an_error_naming_it(can
     assert found["qwen3 single"] == f"the candidate raised KeyboardInterrupt {at('KeyboardInterrupt')}"
     assert found["mixtral single"] == f"the candidate called os.abort() {at('os.abort')}"
     assert found["deepseek_v3 single"].startswith("a thread of the candidate called os._exit(3) (at ")
-    assert "PASS  cpu/qwen3_moe/step-float32" in done.stdout  # the checks after them still ran
+    assert f"PASS  {CLASS}/qwen3_moe/step-float32" in done.stdout  # the checks after them still ran
     assert done.stdout.rstrip().endswith("1 passed, 5 failed")
 
 
+@gpus_for(2)  # two ranks: NCCL, one GPU each, on a CUDA machine
 def test_item5_exits_are_errors_in_every_layout(candidates):
     done = veosnap_check("--model", "llama", "--backend", f"{candidates}:exits_in_a_hook", "--layout", "microbatch",
                          "--layout", "packed", "--layout", "ddp")
@@ -188,7 +187,7 @@ def test_item5_a_hanging_candidate_is_ended_at_its_timeout_in_process_layouts(ca
 def test_item5_a_candidate_stuck_outside_python_still_ends_with_its_error_line_and_status_1(candidates):
     done = veosnap_check("--model", "llama", "--backend", f"{candidates}:stuck", "--timeout", "2", timeout=240)
     assert done.returncode == 1, (done.stdout, done.stderr)
-    assert done.stdout.startswith(f"ERROR  cpu/llama/step-float32  backend={candidates}:stuck  layout=single\n"
+    assert done.stdout.startswith(f"ERROR  {CLASS}/llama/step-float32  backend={candidates}:stuck  layout=single\n"
                                   "  error: timed out after 2 s and stuck outside Python for 1 s more; veosnap ends "
                                   "the process\n")
 
@@ -251,8 +250,8 @@ def test_item6_recording_after_a_candidate_ran_happens_in_a_fresh_process(tmp_pa
     from transformers.models.llama import modeling_llama
 
     project = Project.resolve(goldens=tmp_path / "goldens", configs=REPO / "toy_configs", testdata=REPO / "testdata",
-                              hardware_class="cpu")
-    check_layouts(project.__class__(REPO / "goldens", project.configs, project.testdata, "cpu"), LLAMA,
+                              hardware_class=CLASS)
+    check_layouts(project.__class__(REPO / "goldens", project.configs, project.testdata, CLASS), LLAMA,
                   backends.resolve("eager"))
     # Something outside veosnap (a test, a plugin's import) patched the reference and did not restore it.
     original = modeling_llama.LlamaRMSNorm.forward
@@ -285,7 +284,7 @@ def _downstream(root: Path) -> Path:
 def test_item6_pytest_snapshot_update_records_from_a_pristine_process(tmp_path):
     project = _downstream(tmp_path)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "VEOSNAP_")) and k != "PYTHONPATH"}
-    env["PYTHONPATH"] = str(REPO)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     plugin = [] if any(ep.value == "veosnap.surfaces.pytest_plugin" for ep in entry_points(group="pytest11")) \
         else ["-p", "veosnap.surfaces.pytest_plugin"]
     done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *plugin, "-q",

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import zstandard
-from golden_repo import REPO, copy_zoo, needs_cpu
+from golden_repo import CLASS, REPO, copy_zoo
 from safetensors.torch import save as st_save
 
 from veosnap.errors import GoldenError
@@ -37,8 +37,9 @@ from veosnap.runs.refresh import refresh
 from veosnap.runs.verify import verify, verify_file
 from veosnap.surfaces.cli import main
 
-LLAMA = GoldenKey("cpu", "llama", "step", "float32")
-MOE = GoldenKey("cpu", "qwen3_moe", "step", "float32")
+LLAMA = GoldenKey(CLASS, "llama", "step", "float32")
+MOE = GoldenKey(CLASS, "qwen3_moe", "step", "float32")
+OTHER_CLASS = "cuda-sm90" if CLASS == "cpu" else "cpu"
 FAULTS = REPO / "tests" / "faults.py"
 
 
@@ -56,7 +57,7 @@ def forged(key: GoldenKey, edit) -> bytes:  # noqa: ANN001
 
 @pytest.fixture
 def goldens(tmp_path: Path) -> Path:
-    """A goldens directory holding the committed cpu llama and qwen3_moe step goldens."""
+    """A goldens directory holding the committed llama and qwen3_moe step goldens of this machine's class."""
     root = tmp_path / "goldens"
     for key in (LLAMA, MOE):
         (root / key.relpath).parent.mkdir(parents=True)
@@ -66,7 +67,7 @@ def goldens(tmp_path: Path) -> Path:
 
 def check(capsys, goldens: Path, model: str = "llama", *extra: str) -> tuple[int, str, str]:  # noqa: ANN001
     code = main(["check", "--goldens", str(goldens), "--configs", str(REPO / "toy_configs"), "--testdata",
-                 str(REPO / "testdata"), "--hardware-class", "cpu", "--model", model, "--dtype", "float32", *extra])
+                 str(REPO / "testdata"), "--hardware-class", CLASS, "--model", model, "--dtype", "float32", *extra])
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -94,7 +95,7 @@ def test_item1_a_golden_without_a_manifest_hash_is_refused_by_read_check_and_ver
     code, out, err = check(capsys, goldens)
     assert (code, out) == (2, "") and err.count("\n") == 1
     assert err.startswith(f"veosnap: error: {path}: {NO_HASH}")
-    assert "re-record it on cpu hardware with `veosnap refresh --force --reason" in err
+    assert f"re-record it on {CLASS} hardware with `veosnap refresh --force --reason" in err
     assert f"--model llama --dtype float32 --goldens {goldens}`" in err  # the command runs as printed
     assert not verify_file(path).ok and verify_file(path).problem.startswith(NO_HASH)
 
@@ -129,7 +130,6 @@ def _drop(*names: str, layers: tuple[int, ...] = ()):  # noqa: ANN202
     return edit
 
 
-@needs_cpu
 def test_item2_a_golden_emptied_with_recomputed_hashes_is_refused_before_any_number(capsys, goldens):
     path = goldens / LLAMA.relpath
     path.write_bytes(forged(LLAMA, _keep_only("loss", "logits")))
@@ -150,7 +150,6 @@ def test_item2_a_golden_emptied_with_recomputed_hashes_is_refused_before_any_num
     (_drop("layers.1.output"), "no output of decoder layer 1"),
     (_drop(layers=(1,)), "no routes for MoE layer 1 (expert ids, weights, margins)"),
 ])
-@needs_cpu
 def test_item2_one_missing_gradient_layer_or_router_is_refused(capsys, goldens, edit, part):
     path = goldens / MOE.relpath
     path.write_bytes(forged(MOE, edit))
@@ -159,7 +158,6 @@ def test_item2_one_missing_gradient_layer_or_router_is_refused(capsys, goldens, 
     assert part in verify_file(path).problem
 
 
-@needs_cpu
 def test_item2_a_golden_that_says_why_a_tensor_is_absent_is_accepted(capsys, goldens):
     from veosnap.golden.manifest import Absence
 
@@ -202,7 +200,7 @@ def test_item3_loosened_bounds_are_material_and_listed(tmp_path, capsys):
     assert main(["diff", str(base), str(head), "--fail-on-change"]) == 1
     out = capsys.readouterr().out
     bounds = len(committed(LLAMA).manifest.tolerance)
-    assert f"changed  cpu/llama/step-float32  material; tensors bit-identical; {bounds} bounds loosened" in out
+    assert f"changed  {CLASS}/llama/step-float32  material; tensors bit-identical; {bounds} bounds loosened" in out
     loosened = [line for line in out.splitlines() if line.startswith("  loosened    ")]
     assert all(line.endswith(" (1e+03x)") for line in loosened[:-1]) and len(loosened) == 13
     assert loosened[-1] == f"  loosened    ... {bounds - 12} more bounds grew (--format json lists every one)"
@@ -225,7 +223,6 @@ def test_item3_a_changed_tolerance_rule_is_material(tmp_path, capsys, field):
     assert f"tolerance rule changed ({field})" in capsys.readouterr().out
 
 
-@needs_cpu
 def test_item3_refresh_rewrites_a_golden_whose_bounds_were_loosened(tmp_path):
     project = copy_zoo(tmp_path)
     path = project.goldens / LLAMA.relpath
@@ -275,7 +272,6 @@ def test_item8_appending_an_approval_with_a_reason_is_metadata(tmp_path, capsys)
     assert "metadata" in out and "  approved    'new driver'" in out
 
 
-@needs_cpu
 def test_item8_record_keeps_the_trail_of_an_unchanged_golden_and_refuses_to_change_a_trailed_one(tmp_path, capsys):
     project = copy_zoo(tmp_path)
     path = project.goldens / LLAMA.relpath
@@ -299,8 +295,8 @@ def test_item8_record_keeps_the_trail_of_an_unchanged_golden_and_refuses_to_chan
 # --- item 4: key and path, one reader --------------------------------------------------------------
 
 def _other_class_golden(goldens: Path) -> Path:
-    """A sound cuda-sm90 golden (the cpu one under the other key, hashes and all)."""
-    other = GoldenKey("cuda-sm90", "llama", "step", "float32")
+    """A sound golden of another class (this class's one under the other key, hashes and all)."""
+    other = GoldenKey(OTHER_CLASS, "llama", "step", "float32")
     store.write_bytes(forged(LLAMA, lambda g: setattr(g.manifest, "key", other)), goldens / other.relpath)
     return goldens / other.relpath
 
@@ -310,8 +306,8 @@ def test_item4_a_symlink_to_another_class_or_scenario_is_refused_naming_both(cap
     target = _other_class_golden(goldens)
     path.unlink()
     path.symlink_to(os.path.relpath(target, path.parent))
-    cause = (f"is a symlink to {target.resolve()} (cuda-sm90/llama/step-float32), another golden than its path names "
-             "(cpu/llama/step-float32)")
+    cause = (f"is a symlink to {target.resolve()} ({OTHER_CLASS}/llama/step-float32), another golden than its path "
+             f"names ({CLASS}/llama/step-float32)")
 
     code, out, err = check(capsys, goldens)
     assert (code, out, err) == (2, "", f"veosnap: error: {path}: {cause}\n")
@@ -321,12 +317,13 @@ def test_item4_a_symlink_to_another_class_or_scenario_is_refused_naming_both(cap
     assert main(["diff", str(REPO / "goldens"), str(goldens)]) == 2
     assert capsys.readouterr().err == f"veosnap: error: {path}: {cause}\n"
 
-    train = goldens / "cpu" / "llama" / "train-float32.safetensors.zst"
-    shutil.copyfile(REPO / "goldens" / "cpu" / "llama" / "train-float32.safetensors.zst", train)
+    train = goldens / CLASS / "llama" / "train-float32.safetensors.zst"
+    shutil.copyfile(REPO / "goldens" / CLASS / "llama" / "train-float32.safetensors.zst", train)
     path.unlink()
     path.symlink_to(train.name)
     code, _, err = check(capsys, goldens)
-    assert code == 2 and "(cpu/llama/train-float32), another golden than its path names (cpu/llama/step-float32)" in err
+    assert code == 2 and (f"({CLASS}/llama/train-float32), another golden than its path names "
+                          f"({CLASS}/llama/step-float32)") in err
 
 
 # --- item 9: special files ------------------------------------------------------------------------
@@ -355,11 +352,11 @@ SPECIAL = textwrap.dedent('''
 def special_files(root: Path) -> dict[str, Path]:
     """A FIFO, a socket and a directory named like goldens under `root`, and a link to /dev/zero."""
     made = {}
-    fifo = root / "cpu" / "llama" / "step-float32.safetensors.zst"
+    fifo = root / CLASS / "llama" / "step-float32.safetensors.zst"
     fifo.parent.mkdir(parents=True)
     os.mkfifo(fifo)
     made["FIFO"] = fifo
-    sock_path = root / "cpu" / "qwen2" / "step-float32.safetensors.zst"
+    sock_path = root / CLASS / "qwen2" / "step-float32.safetensors.zst"
     sock_path.parent.mkdir(parents=True)
     sock, cwd = socket.socket(socket.AF_UNIX), os.getcwd()
     os.chdir(sock_path.parent)  # a socket's path is limited to about 100 bytes: bind it by its name
@@ -369,7 +366,7 @@ def special_files(root: Path) -> dict[str, Path]:
         os.chdir(cwd)
         sock.close()
     made["socket"] = sock_path
-    directory = root / "cpu" / "qwen3" / "step-float32.safetensors.zst"
+    directory = root / CLASS / "qwen3" / "step-float32.safetensors.zst"
     directory.mkdir(parents=True)
     made["directory"] = directory
     return made
@@ -381,11 +378,11 @@ def test_item9_special_files_are_never_read(tmp_path):
     zero = tmp_path / "elsewhere" / "cpu" / "mixtral" / "step-float32.safetensors.zst"
     zero.parent.mkdir(parents=True)
     zero.symlink_to("/dev/zero")
-    dirs = ["--configs", str(REPO / "toy_configs"), "--testdata", str(REPO / "testdata"), "--hardware-class", "cpu"]
+    dirs = ["--configs", str(REPO / "toy_configs"), "--testdata", str(REPO / "testdata"), "--hardware-class", CLASS]
     commands = [["verify", str(root)], ["ls", "--goldens", str(root), *dirs], ["show", str(made["FIFO"])],
                 ["show", str(zero)], ["verify", str(zero)], ["diff", str(REPO / "goldens"), str(root)],
                 ["check", "--goldens", str(root), *dirs, "--model", "llama", "--dtype", "float32"]]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run([sys.executable, "-c", SPECIAL, json.dumps(commands)], capture_output=True, text=True,
                           env=env, timeout=600)
     codes = json.loads(done.stdout.splitlines()[-1])
@@ -414,7 +411,7 @@ def test_item9_the_plugin_reads_through_the_same_reader(tmp_path):
     try:
         with pytest.raises(GoldenError, match=r"not a regular file \(FIFO\)"):
             GoldenExtension.at(root)().read_snapshot_data_from_location(
-                snapshot_location=str(fifo), snapshot_name="cpu/llama/step-float32", session_id="")
+                snapshot_location=str(fifo), snapshot_name=f"{CLASS}/llama/step-float32", session_id="")
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)

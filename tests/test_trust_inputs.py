@@ -16,13 +16,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from golden_repo import REPO, needs_cpu
+from golden_repo import CLASS, REPO
 
 from veosnap.golden import codec, store
 from veosnap.golden.key import GoldenKey
 from veosnap.surfaces.cli import main
 
-LLAMA = GoldenKey("cpu", "llama", "step", "float32")
+LLAMA = GoldenKey(CLASS, "llama", "step", "float32")
 
 
 def data_with(tmp_path: Path, tokens: list, pa_type: pa.DataType = pa.int32()) -> Path:
@@ -38,7 +38,7 @@ def data_with(tmp_path: Path, tokens: list, pa_type: pa.DataType = pa.int32()) -
 
 
 def record(capsys, tmp_path: Path, *extra: str) -> tuple[int, str, str]:  # noqa: ANN001
-    code = main(["record", "--goldens", str(tmp_path / "goldens"), "--hardware-class", "cpu", "--model", "llama",
+    code = main(["record", "--goldens", str(tmp_path / "goldens"), "--hardware-class", CLASS, "--model", "llama",
                  "--dtype", "float32", *extra])
     out, err = capsys.readouterr()
     return code, out, err
@@ -52,7 +52,6 @@ def record(capsys, tmp_path: Path, *extra: str) -> tuple[int, str, str]:  # noqa
     ([], pa.int32(), "sequence 2 is empty"),
     ([5] * 600, pa.int32(), "sequence 2 has 600 tokens, over max_position_embeddings 512 of"),
 ])
-@needs_cpu
 def test_item10_bad_test_data_is_refused_in_one_line_naming_the_file(capsys, tmp_path, tokens, pa_type, cause):
     testdata = data_with(tmp_path, tokens, pa_type)
     code, out, err = record(capsys, tmp_path, "--testdata", str(testdata))
@@ -61,7 +60,6 @@ def test_item10_bad_test_data_is_refused_in_one_line_naming_the_file(capsys, tmp
     assert not (tmp_path / "goldens").exists()
 
 
-@needs_cpu
 def test_item10_a_sequence_over_veosnaps_cap_is_refused_whatever_the_config_allows(capsys, tmp_path):
     configs = tmp_path / "configs"
     shutil.copytree(REPO / "toy_configs" / "llama", configs / "llama")
@@ -83,7 +81,6 @@ def test_item10_a_sequence_over_veosnaps_cap_is_refused_whatever_the_config_allo
     ("vocab_size", 10**9, "about 1.28e+11 parameters, over veosnap's limit of"),
     ("intermediate_size", 10**8, "GiB to record (parameters, gradients, their float64 twins and activations)"),
 ])
-@needs_cpu
 def test_item10_absurd_configs_are_refused_before_anything_is_allocated(capsys, tmp_path, field, value, cause):
     from veosnap.reference import limits
 
@@ -104,7 +101,6 @@ def test_item10_absurd_configs_are_refused_before_anything_is_allocated(capsys, 
     assert peak < 256 << 20
 
 
-@needs_cpu
 def test_item10_a_golden_whose_inputs_leave_the_vocabulary_is_refused_before_the_candidate_runs(capsys, tmp_path):
     g = store.read(REPO / "goldens" / LLAMA.relpath)
     ids = g.tensors["inputs.input_ids"].clone()
@@ -113,7 +109,7 @@ def test_item10_a_golden_whose_inputs_leave_the_vocabulary_is_refused_before_the
     g.manifest.inputs_hash = codec.tensors_hash(g.input_tensors())
     path = tmp_path / "goldens" / LLAMA.relpath
     store.write(g, path)
-    code = main(["check", "--goldens", str(tmp_path / "goldens"), "--hardware-class", "cpu", "--model", "llama",
+    code = main(["check", "--goldens", str(tmp_path / "goldens"), "--hardware-class", CLASS, "--model", "llama",
                  "--dtype", "float32"])
     out, err = capsys.readouterr()
     assert (code, out) == (2, "")

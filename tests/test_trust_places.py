@@ -17,19 +17,19 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
-from golden_repo import REPO, needs_cpu
+from golden_repo import CLASS, REPO
 
 import veosnap
 from veosnap.golden.key import GoldenKey
 from veosnap.reference.zoo import Project
 from veosnap.surfaces.cli import main
 
-LLAMA = GoldenKey("cpu", "llama", "step", "float32")
+LLAMA = GoldenKey(CLASS, "llama", "step", "float32")
 
 
 def pytest_in(project: Path, *args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "VEOSNAP_")) and k != "PYTHONPATH"}
-    env["PYTHONPATH"] = str(REPO)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     plugin = [] if any(ep.value == "veosnap.surfaces.pytest_plugin" for ep in entry_points(group="pytest11")) \
         else ["-p", "veosnap.surfaces.pytest_plugin"]
     return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *plugin, "-q", *args],
@@ -53,13 +53,12 @@ def snapshot(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-@needs_cpu
 def test_item7_a_space_separated_veosnap_configs_dir_does_not_become_the_project(tmp_path):
     other = tmp_path / "other"  # another tree with its own pytest config and goldens
     (other / "toy_configs").mkdir(parents=True)
     shutil.copytree(REPO / "toy_configs" / "llama", other / "toy_configs" / "llama")
     (other / "pyproject.toml").write_text("[tool.pytest.ini_options]\n")
-    for key in (GoldenKey("cpu", "qwen2", "step", "float32"), GoldenKey("cpu", "mixtral", "step", "float32")):
+    for key in (GoldenKey(CLASS, "qwen2", "step", "float32"), GoldenKey(CLASS, "mixtral", "step", "float32")):
         (other / "goldens" / key.relpath).parent.mkdir(parents=True)
         shutil.copyfile(REPO / "goldens" / key.relpath, other / "goldens" / key.relpath)
     before = snapshot(other)
@@ -73,11 +72,10 @@ def test_item7_a_space_separated_veosnap_configs_dir_does_not_become_the_project
     assert (project / "goldens" / LLAMA.relpath).read_bytes() == (REPO / "goldens" / LLAMA.relpath).read_bytes()
 
 
-@needs_cpu
 def test_item7_unused_goldens_are_deleted_only_on_request_and_only_those_the_run_could_have_used(tmp_path):
-    used_class_dtype_scenario = GoldenKey("cpu", "qwen2", "step", "float32")
-    out_of_scope = [GoldenKey("cpu", "llama", "step", "bfloat16"), GoldenKey("cpu", "llama", "train", "float32"),
-                    GoldenKey("cuda-sm90", "llama", "step", "float32")]
+    used_class_dtype_scenario = GoldenKey(CLASS, "qwen2", "step", "float32")
+    out_of_scope = [GoldenKey(CLASS, "llama", "step", "bfloat16"), GoldenKey(CLASS, "llama", "train", "float32"),
+                    GoldenKey("cuda-sm90" if CLASS == "cpu" else "cpu", "llama", "step", "float32")]
     project = project_with(tmp_path / "project", LLAMA, used_class_dtype_scenario, *out_of_scope[:2])
     other_class = project / "goldens" / out_of_scope[2].relpath
     other_class.parent.mkdir(parents=True)
@@ -88,28 +86,27 @@ def test_item7_unused_goldens_are_deleted_only_on_request_and_only_those_the_run
     assert done.returncode == 0, done.stdout
     kept = "1 golden(s) unused (kept: pass --veosnap-delete-unused with --snapshot-update to delete them)."
     assert kept in done.stdout
-    assert "Unused cpu/qwen2/step-float32" in done.stdout and qwen2.is_file()
+    assert f"Unused {CLASS}/qwen2/step-float32" in done.stdout and qwen2.is_file()
 
     done = pytest_in(project, "--snapshot-update", "--veosnap-delete-unused")
     assert done.returncode == 0, done.stdout
     assert "1 unused golden(s) deleted." in done.stdout
-    assert "Deleted cpu/qwen2/step-float32 (goldens/cpu/qwen2/step-float32.safetensors.zst)" in done.stdout
+    assert f"Deleted {CLASS}/qwen2/step-float32 (goldens/{CLASS}/qwen2/step-float32.safetensors.zst)" in done.stdout
     assert not qwen2.exists()
     for key in out_of_scope:  # another dtype, scenario or class than the run used: never deleted
         assert (project / "goldens" / key.relpath).is_file(), key
 
 
-@needs_cpu
 def test_item7_record_writes_to_dot_goldens_creating_it(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    bundled = snapshot(REPO / "goldens" / "cpu" / "llama")
+    bundled = snapshot(REPO / "goldens" / CLASS / "llama")
     dirs = ["--configs", str(REPO / "toy_configs"), "--testdata", str(REPO / "testdata")]
 
     assert main(["record", *dirs, "--model", "llama", "--dtype", "float32"]) == 0
 
     assert capsys.readouterr().out == f"wrote     {Path('goldens') / LLAMA.relpath}\n"  # relative to where it ran
     assert (tmp_path / "goldens" / LLAMA.relpath).read_bytes() == (REPO / "goldens" / LLAMA.relpath).read_bytes()
-    assert snapshot(REPO / "goldens" / "cpu" / "llama") == bundled
+    assert snapshot(REPO / "goldens" / CLASS / "llama") == bundled
 
 
 def test_item7_record_never_writes_into_the_installed_package(tmp_path, capsys):
@@ -122,12 +119,11 @@ def test_item7_record_never_writes_into_the_installed_package(tmp_path, capsys):
         veosnap.record("llama", project=Project.resolve(goldens=inside))
 
 
-@needs_cpu
 @pytest.mark.parametrize("linked", ["model", "class"])
 def test_item7_a_directory_that_is_a_symlink_out_of_the_goldens_root_is_not_written_through(tmp_path, capsys, linked):
     goldens, outside = tmp_path / "goldens", tmp_path / "outside"
     outside.mkdir()
-    link = goldens / "cpu" / "llama" if linked == "model" else goldens / "cpu"
+    link = goldens / CLASS / "llama" if linked == "model" else goldens / CLASS
     link.parent.mkdir(parents=True)
     link.symlink_to(outside, target_is_directory=True)
 

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from golden_repo import REPO, needs_cpu
+from golden_repo import CLASS, REPO, gpus_for
 
 from veosnap.candidates.layouts import torchrun
 from veosnap.surfaces.cli import main
@@ -54,10 +54,11 @@ def wait_for(condition, what: str):  # noqa: ANN001, ANN201
 def start_hanging_ddp_check(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
     private = tmp_path / "tmp"
     private.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(private)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           "TMPDIR": str(private)}
     proc = subprocess.Popen([sys.executable, "-m", "veosnap", "check", "--goldens", str(REPO / "goldens"),
                              "--configs", str(REPO / "toy_configs"), "--testdata", str(REPO / "testdata"),
-                             "--hardware-class", "cpu", "--model", "llama", "--dtype", "float32",
+                             "--hardware-class", CLASS, "--model", "llama", "--dtype", "float32",
                              "--layout", f"{FAULTS}:ddp_hang", "--timeout", "600"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     # Both ranks are up once the worker module runs in two processes besides torchrun.
@@ -65,7 +66,7 @@ def start_hanging_ddp_check(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
     return proc, private
 
 
-@needs_cpu
+@gpus_for(2)  # two ddp ranks: NCCL, one GPU each, on a CUDA machine
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_item11_stopping_a_multi_process_check_ends_torchrun_its_ranks_and_its_temp_directory(tmp_path, sig):
     proc, private = start_hanging_ddp_check(tmp_path)
@@ -76,7 +77,7 @@ def test_item11_stopping_a_multi_process_check_ends_torchrun_its_ranks_and_its_t
     assert list(private.glob("veosnap-layouts-*")) == list(private.glob("torchelastic_*")) == []
 
 
-@needs_cpu
+@gpus_for(2)  # two ddp ranks: NCCL, one GPU each, on a CUDA machine
 def test_item11_a_killed_parent_takes_torchrun_along_and_the_next_run_removes_what_it_left(tmp_path):
     proc, private = start_hanging_ddp_check(tmp_path)
     proc.kill()
@@ -90,7 +91,7 @@ def test_item11_a_killed_parent_takes_torchrun_along_and_the_next_run_removes_wh
     assert list(private.glob("veosnap-layouts-*")) == []
 
 
-@needs_cpu
+@gpus_for(2)  # two ddp ranks: NCCL, one GPU each, on a CUDA machine
 def test_item11_a_live_runs_temp_directory_is_never_taken_for_stale(tmp_path):
     proc, private = start_hanging_ddp_check(tmp_path)
     try:
@@ -132,7 +133,7 @@ def test_item11_the_rank_that_failed_first_is_blamed_not_the_one_torchrun_stoppe
     assert torchrun.explain_failure(STOPPED_AFTER, {}, 1, 9.4) == "rank 1 exited with status 1 after 9 s"
 
 
-@needs_cpu
+@gpus_for(2)  # two ddp ranks: NCCL, one GPU each, on a CUDA machine
 def test_item11_a_real_rank_failure_names_that_rank(tmp_path):
     from veosnap.candidates import backends
     from veosnap.golden.key import GoldenKey
@@ -140,8 +141,8 @@ def test_item11_a_real_rank_failure_names_that_rank(tmp_path):
     from veosnap.runs.check import check
 
     project = Project.resolve(goldens=REPO / "goldens", configs=REPO / "toy_configs", testdata=REPO / "testdata",
-                              hardware_class="cpu")
-    report = check(project, GoldenKey("cpu", "llama", "step", "float32"), backends.resolve("eager"),
+                              hardware_class=CLASS)
+    report = check(project, GoldenKey(CLASS, "llama", "step", "float32"), backends.resolve("eager"),
                    f"{FAULTS}:ddp_last_rank_raises", timeout_s=300)
     assert report.status == "ERROR"
     assert report.error.startswith("rank 1: RuntimeError: the last rank's sampler broke (at "), report.error

@@ -1,17 +1,27 @@
 #!/usr/bin/env bash
 # The project's own pytest on a CUDA machine, in one device command (docs/gpu.md):
 #
-#     bash tools/gpu_pytest.sh [--record] [--part K/N] [PYTEST ARGS...]
+#     bash tools/gpu_pytest.sh [--record] [--part K/N | --jobs N] [PYTEST ARGS...]
 #
-# Installs the carried wheels (.whl/: zstandard, syrupy, transformers 5.24, the GPU kernel libraries)
-# into /tmp/site without a package index, then runs the suite with this checkout on PYTHONPATH. With
-# --record it first records this machine's class's goldens (both scenarios, tools/gpu_session.py
-# record; a tar of them comes back under $OUT/record) so the suite checks goldens of the code it runs.
-# Writes $OUT/env.txt, $OUT/pytest.log and $OUT/junit.xml, and prints a table of outcomes per test
-# file at the end. The whole script keeps to $GPU_PYTEST_BUDGET_S seconds (default 510): pytest is
-# ended when that time is up (-m "not heavy" runs a shorter suite), so the log always comes back inside
-# a 9-minute device command. --part K/N runs the K-th of N slices of the test files (every N-th file,
-# by name), for when one command cannot hold the whole suite. Exit status: pytest's (124: ended).
+# Installs the carried wheels ($GPU_PYTEST_WHEELS, default .whl/: zstandard, syrupy, transformers 5.24,
+# the GPU kernel libraries) into /tmp/site without a package index, then runs the suite with this
+# checkout on PYTHONPATH. With --record it first records this machine's class's goldens (both
+# scenarios, tools/gpu_session.py record; a tar of them comes back under $OUT/record) so the suite
+# checks goldens of the code it runs. Writes $OUT/env.txt, $OUT/pytest.log and $OUT/junit.xml, and
+# prints a table of outcomes per test file at the end. The whole script keeps to $GPU_PYTEST_BUDGET_S
+# seconds (default 510): pytest is ended when that time is up (-m "not heavy" runs a shorter suite), so
+# the log always comes back inside a 9-minute device command. --part K/N runs the K-th of N slices of
+# the test files (every N-th file, by name), for when one command cannot hold the whole suite.
+#
+# --jobs N runs N pytest processes at once, all on the one GPU, on disjoint slices of the test files
+# (tools/pytest_slices.py plan: the slowest files spread first, by tools/test_seconds.txt), each with
+# its own --basetemp, log and junit report, and OMP_NUM_THREADS = TORCHINDUCTOR_COMPILE_THREADS = cores / N
+# (N processes of 16 threads each would oversubscribe the cores), all within the one budget;
+# $OUT/pytest.log holds the slices' logs one after the other, $OUT/junit.xml their merged reports,
+# $OUT/seconds.txt the seconds per file (a refresh of tools/test_seconds.txt), and the table is of all
+# of them. GPU_PYTEST_FILES="tests/test_a.py tests/test_b.py" slices those files only.
+# Exit status: pytest's (124: ended at the budget); with --jobs, 0 when every slice passed, else the
+# first failing slice's.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-pytest-out}
@@ -19,10 +29,11 @@ BUDGET=${GPU_PYTEST_BUDGET_S:-510}
 SECONDS=0
 mkdir -p "$OUT"
 
-if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -3
+WHEELS=${GPU_PYTEST_WHEELS:-.whl}  # the carried folder of wheels (.whl/s: transformers, zstandard, syrupy)
+if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$WHEELS"/*.whl 2>&1 | tail -3
 else
-    echo "no wheels in .whl/: using what this Python has"
+    echo "no wheels in $WHEELS/: using what this Python has"
 fi
 export PYTHONPATH=/tmp/site:$PWD
 
@@ -46,6 +57,7 @@ if [ "${1:-}" = "--record" ]; then
     python3 tools/gpu_session.py record --out "$OUT/record" 2>&1 | tail -40
 fi
 SELECTED=()
+JOBS=0
 if [ "${1:-}" = "--part" ]; then
     K=${2%/*}; N=${2#*/}; shift 2
     i=0
@@ -54,39 +66,62 @@ if [ "${1:-}" = "--part" ]; then
         i=$(( i + 1 ))
     done
     echo "part $K/$N: ${SELECTED[*]}"
+elif [ "${1:-}" = "--jobs" ]; then
+    JOBS=$2; shift 2
 fi
 
 LIMIT=$(( BUDGET - SECONDS - 15 ))  # what is left, less the time to print the summary
 start=$(date +%s)
-timeout --signal=INT --kill-after=10 "$LIMIT" \
-    python3 -m pytest -q -rs -p no:cacheprovider --durations=15 --junitxml="$OUT/junit.xml" "${SELECTED[@]}" "$@" \
-    > "$OUT/pytest.log" 2>&1
-status=$?
-tail -60 "$OUT/pytest.log"
-echo "pytest exit status $status after $(( $(date +%s) - start )) s (limit $LIMIT s)"
+PYTEST=(python3 -m pytest -q -rs -p no:cacheprovider --durations=15)
+if [ "$JOBS" -eq 0 ]; then
+    timeout --signal=INT --kill-after=10 "$LIMIT" \
+        "${PYTEST[@]}" --junitxml="$OUT/junit.xml" "${SELECTED[@]}" "$@" > "$OUT/pytest.log" 2>&1
+    status=$?
+    tail -60 "$OUT/pytest.log"
+    echo "pytest exit status $status after $(( $(date +%s) - start )) s (limit $LIMIT s)"
+    python3 tools/pytest_slices.py table "$OUT/junit.xml"
+    exit $status
+fi
 
-python3 - "$OUT/junit.xml" <<'EOF'
-import sys
-import xml.etree.ElementTree as ET
-from collections import Counter, defaultdict
-
-try:
-    cases = ET.parse(sys.argv[1]).getroot().iter("testcase")
-except (OSError, ET.ParseError) as exc:
-    sys.exit(f"no junit report ({exc})")
-rows, seconds = defaultdict(Counter), Counter()
-for case in cases:
-    parts = case.get("classname", "?").split(".")
-    where = next((part for part in parts if part.startswith("test_")), parts[0])
-    outcome = next((child.tag for child in case if child.tag in ("failure", "error", "skipped")), "passed")
-    rows[where][outcome] += 1
-    seconds[where] += float(case.get("time", 0))
-print(f"{'test file':28s} {'passed':>7s} {'failed':>7s} {'error':>7s} {'skipped':>8s} {'seconds':>8s}")
-for where in sorted(rows):
-    c = rows[where]
-    print(f"{where:28s} {c['passed']:7d} {c['failure']:7d} {c['error']:7d} {c['skipped']:8d} {seconds[where]:8.1f}")
-total = sum(rows.values(), Counter())
-print(f"{'total':28s} {total['passed']:7d} {total['failure']:7d} {total['error']:7d} {total['skipped']:8d} "
-      f"{sum(seconds.values()):8.1f}")
-EOF
+SLICES=$(mktemp -d /tmp/gpu-pytest-slices.XXXXXX)  # the slices' own files; only merged ones go to $OUT
+THREADS=$(( $(nproc) / JOBS )); [ "$THREADS" -ge 1 ] || THREADS=1
+read -ra ONLY <<< "${GPU_PYTEST_FILES:-}"  # a few files instead of tests/test_*.py (to try the mode)
+mapfile -t PLAN < <(python3 tools/pytest_slices.py plan "$JOBS" "${ONLY[@]}")
+pids=(); names=()
+set -m  # job control: without it a background job ignores SIGINT, and the budget's INT could not end pytest
+for k in "${!PLAN[@]}"; do
+    [ -n "${PLAN[$k]}" ] || continue  # more slices than files: an empty slice would run the whole suite
+    read -ra files <<< "${PLAN[$k]}"
+    echo "slice $(( k + 1 ))/$JOBS: ${files[*]}"
+    (
+        export OMP_NUM_THREADS=$THREADS TORCHINDUCTOR_COMPILE_THREADS=$THREADS
+        timeout --signal=INT --kill-after=10 "$LIMIT" \
+            "${PYTEST[@]}" --basetemp="$SLICES/tmp-$(( k + 1 ))" --junitxml="$SLICES/junit-$(( k + 1 )).xml" \
+            "${files[@]}" "$@" > "$SLICES/pytest-$(( k + 1 )).log" 2>&1
+        echo "$? $(( $(date +%s) - start ))" > "$SLICES/status-$(( k + 1 ))"
+    ) &
+    pids+=($!); names+=($(( k + 1 )))
+done
+set +m
+wait "${pids[@]}"
+status=0
+for k in "${names[@]}"; do
+    read -r s took < "$SLICES/status-$k"
+    echo "slice $k/$JOBS: pytest exit status $s after $took s (limit $LIMIT s)" | tee -a "$SLICES/status.txt"
+    if [ "$s" -ne 0 ] && [ "$s" -ne 5 ] && [ "$status" -eq 0 ]; then status=$s; fi  # 5: nothing collected there
+done
+for k in "${names[@]}"; do
+    { echo "=== slice $k/$JOBS: ${PLAN[$(( k - 1 ))]}"; cat "$SLICES/pytest-$k.log"; } >> "$OUT/pytest.log"
+done
+cat "$SLICES/status.txt" >> "$OUT/pytest.log"
+for k in "${names[@]}"; do
+    echo "--- slice $k/$JOBS, last lines"
+    tail -25 "$SLICES/pytest-$k.log"
+done
+cat "$SLICES/status.txt"
+reports=(); for k in "${names[@]}"; do reports+=("$SLICES/junit-$k.xml"); done
+python3 tools/pytest_slices.py table "${reports[@]}" --merged "$OUT/junit.xml" --seconds "$OUT/seconds.txt" \
+    || { [ "$status" -ne 0 ] || status=1; }
+rm -rf "$SLICES"
+echo "gpu_pytest --jobs $JOBS: exit status $status after $SECONDS s"
 exit $status

@@ -483,8 +483,9 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=1,
                         help="record: record in this many processes on the one GPU (default 1)")
     args = parser.parse_args()
-    # `record` also runs where tools/simulate_class.py makes the CPU another class (its goldens for the suite).
-    if not torch.cuda.is_available() and not (args.phase == "record" and hardware.detect() != "cpu"):
+    # tools/simulate_class.py makes a CPU answer a GPU class: its `record` runs there, on the CPU.
+    simulated_record = args.phase == "record" and hardware.detect() != "cpu"
+    if not torch.cuda.is_available() and not simulated_record:
         print(f"gpu_session {args.phase}: skipped, no CUDA device here (this script records and checks GPU goldens)")
         return
     args.out.mkdir(parents=True, exist_ok=True)
