@@ -63,8 +63,10 @@ EXPECTED = {
     ("qwen3_omni_moe", "audio", "eager", "ddp"): ("fail", "audio.0.output"),
     ("qwen3_omni_moe", "audio", "eager", "fsdp2"): ("fail", "audio.0.output"),
 }
-# transformers declines flex attention for most of these classes (the tests check it says so).
-DECLINES_FLEX = "does not support an attention implementation through torch's flex_attention"
+# transformers declines flex attention for most of these classes, and on CUDA veosnap's flex backend declines
+# toy head dims below 16 (inductor's limit; qwen3_vl_moe's vision tower has 8): the tests check they say so.
+DECLINES_FLEX = ("does not support an attention implementation through torch's flex_attention",
+                 "flex_attention on CUDA needs attention head dims of at least 16")
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +103,7 @@ def test_every_backend_and_layout_passes(project: Project, model: str, scenario:
     for cell in cells:
         where = f"{model}/{scenario} {cell.backend}/{cell.layout}: {cell.status} {cell.reason}"
         if cell.backend == "flex_attention" and cell.status == "skip":
-            assert DECLINES_FLEX in cell.reason, where
+            assert any(reason in cell.reason for reason in DECLINES_FLEX), where
             continue
         status, words = _expected(model, scenario, cell.backend, cell.layout)
         assert cell.status == status and words in cell.reason, where

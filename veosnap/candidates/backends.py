@@ -277,6 +277,13 @@ def flex_attention(model: nn.Module) -> nn.Module | Candidate:
     """transformers' `flex_attention`; forward only where torch has no flex backward (CPU)."""
     attention("flex_attention")(model)
     if next(model.parameters()).device.type != "cpu":
+        # Inductor's flex kernel refuses head dims below 16 ("NYI: embedding dimension ... at least 16"), which
+        # toy vision towers have (qwen3_vl_moe's: 8): a decline, not an error of the check.
+        small = sorted({m.head_dim for m in model.modules() if isinstance(getattr(m, "head_dim", None), int)
+                        and m.head_dim < 16})
+        if small:
+            raise Unsupported(f"flex_attention on CUDA needs attention head dims of at least 16 (torch inductor's "
+                              f"flex kernel); this model has head dim {', '.join(map(str, small))}")
         return model
     if any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules()):
         raise Unsupported("flex_attention cannot run attention sinks on CPU")
