@@ -165,12 +165,22 @@ def phase_record(project: Project, out: Path, models: list[str], chosen: list[st
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor, as_completed
 
-        threads = max(1, (os.cpu_count() or jobs) // jobs)
-        with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        # this process's thread share (OMP_NUM_THREADS under gpu_pytest.sh --jobs), not the whole machine's
+        threads = max(1, torch.get_num_threads() // jobs)
+        pool = ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"))
+        try:
             futures = [pool.submit(record_one, roots, project.hardware_class, key, deadline, threads) for key in keys]
             for future in as_completed(futures):
                 rows.append(future.result())
                 print(_said(rows[-1]), flush=True)
+        except BaseException:
+            # Interrupted (Ctrl-C, a test's timeout): a shutdown that waits would wait on a hung worker for
+            # ever, so the workers are killed (the pool has no public way to) and the error goes on.
+            for worker in list(getattr(pool, "_processes", {}).values()):
+                worker.kill()
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        pool.shutdown()
     wall = round(time.perf_counter() - started, 1)
     left = [(r["model"], r["scenario"]) for r in rows if r.get("left")]
     if left:
