@@ -85,6 +85,8 @@ LIMIT=$(( BUDGET - SECONDS - 15 ))  # what is left, less the time to print the s
 start=$(date +%s)
 PYTEST=(python3 -m pytest -q -rs -p no:cacheprovider --durations=15)
 TEST_TIMEOUT=${GPU_PYTEST_TEST_TIMEOUT_S:-240}
+# gpu_session.py's recording workers print their stacks before the test's timeout ends them
+export GPU_SESSION_STACKS_AFTER_S=$(( TEST_TIMEOUT * 3 / 4 ))
 if python3 -c "import pytest_timeout" 2>/dev/null; then
     PYTEST+=(--timeout="$TEST_TIMEOUT" --timeout-method=signal)
 else
