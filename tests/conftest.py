@@ -56,3 +56,56 @@ def scratch_project(tmp_path: Path) -> Project:
     shutil.copytree(ROOT / "testdata", tmp_path / "testdata")
     return Project.resolve(goldens=tmp_path / "goldens", configs=tmp_path / "toy_configs",
                            testdata=tmp_path / "testdata", hardware_class=CLASS)
+
+
+# --- sharing one GPU among parallel pytest processes (tools/gpu_pytest.sh --jobs N) ------------------
+# Each slice is its own pytest process on the one GPU. Its caching allocator keeps the peak of any test it
+# ran until the process ends, so one slice's big test could starve the others for the rest of the run
+# (the H200's first --jobs 10 run: CUBLAS_STATUS_ALLOC_FAILED in another slice's cublasCreate). So after a
+# test that left more than CACHE_KEPT_BYTES cached, the cache goes back to the driver; with
+# $VEOSNAP_TEST_CUDA_MEMORY_FRACTION a slice takes at most that share of the GPU (a test over it fails
+# there, with the OOM naming it, instead of a neighbour failing); with $VEOSNAP_TEST_CUDA_PEAKS each test's
+# peak reserved memory is appended to that file (`MiB node id`), to see which tests are heavy.
+CACHE_KEPT_BYTES = 1 << 30
+
+
+def _cuda_in_use():  # noqa: ANN202 - torch, where a test of this process used CUDA
+    import sys
+
+    torch = sys.modules.get("torch")
+    return torch if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+
+_capped: set[int] = set()  # processes whose share is set (a fork's child sets its own)
+
+
+def _cap(torch) -> None:  # noqa: ANN001
+    # Set once CUDA is in use, never by initialising it here: a test that forks must find CUDA untouched.
+    fraction = os.environ.get("VEOSNAP_TEST_CUDA_MEMORY_FRACTION")
+    if fraction and os.getpid() not in _capped:
+        torch.cuda.set_per_process_memory_fraction(float(fraction))
+        _capped.add(os.getpid())
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    torch = _cuda_in_use()
+    if torch is not None:
+        _cap(torch)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    torch = _cuda_in_use()
+    if torch is None:
+        return
+    _cap(torch)
+    peaks = os.environ.get("VEOSNAP_TEST_CUDA_PEAKS")
+    if peaks:
+        with open(peaks, "a", encoding="utf-8") as fh:
+            fh.write(f"{torch.cuda.max_memory_reserved() >> 20} {item.nodeid}\n")
+        torch.cuda.reset_peak_memory_stats()
+    if torch.cuda.memory_reserved() > CACHE_KEPT_BYTES:
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()

@@ -20,7 +20,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
-from golden_repo import CLASS, committed_golden
+from golden_repo import CLASS, ON_CUDA, committed_golden
 
 import veosnap
 
@@ -31,6 +31,11 @@ LLAMA = Path(f"goldens/{CLASS}/llama/step-float32.safetensors.zst")  # recorded 
 QWEN3_MOE = Path(f"goldens/{CLASS}/qwen3_moe/step-float32.safetensors.zst")
 QWEN2 = Path(f"goldens/{CLASS}/qwen2/step-float32.safetensors.zst")  # committed for every class; no test checks it
 PLANTED_BUG = ("running_sum = running_sum * rescale + ", "running_sum = running_sum + ")
+# The unused-golden bookkeeping (which goldens a run reached, what it may delete) is the same on every
+# device, and its tests are the file's slowest (4-6 fresh pytest processes each, 230 s of the H200's 455 s):
+# a GPU run leaves them to the CPU suite and keeps the tests whose checks and recordings run on the device.
+bookkeeping = pytest.mark.skipif(ON_CUDA, reason="device-independent unused-golden bookkeeping: the CPU suite "
+                                                 "runs it")
 
 
 def example_files() -> dict[str, str]:
@@ -220,6 +225,7 @@ def unused_golden(project: Path) -> Path:
     return unused
 
 
+@bookkeeping
 def test_unused_goldens_fail_a_full_run_are_kept_by_partial_runs_and_deleted_only_on_request(project: Path) -> None:
     unused = unused_golden(project)
 
@@ -262,6 +268,7 @@ def test_a_real_shape_golden_is_not_unused_when_the_suite_checks_toys_only(proje
     assert real.is_file()
 
 
+@bookkeeping
 def test_a_veosnap_test_skipped_before_its_check_keeps_unused_goldens(project: Path) -> None:
     unused = unused_golden(project)
     (project / "tests" / "test_gpu.py").write_text(
@@ -284,6 +291,7 @@ def test_a_hardware_class_without_goldens_skips_with_the_reason(recorded: Path) 
     assert f"no goldens for hardware class {other}" in run.output
 
 
+@bookkeeping
 def test_under_xdist_only_the_unused_golden_is_deleted(project: Path) -> None:
     pytest.importorskip("xdist")
     unused = unused_golden(project)

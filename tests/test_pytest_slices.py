@@ -62,6 +62,17 @@ def test_a_file_without_a_measured_time_counts_as_the_median():
     assert plan == [["tests/test_b.py"], ["tests/test_a.py", "tests/test_new.py"]]
 
 
+def test_files_named_together_share_one_slice_whole_even_when_marked_split():
+    seconds = {"test_a": 300, "test_b": 250, "test_c": 100, "test_d": 90, "test_e": 60, "test_f": 10}
+    files = [f"tests/{name}.py" for name in seconds]
+    together = ["tests/test_c.py", "tests/test_e.py", "tests/test_f.py"]
+    plan = slices.plan(files, 3, seconds, {"test_c"}, together=together)
+    [heavy] = [s for s in plan if "tests/test_c.py" in s]
+    assert set(together) <= set(heavy) and not any("::" in f for s in plan for f in s)
+    assert sorted(f for s in plan for f in s) == sorted(files)
+    assert slices.plan(files, 3, seconds) != plan  # without it, c and e go to different slices
+
+
 def junit(path: Path, cases: list[tuple[str, str, float, str | None]]) -> Path:
     suite = ET.Element("testsuite")
     for classname, name, seconds, outcome in cases:

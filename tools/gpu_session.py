@@ -111,10 +111,24 @@ def _cost(project: Project, key: tuple[str, str, str]) -> tuple[int, str]:
 
 
 def record_one(roots: tuple[Path, Path, Path], hardware_class: str, key: tuple[str, str, str], deadline: float,
-               threads: int = 0) -> dict:
+               threads: int = 0, stacks_after_s: float = 0) -> dict:
     """Record one golden (model, scenario, dtype) unless the wall-clock `deadline` passed; a row of record.json.
     Runs in a worker process with --jobs (so it takes paths, not a Project, and catches everything: one
-    golden's failure must not end the others)."""
+    golden's failure must not end the others). With `stacks_after_s`, a recording still running after that
+    many seconds prints the worker's stacks to stderr (and goes on): what a hung worker was waiting for."""
+    if stacks_after_s > 0:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(stacks_after_s, exit=False)
+    try:
+        return _record_one(roots, hardware_class, key, deadline, threads)
+    finally:
+        if stacks_after_s > 0:
+            faulthandler.cancel_dump_traceback_later()
+
+
+def _record_one(roots: tuple[Path, Path, Path], hardware_class: str, key: tuple[str, str, str], deadline: float,
+                threads: int) -> dict:
     model, scenario, dtype = key
     row: dict = {"model": model, "scenario": scenario, "dtype": dtype}
     if time.time() > deadline:
@@ -165,12 +179,24 @@ def phase_record(project: Project, out: Path, models: list[str], chosen: list[st
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor, as_completed
 
-        threads = max(1, (os.cpu_count() or jobs) // jobs)
-        with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = [pool.submit(record_one, roots, project.hardware_class, key, deadline, threads) for key in keys]
+        # this process's thread share (OMP_NUM_THREADS under gpu_pytest.sh --jobs), not the whole machine's
+        threads = max(1, torch.get_num_threads() // jobs)
+        stacks_after_s = float(os.environ.get("GPU_SESSION_STACKS_AFTER_S") or 0)  # set by gpu_pytest.sh
+        pool = ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"))
+        try:
+            futures = [pool.submit(record_one, roots, project.hardware_class, key, deadline, threads, stacks_after_s)
+                       for key in keys]
             for future in as_completed(futures):
                 rows.append(future.result())
                 print(_said(rows[-1]), flush=True)
+        except BaseException:
+            # Interrupted (Ctrl-C, a test's timeout): a shutdown that waits would wait on a hung worker for
+            # ever, so the workers are killed (the pool has no public way to) and the error goes on.
+            for worker in list(getattr(pool, "_processes", {}).values()):
+                worker.kill()
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        pool.shutdown()
     wall = round(time.perf_counter() - started, 1)
     left = [(r["model"], r["scenario"]) for r in rows if r.get("left")]
     if left:

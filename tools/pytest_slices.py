@@ -1,6 +1,6 @@
 """Slices of the test files for parallel pytest processes, and one table of their outcomes (tools/gpu_pytest.sh).
 
-    python tools/pytest_slices.py plan N [FILE...]  # N lines: the test files of each slice
+    python tools/pytest_slices.py plan N [FILE...] [--together FILE...]  # N lines: each slice's test files
     python tools/pytest_slices.py table JUNIT... [--merged FILE] [--seconds FILE]
 
 `plan` spreads the files (default `tests/test_*.py`) over N slices so that the slowest slice is as
@@ -9,8 +9,10 @@ short as it can be made greedily: files longest first, each onto the slice with 
 listed counts as the median of the listed ones). A file marked `split` that alone would take longer than
 an even share (total / N) is cut into that many parts by its test functions (`file::test_name`, found in
 its source, the file's time shared by function): mark only files whose module- and session-scoped
-fixtures are cheap, since each part sets them up again. Slices are disjoint and cover every test; a
-slice may be empty when N exceeds the number of files.
+fixtures are cheap, since each part sets them up again. Files named by `--together` go whole into one
+slice (one process runs them one after another): gpu_pytest.sh puts the tests that hold much GPU memory
+there, so that no two of them run at once. Slices are disjoint and cover every test; a slice may be empty
+when N exceeds the number of files.
 
 `table` reads the junit reports of the slices and prints one table of outcomes and seconds per test file
 (and the total); `--merged` writes them as one junit document, `--seconds` writes the per-file seconds in
@@ -65,16 +67,20 @@ def test_functions(path: Path) -> list[str]:
 
 
 def plan(files: list[str], n: int, seconds: dict[str, float], split: frozenset[str] | set[str] = frozenset(),
-         functions=test_functions) -> list[list[str]]:  # noqa: ANN001
+         functions=test_functions, together: list[str] | tuple[str, ...] = ()) -> list[list[str]]:  # noqa: ANN001
     """`files` in `n` disjoint slices, longest first onto the least loaded slice (ties: by name); a file in
-    `split` longer than total / n goes in parts of its test functions (`functions(path)`)."""
+    `split` longer than total / n goes in parts of its test functions (`functions(path)`); the `files` named
+    in `together` go whole into one slice."""
     if n < 1:
         raise ValueError(f"--jobs needs at least 1 slice, not {n}")
     default = statistics.median(seconds.values()) if seconds else 1.0
     cost = {f: seconds.get(Path(f).stem, default) for f in files}
     share = sum(cost.values()) / n
     units: list[tuple[float, list[str]]] = []  # (seconds, pytest arguments) placed whole
-    for f in files:
+    group = [f for f in files if f in together]
+    if group:
+        units.append((sum(cost[f] for f in group), group))
+    for f in (f for f in files if f not in group):
         parts = math.ceil(cost[f] / share) if Path(f).stem in split and share > 0 else 1
         ids = functions(Path(f)) if parts > 1 else []
         parts = min(parts, len(ids))
@@ -134,6 +140,7 @@ def main() -> int:
     p = sub.add_parser("plan", help="print N slices of tests/test_*.py, one per line")
     p.add_argument("n", type=int)
     p.add_argument("files", nargs="*", help="the test files to slice (default: tests/test_*.py)")
+    p.add_argument("--together", nargs="*", default=[], help="test files to put whole into one slice")
     t = sub.add_parser("table", help="one table of the slices' junit reports")
     t.add_argument("reports", nargs="+", type=Path)
     t.add_argument("--merged", type=Path, help="write the reports as one junit document here")
@@ -141,7 +148,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.command == "plan":
         files = args.files or sorted(str(f.relative_to(ROOT)) for f in (ROOT / "tests").glob("test_*.py"))
-        for s in plan(files, args.n, *read_weights()):
+        for s in plan(files, args.n, *read_weights(), together=args.together):
             print(" ".join(s))
         return 0
     return table(args.reports, args.merged, args.seconds)
