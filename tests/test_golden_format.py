@@ -6,9 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from golden_repo import REPO
+from golden_repo import CLASS, REPO
 
-from veosnap.errors import GoldenError
 from veosnap.golden import codec, names, store
 from veosnap.golden.key import GoldenKey
 from veosnap.golden.manifest import Manifest, TrainHyper
@@ -51,25 +50,19 @@ def test_anything_else_is_not_a_golden_tensor(text):
 
 
 ZOO = Project.resolve(goldens=REPO / "goldens", configs=REPO / "toy_configs", testdata=REPO / "testdata",
-                      hardware_class="cpu")
+                      hardware_class=CLASS)
 
 
 def committed() -> list:
-    """Every committed golden that reads. The cuda-sm90 ones predate the manifest hash and are refused for
-    exactly that until they are re-recorded on the H200; the cpu ones must all read."""
-    readable = []
-    for key, path in store.list_goldens(REPO / "goldens"):
-        try:
-            readable.append((key, path, store.read(path)))
-        except GoldenError as exc:
-            assert key.hardware_class != "cpu" and exc.cause.startswith("no manifest hash: "), exc
-    # every toy model: each scenario with a golden file of its own that it can run, in both dtypes (100); the
-    # real-shape tier: the two whose cpu goldens are committed (step, float32)
-    expected = {GoldenKey("cpu", model, scenario.recorded, dtype)
-                for model in ZOO.models() for scenario in scenarios.applicable(load_config(ZOO.configs, model).config)
-                for dtype in ("float32", "bfloat16")}
-    expected |= {GoldenKey("cpu", model, "step", "float32") for model in ("qwen3-real", "qwen3_moe-real-small")}
-    assert {key for key, _, _ in readable if key.hardware_class == "cpu"} == expected
+    """Every committed golden, read: each class holds every toy model's scenarios that have a golden file of
+    their own, in both dtypes (100); the cpu class also the two real-shape goldens recorded on a CPU."""
+    readable = [(key, path, store.read(path)) for key, path in store.list_goldens(REPO / "goldens")]
+    toys = {(model, scenario.recorded, dtype)
+            for model in ZOO.models() for scenario in scenarios.applicable(load_config(ZOO.configs, model).config)
+            for dtype in ("float32", "bfloat16")}
+    real = {(model, "step", "float32") for model in ("qwen3-real", "qwen3_moe-real-small")}
+    for cls, expected in (("cpu", toys | real), ("cuda-sm90", toys)):
+        assert {(k.model, k.scenario, k.dtype) for k, _, _ in readable if k.hardware_class == cls} == expected, cls
     return readable
 
 
