@@ -163,7 +163,7 @@ def record_encoder_outputs(model: nn.Module) -> Iterator[dict[str, list[torch.Te
         def hook(_module: nn.Module, _inputs: tuple, output: object, name: str = str(name)) -> None:
             hidden = output[0] if isinstance(output, (tuple, list)) else output
             hidden = getattr(hidden, "last_hidden_state", hidden)
-            outputs.setdefault(name, []).append(full(hidden.detach()).to("cpu", copy=True))
+            outputs.setdefault(name, []).append(host_copy(full(hidden)))
 
         handles.append(module.register_forward_hook(hook))
     try:
