@@ -4,6 +4,7 @@ The phases themselves need CUDA and say so here."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tarfile
@@ -84,8 +85,10 @@ gpu_real = pytest.importorskip("gpu_real")
 
 
 def test_gpu_real_without_cuda_skips_and_plans(tmp_path):
+    # "without CUDA" on every machine: on a GPU box the bare command would record the whole real tier
+    no_gpu = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     done = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_real.py"), "--out", str(tmp_path)],
-                          capture_output=True, text=True, cwd=ROOT)
+                          capture_output=True, text=True, cwd=ROOT, env=no_gpu)
     assert done.returncode == 0 and "skipped, no CUDA device" in done.stdout, done.stderr
     assert list(tmp_path.iterdir()) == []
     done = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_real.py"), "--plan", "--model", "qwen3-real",
