@@ -181,3 +181,61 @@ def test_an_unknown_backend_names_the_built_ins(capsys: pytest.CaptureFixture) -
     assert main(["check", "--model", "llama", "--backend", "sdpa+flash_nonexistent"]) == 2
     err = capsys.readouterr().err
     assert "unknown backend 'flash_nonexistent'" in err and "flex_attention" in err
+
+
+class _GroupedAttention(torch.nn.Module):
+    """What HF's SDPA attention function reads from an attention module: its key/value groups."""
+
+    num_key_value_groups = 4
+    is_causal = True
+
+
+def _attention_call(mask: bool) -> tuple:
+    q = torch.randn(1, 8, 16, 32)
+    kv = torch.randn(1, 2, 16, 32)
+    attention_mask = torch.ones(1, 1, 16, 16, dtype=torch.bool).tril() if mask else None
+    return _GroupedAttention(), q, kv, kv.clone(), attention_mask
+
+
+def test_an_sdpa_kernel_that_cannot_run_the_models_call_declines_with_torchs_reasons() -> None:
+    # On the CPU torch has no efficient kernel at all: the real HF call fails as on the H200, where the
+    # efficient kernel refuses HF's unmasked grouped-query call (enable_gqa).
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    declining = backends.declining_sdpa("efficient", sdpa_attention_forward)
+    with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION), pytest.raises(backends.Unsupported) as declined:
+        declining(*_attention_call(mask=False), dropout=0.0, scaling=None)
+    reason = str(declined.value)
+    assert reason.startswith("SDPA's efficient kernel cannot run this model's attention call")
+    assert "8 query and 2 key/value heads, grouped" in reason
+    assert "no mask" in reason and "head_dim 32" in reason
+
+
+def test_an_sdpa_kernel_that_runs_the_call_returns_its_output_and_other_errors_stay_errors() -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    declining = backends.declining_sdpa("math", sdpa_attention_forward)
+    for mask in (False, True):
+        with sdpa_kernel(SDPBackend.MATH):
+            out, _ = declining(*_attention_call(mask), dropout=0.0, scaling=None)
+        assert out.shape == (1, 16, 8, 32)
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        backends.declining_sdpa("efficient", broken)(*_attention_call(mask=False))
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="needs CUDA: the SDPA kernels are chosen per call on the GPU")
+def test_sdpa_kernels_on_an_unpadded_grouped_query_golden_skip_or_pass_never_error(project: Project) -> None:
+    # qwen3_moe-real-small's batch is one unpadded row: HF calls SDPA without a mask and with enable_gqa,
+    # which the efficient kernel refuses (H200, 2026-12-01: "No available kernel" errors before the fix).
+    for spec in ("sdpa_efficient", "sdpa_flash", "sdpa_cudnn"):
+        report = check(project, key(project, "qwen3_moe-real-small", "bfloat16"), backends.resolve(spec))
+        assert not report.error, (spec, report.error)
+        assert report.passed or report.skipped, (spec, report.worst)
+    efficient = check(project, key(project, "qwen3_moe-real-small", "bfloat16"), backends.resolve("sdpa_efficient"))
+    assert "grouped" in efficient.skipped and "no mask" in efficient.skipped

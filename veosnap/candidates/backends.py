@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import warnings
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -240,28 +241,67 @@ for _version, _requires in _FLASH_ATTENTION.items():
     register(f"flash_attention_{_version}", requires=_requires)(_flash_attention(_version, _requires))
 
 
+# torch's errors when no enabled SDPA kernel accepts a call (CUDA; CPU)
+NO_KERNEL = ("No available kernel", "No viable backend for scaled_dot_product_attention")
+
+
+def declining_sdpa(kernel: str, sdpa: Callable) -> Callable:
+    """HF's SDPA attention function `sdpa`, run under one of torch's kernels: where that kernel cannot run
+    the model's attention call as HF makes it, `Unsupported` with torch's reasons (a skip, not an error).
+
+    Which call HF makes depends on the model and on the batch, so only the real call can tell: with grouped
+    key/value heads and no mask (an unpadded batch) HF passes `enable_gqa=True`, which torch's efficient
+    kernel refuses; with a mask (a padded batch) it repeats the key/value heads, which it runs; flash runs
+    the unmasked call and refuses the masked one."""
+
+    def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  *args: object, **kwargs: object) -> object:
+        try:
+            return sdpa(module, query, key, value, *args, **kwargs)
+        except RuntimeError as exc:
+            if not any(said in str(exc) for said in NO_KERNEL):
+                raise
+            # Torch says why each kernel declined in warnings; the second call fails the same way, at once.
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                try:
+                    sdpa(module, query, key, value, *args, **kwargs)
+                except RuntimeError:
+                    pass
+            why = "; ".join(dict.fromkeys(" ".join(str(w.message).split())[:200] for w in said)) or str(exc)
+            gqa = query.shape[1] != key.shape[1]
+            raise Unsupported(f"SDPA's {kernel} kernel cannot run this model's attention call ({query.dtype}, "
+                              f"{query.shape[1]} query and {key.shape[1]} key/value heads"
+                              f"{', grouped' if gqa else ''}, head_dim {query.shape[-1]}, "
+                              f"{'with' if kwargs.get('attention_mask', args[0] if args else None) is not None else 'no'}"
+                              f" mask): {why}") from None
+
+    return attention
+
+
 def _sdpa_kernel(kernel: str) -> BackendFn:
     """SDPA pinned to one of torch's kernels (flash, efficient, cudnn, math), where it applies."""
 
     def apply(model: nn.Module) -> Iterator[nn.Module]:
         from torch.nn.attention import SDPBackend, sdpa_kernel
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
         backend = getattr(SDPBackend, {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
                                         "cudnn": "CUDNN_ATTENTION", "math": "MATH"}[kernel])
-        param = next(model.parameters())
-        # The golden's batch is padded: HF passes a mask, which some kernels refuse. Ask first, on a
-        # tiny call shaped like HF's, so an inapplicable kernel is a skip and not an error.
-        q = torch.zeros(1, 2, 4, 16, device=param.device, dtype=param.dtype)
-        mask = torch.zeros(1, 1, 4, 4, device=param.device, dtype=param.dtype)
+        attention("sdpa")(model)
+        # Declined at the model's own attention call (its shapes, its mask), not on a stand-in probe: a
+        # probe cannot know whether HF will pass a mask or enable_gqa for this batch.
+        had = "sdpa" in ALL_ATTENTION_FUNCTIONS._local_mapping
+        before = ALL_ATTENTION_FUNCTIONS["sdpa"]
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = declining_sdpa(kernel, before)
         try:
             with sdpa_kernel(backend):
-                torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask)
-        except RuntimeError as exc:
-            raise Unsupported(f"SDPA's {kernel} kernel cannot run a masked {param.dtype} attention here "
-                              f"({str(exc).splitlines()[0][:120]})") from None
-        attention("sdpa")(model)
-        with sdpa_kernel(backend):
-            yield model
+                yield model
+        finally:
+            if had:
+                ALL_ATTENTION_FUNCTIONS["sdpa"] = before
+            else:
+                del ALL_ATTENTION_FUNCTIONS["sdpa"]
 
     apply.__doc__ = f"SDPA restricted to torch's `{kernel}` kernel."
     return apply
