@@ -91,12 +91,18 @@ def test_gpu_real_without_cuda_skips_and_plans(tmp_path):
                           capture_output=True, text=True, cwd=ROOT, env=no_gpu)
     assert done.returncode == 0 and "skipped, no CUDA device" in done.stdout, done.stderr
     assert list(tmp_path.iterdir()) == []
-    done = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_real.py"), "--plan", "--model", "qwen3-real",
-                           "--dtype", "float32", "--jobs", "2"], capture_output=True, text=True, cwd=ROOT)
+    plan = [sys.executable, str(ROOT / "tools" / "gpu_real.py"), "--plan", "--model", "qwen3-real", "--dtype", "float32",
+            "--jobs", "2"]
+    done = subprocess.run([*plan, "--rerecord"], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert "| record qwen3-real float32 |" in done.stdout and "| check qwen3-real float32 compile |" in done.stdout
     # the record (which runs eager and sdpa too), 7 other backends and compile; 1 of the 2 workers records
     assert "9 units" in done.stdout and "on 2 workers (1 recording)" in done.stdout
+    # by default a cuda-sm90 golden in goldens/ (the H200's, committed) is kept and only checked
+    done = subprocess.run(plan, capture_output=True, text=True, cwd=ROOT)
+    assert "| record qwen3-real float32 |" not in done.stdout and "8 units" in done.stdout, done.stdout[-500:]
+    done = subprocess.run([*plan, "--exclude", "qwen3-real/float32"], capture_output=True, text=True, cwd=ROOT)
+    assert "0 units" in done.stdout, done.stdout[-500:]
 
 
 def test_units_wait_for_their_golden_and_share_the_memory():
@@ -177,3 +183,40 @@ def test_gpu_real_abandons_what_still_runs_at_stop_s_and_writes_what_it_has(tmp_
     assert [g["status"] for g in result["goldens"]] == ["abandoned at --stop-s 1"]
     assert result["not_reached"] == ["check llama float32 sdpa_math"]
     assert sorted(f.name for f in out.iterdir()) == ["real.json", "real.txt"]
+
+
+def fake_unit_oom_unless_alone(project, unit):
+    """A worker's unit as the H200 saw it under sharing: out of memory beside others; 'always' models are
+    out of memory even alone."""
+    if unit.alone and unit.model != "always":
+        return {"status": "recorded", "written": True, "alone": True}
+    return {"status": "OutOfMemoryError: CUDA out of memory. Tried to allocate 348.00 MiB", "alone": unit.alone}
+
+
+def test_a_unit_out_of_memory_beside_others_is_taken_again_alone_once():
+    U = gpu_real.Unit
+    units = [U("record", m, "float32", gib=1) for m in ("a", "always")]
+    # both record workers are given a unit at once (no wait between): each ran beside the other
+    done = gpu_real.run(None, units, {"record": 2, "check": 1}, capacity_gib=100, budget_s=3600,
+                        weight_cache=False, work=fake_unit_oom_unless_alone)
+    outcome = {r["unit"].model: (r["status"].split(".")[0], r["alone"]) for r in done["results"]}
+    assert outcome == {"a": ("recorded", True),
+                       "always": ("OutOfMemoryError: CUDA out of memory", True)}  # retried once, then reported
+    assert len(done["results"]) == 2 and done["not_reached"] == []
+
+
+def test_a_unit_out_of_memory_alone_is_not_taken_again():
+    done = gpu_real.run(None, [gpu_real.Unit("record", "always", "float32", gib=1)], {"record": 1, "check": 1},
+                        capacity_gib=100, budget_s=3600, weight_cache=False, work=fake_unit_oom_unless_alone)
+    assert [(r["status"].split(":")[0], r["alone"]) for r in done["results"]] == [("OutOfMemoryError", False)]
+
+
+def test_a_unit_marked_alone_waits_for_the_gpu_to_drain_and_nothing_starts_beside_it():
+    U = gpu_real.Unit
+    alone, other = U("check", "m", "float32", "sdpa", gib=1, alone=True), U("check", "n", "float32", "eager", gib=1)
+    recorded = {("m", "float32"), ("n", "float32")}
+    assert gpu_real.next_unit([alone, other], recorded, [U("check", "x", "float32", "eager")], 100, set()) is None
+    assert gpu_real.next_unit([alone, other], recorded, [], 100, set()) == alone
+    assert gpu_real.next_unit([other], recorded, [alone], 100, {("m", "float32")}) is None
+    assert gpu_real.out_of_memory({"status": "OutOfMemoryError: CUDA out of memory."})
+    assert not gpu_real.out_of_memory({"status": "recorded"})

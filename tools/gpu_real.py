@@ -2,11 +2,12 @@
 legitimate backend, several worker processes sharing the GPU.
 
     python tools/gpu_real.py --out DIR [--jobs 4] [--record-jobs 2] [--budget-s 400] [--stop-s 500]
-                             [--dtype D]... [--model M]... [--no-compile]
+                             [--dtype D]... [--model M]... [--backends B,C] [--no-compile] [--rerecord]
     python tools/gpu_real.py --plan [--jobs 4] ...   # no GPU needed: the estimated schedule, what fits
 
 Work comes in units: `record (model, dtype)` and `check (model, dtype, backend)`, the checks after their
-golden's record. A record is `veosnap record`: the reference, its float64 twin, then the fragility check
+golden's record. A golden of this class already in goldens/ is kept and only checked (`--rerecord`
+records it again). A record is `veosnap record`: the reference, its float64 twin, then the fragility check
 (the shipped `eager`, `sdpa`, and on MoE models `grouped_mm` and `batched_mm`, against the new golden);
 their reports are the matrix's cells for those backends, and a golden they fail is FRAGILE: reported, not
 written, left out of the tars. Records run on `--record-jobs` workers that run nothing else, so they stay
@@ -55,14 +56,20 @@ COMPILE_MODELS = ["qwen3-real", "qwen3_moe-real-small"]  # the smallest dense an
 RECORD_JUDGES = ("eager", "sdpa", "grouped_mm", "batched_mm")  # `record.VARIANTS`, run by the record units
 MAX_FILES = 8
 
-# Time model for --plan, from the H200 runs of tools/bench_scale.py (docs/scale.md, 2026-11-30: 0.78B and
-# 1.25B parameters at 8,136 tokens: build 6.0-8.5 s, record 16-27 s, check 6-9 s, f+b 0.06-0.85 s).
-# Per billion parameters (B) and per B x thousand tokens (Bkt). Estimates, not measurements.
-BUILD_S_PER_B = 7.0  # drawing the deterministic weights on the host, then the copy to the GPU
-CACHED_BUILD_S_PER_B = 1.5  # the same weights from this worker's cache: allocation, copy, host to device (guess)
-F64_S_PER_BKT = 1.2  # the recorder's float64 twin, forward and backward
+# Time model for --plan, fitted to the H200 run of this script (2026-12-01, docs/results/h200-2026-12-01b,
+# 4 workers sharing the GPU): B is billions of parameters, Bkt B x thousand batch positions. A record unit
+# (reference, float64 twin, the judges) took 9.2 + 20.4 B + 0.84 Bkt s: within 20% of all 7 measured
+# records but qwen3-real's (9.8 s measured, 13 s modelled), e.g. llama-real 44-53 s, mixtral-real 79 s.
+RECORD_FIXED_S = 9.2
+RECORD_S_PER_B = 20.4
+RECORD_S_PER_BKT = 0.84
+BUILD_S_PER_B = 10.5  # a check's first build in a worker: drawing the weights (mixtral-real 34.5 s, llama 14-17)
+CACHED_BUILD_S_PER_B = 1.5  # the same weights from this worker's cache (llama-real checks 2.3-6 s)
+CHECK_FIXED_S = 1.0  # reading the golden, comparing
 STEP_S_PER_BKT = {"float32": 0.09, "bfloat16": 0.012}  # one candidate step, TF32 off
-COMPILE_S = 60.0  # an inductor compile of a real-shape model (guess: "minutes" for both dtypes)
+COMPILE_S = 50.0  # an inductor compile (qwen3-real: 49-53 s; qwen3_moe-real-small after it: 12-13 s)
+FLEX_S = 6.0  # flex_attention's own compile (qwen3-real 3.5-5.9 s against 0.5-1.1 s for SDPA)
+LIGER_MOE_S = 135.0  # liger on a MoE model (qwen3_moe-real-small 131-135 s; mixtral-real's passed 4+ min)
 PROCESS_START_S = 12.0  # a spawned worker importing torch and transformers
 
 
@@ -74,6 +81,7 @@ class Unit:
     backend: str = ""
     gib: float = 0.0  # memory estimate (GPU)
     est_s: float = 0.0  # time estimate (for --plan)
+    alone: bool = False  # run with no other unit beside it (a retry after a CUDA OOM among others)
 
     @property
     def label(self) -> str:
@@ -81,10 +89,12 @@ class Unit:
 
 
 def plan_units(project: Project, models: list[str], dtypes: list[str], specs: list[str],
-               compile_models: list[str], cached: bool = True) -> list[Unit]:
+               compile_models: list[str], cached: bool = True, have: frozenset = frozenset(),
+               exclude: frozenset = frozenset()) -> list[Unit]:
     """Every unit, in the order they are taken: smallest model first; per (model, dtype) its record, then
-    its checks (the heaviest backend last)."""
-    from realshape_memory import estimate
+    its checks (the heaviest backend last). `have`: the (model, dtype) pairs whose golden is kept as it is
+    (no record unit; their checks start at once). `exclude`: (model, dtype) pairs left out entirely."""
+    from realshape_memory import estimate, planned_gib
 
     from veosnap.reference import limits, models as vmodels
 
@@ -98,17 +108,16 @@ def plan_units(project: Project, models: list[str], dtypes: list[str], specs: li
         e = sizes[model]
         b, kt = e["parameters"] / 1e9, e["rows"] * e["width"] / 1000
         moe = e.get("moe", True)
-        for dtype in dtypes:
-            judges = [j for j in RECORD_JUDGES if moe or j not in ("grouped_mm", "batched_mm")]
-            per_judge = (CACHED_BUILD_S_PER_B if cached else BUILD_S_PER_B) * b + STEP_S_PER_BKT[dtype] * b * kt
-            judge_s = len(judges) * per_judge
-            record_s = 2 * BUILD_S_PER_B * b + F64_S_PER_BKT * b * kt + judge_s
-            units.append(Unit("record", model, dtype, gib=e["record_gib"], est_s=record_s))
+        for dtype in [d for d in dtypes if (model, d) not in exclude]:
+            record_s = RECORD_FIXED_S + RECORD_S_PER_B * b + RECORD_S_PER_BKT * b * kt
+            if (model, dtype) not in have:
+                units.append(Unit("record", model, dtype, gib=planned_gib(e, "record", dtype), est_s=record_s))
             for i, spec in enumerate([s for s in specs if s not in RECORD_JUDGES]
                                      + (["compile"] if model in compile_models else [])):
                 build = (CACHED_BUILD_S_PER_B if cached and i else BUILD_S_PER_B) * b
-                step = STEP_S_PER_BKT[dtype] * b * kt + (COMPILE_S if spec == "compile" else 0.0)
-                gib = e["check_gib"]
+                step = CHECK_FIXED_S + STEP_S_PER_BKT[dtype] * b * kt + {
+                    "compile": COMPILE_S, "flex_attention": FLEX_S, "liger": LIGER_MOE_S if moe else 0.0}.get(spec, 0.0)
+                gib = planned_gib(e, "check", dtype)
                 if "batched_mm" in spec.split("+"):  # it copies each chosen expert's weights per token
                     toy = load_config(project.configs, model)
                     gib += limits.batched_mm_bytes(toy, e["rows"] * e["width"], vmodels.dtype_from_name(dtype)) / 2**30
@@ -120,8 +129,11 @@ def next_unit(pending: list[Unit], recorded: set[tuple[str, str]], running: list
               busy: set[tuple[str, str]], free: tuple[str, ...] = ("record", "check")) -> Unit | None:
     """The first pending unit that may start now: a worker of its kind `free`, its golden recorded (checks),
     no other unit of its (model, dtype) running (one worker draws its weights, the next reuses them), and
-    its memory fitting. A unit larger than the whole capacity starts alone."""
+    its memory fitting. A unit larger than the whole capacity starts alone; so does a unit marked `alone`,
+    and nothing starts beside it (nor after it is next in line, until the GPU has drained)."""
     used = sum(u.gib for u in running)
+    if any(u.alone for u in running):
+        return None
     for unit in pending:
         pair = (unit.model, unit.dtype)
         if unit.kind not in free:
@@ -130,6 +142,8 @@ def next_unit(pending: list[Unit], recorded: set[tuple[str, str]], running: list
             continue
         if pair in busy:
             continue
+        if unit.alone:
+            return None if running else unit
         if used + unit.gib <= capacity_gib or not running:
             return unit
     return None
@@ -152,10 +166,11 @@ def _free(workers: dict[str, int], running: list[Unit]) -> tuple[str, ...]:
     return tuple(k for k, n in workers.items() if sum(u.kind == k for u in running) < n)
 
 
-def simulate(units: list[Unit], workers: dict[str, int], capacity_gib: float, budget_s: float = math.inf) -> dict:
+def simulate(units: list[Unit], workers: dict[str, int], capacity_gib: float, budget_s: float = math.inf,
+             have: frozenset = frozenset()) -> dict:
     """The schedule `run` would follow if every unit took its estimate: when each starts and ends.
     `workers`: how many workers take records and how many take checks."""
-    clock, pending, running, recorded, rows = PROCESS_START_S, list(units), [], set(), []
+    clock, pending, running, recorded, rows = PROCESS_START_S, list(units), [], set(have), []
     while pending or running:
         busy = {(u.model, u.dtype) for u, _ in running}
         now = [u for u, _ in running]
@@ -224,6 +239,18 @@ def _peak_gib() -> float:
     return round(torch.cuda.max_memory_allocated() / 2**30, 1) if torch.cuda.is_available() else 0.0
 
 
+def _reserved_gib() -> float:
+    """What the caching allocator held at most: what the other workers could not have (the H200 run's
+    llama-real record allocated 72 GiB at most but held 134 GiB before expandable segments)."""
+    return round(torch.cuda.max_memory_reserved() / 2**30, 1) if torch.cuda.is_available() else 0.0
+
+
+def out_of_memory(out: dict) -> bool:
+    """Whether a unit's outcome is a CUDA out-of-memory error (a check's report or a record's status)."""
+    said = f"{getattr(out.get('report'), 'error', None) or ''} {out.get('status', '')}"
+    return "OutOfMemoryError" in said or "CUDA out of memory" in said
+
+
 def run_unit(project: Project, unit: Unit) -> dict:
     """One unit, in a worker: a record's row and its judges' reports, or a check's report (pickled back).
     The worker's cached GPU memory is given back after it, for the units of the other workers."""
@@ -245,16 +272,18 @@ def _run_unit(project: Project, unit: Unit) -> dict:
     if unit.kind == "check":
         report = check(project, key, backends.resolve(unit.backend))
         return {"report": report, "seconds": round(time.perf_counter() - t, 1), "peak_gib": _peak_gib(),
-                "pid": os.getpid()}
+                "reserved_gib": _reserved_gib(), "pid": os.getpid()}
     try:
         assert not pristine.touched(), "a record worker ran a candidate"  # else `recorded` records in a child
         golden = record.recorded(project, key).golden
         data, note = record.stored_bytes(project, golden)
         row = {"status": "recorded", "record_s": round(time.perf_counter() - t, 1), "peak_gib": _peak_gib(),
+               "reserved_gib": _reserved_gib(),
                "bytes": len(data), "min_margin": min(golden.manifest.min_margin.values(), default=None), "note": note}
     except Exception as exc:  # noqa: BLE001 - one golden's failure (an OOM, a near-tie) must not end the run
         return {"status": f"{type(exc).__name__}: {exc}".splitlines()[0][:400],
-                "seconds": round(time.perf_counter() - t, 1), "peak_gib": _peak_gib(), "pid": os.getpid()}
+                "seconds": round(time.perf_counter() - t, 1), "peak_gib": _peak_gib(), "reserved_gib": _reserved_gib(),
+                "pid": os.getpid()}
     # The fragility check of `veosnap record`, its reports kept: the matrix's cells for these backends.
     reports = {}
     moe = bool(golden.route_layers())
@@ -280,9 +309,15 @@ def _run_unit(project: Project, unit: Unit) -> dict:
 
 
 def run(project: Project, units: list[Unit], workers: dict[str, int], capacity_gib: float, budget_s: float,
-        stop_s: float = math.inf, weight_cache: bool = True, on_done=None) -> dict:  # noqa: ANN001
+        stop_s: float = math.inf, weight_cache: bool = True, on_done=None, work=None,  # noqa: ANN001
+        have: frozenset = frozenset()) -> dict:
     """Run `units` on worker processes (`workers`: how many take records, how many checks) within the
-    memory capacity and time budget. Returns every unit's outcome and what was not reached."""
+    memory capacity and time budget. Returns every unit's outcome and what was not reached.
+
+    A unit that ran out of GPU memory while another unit ran beside it is taken again once, alone (the
+    estimates are of allocated memory; another worker's allocator may hold more). `work(project, unit)` is
+    what a worker runs (`run_unit`; tests pass a stand-in)."""
+    work = work or run_unit
     start = time.perf_counter()
     threads = max(1, (os.cpu_count() or 1) // sum(workers.values()))
     context = multiprocessing.get_context("spawn")  # CUDA cannot be forked
@@ -292,7 +327,8 @@ def run(project: Project, units: list[Unit], workers: dict[str, int], capacity_g
                                    initargs=(threads, weight_cache))
 
     pools = {kind: pool(kind) for kind, n in workers.items() if n}
-    pending, running, recorded, failed, results = list(units), {}, set(), set(), []
+    pending, running, recorded, failed, results = list(units), {}, set(have), set(), []
+    shared: dict = {}  # future -> whether another unit ran beside it at some time
     while pending or running:
         for unit in [u for u in pending if u.kind == "check" and (u.model, u.dtype) in failed]:
             pending.remove(unit)
@@ -303,8 +339,13 @@ def run(project: Project, units: list[Unit], workers: dict[str, int], capacity_g
             tuple(k for k in _free(workers, now) if k in pools))
         if unit is not None:
             pending.remove(unit)
-            running[pools[unit.kind].submit(run_unit, project, unit)] = unit
-            print(f"{time.perf_counter() - start:6.0f} s  start {unit.label} ({unit.gib:.0f} GiB est.)", flush=True)
+            for other in running:
+                shared[other] = True
+            future = pools[unit.kind].submit(work, project, unit)
+            shared[future] = bool(running)
+            running[future] = unit
+            print(f"{time.perf_counter() - start:6.0f} s  start {unit.label} ({unit.gib:.0f} GiB est."
+                  f"{', alone' if unit.alone else ''})", flush=True)
             continue
         if not running:
             break
@@ -338,6 +379,11 @@ def run(project: Project, units: list[Unit], workers: dict[str, int], capacity_g
                 pools[unit.kind] = pool(unit.kind)
             except Exception as exc:  # noqa: BLE001
                 out = {"status": f"{type(exc).__name__}: {exc}".splitlines()[0][:400]}
+            if out_of_memory(out) and shared.pop(future, False) and not unit.alone:
+                pending.insert(0, dataclasses.replace(unit, alone=True))
+                print(f"{time.perf_counter() - start:6.0f} s  OOM   {unit.label} beside other units: again, alone",
+                      flush=True)
+                continue
             if unit.kind == "record":
                 (recorded if out.get("written") else failed).add((unit.model, unit.dtype))
             results.append({"unit": unit, **out})
@@ -382,7 +428,7 @@ def _summaries(project: Project, done: dict, out: Path, models: list[str], dtype
         kind, model, dtype, *_ = label.split(" ")
         if kind == "record":
             goldens.append({"model": model, "dtype": dtype, "status": "not run (over --budget-s)"})
-    rows = [matrix.Row(m, d) for m in models for d in dtypes]
+    rows = [matrix.Row(m, d) for m in models for d in dtypes if any((c.model, c.dtype) == (m, d) for c in cells)]
     columns = list(dict.fromkeys([*(j for j in RECORD_JUDGES if any(c.backend == j for c in cells)), *specs]))
     single = matrix.Matrix(rows, [matrix.Column(s) for s in columns], [c for c in cells if c.backend != "compile"])
     compiled = matrix.Matrix([r for r in rows if any(c.backend == "compile" and (c.model, c.dtype) == (r.model, r.dtype)
@@ -393,17 +439,31 @@ def _summaries(project: Project, done: dict, out: Path, models: list[str], dtype
     return goldens, single, compiled, data
 
 
+def existing(project: Project, models: list[str], dtypes: list[str]) -> frozenset:
+    """The (model, dtype) pairs whose step golden of this class is in the project already."""
+    from veosnap.golden import store
+
+    return frozenset((m, d) for m in models for d in dtypes
+                     if store.path_for(project.goldens, GoldenKey(project.hardware_class, m, "step", d)).exists())
+
+
 def phase_real(project: Project, out: Path, models: list[str], dtypes: list[str], specs: list[str],
                compile_models: list[str], workers: dict[str, int], capacity_gib: float, budget_s: float,
-               stop_s: float = math.inf, weight_cache: bool = True) -> dict:
-    """Record and check; write DIR's files; return what `real.json` holds."""
+               stop_s: float = math.inf, weight_cache: bool = True, keep_goldens: bool = False,
+               exclude: frozenset = frozenset()) -> dict:
+    """Record and check; write DIR's files; return what `real.json` holds. The goldens already in
+    the project are checked as they are, not recorded again (`keep_goldens`)."""
     import gpu_session
 
     from veosnap.render import text as render_text
     from veosnap.runs import verify
 
-    units, too_large = fitting(plan_units(project, models, dtypes, specs, compile_models, weight_cache), capacity_gib)
-    plan = simulate(units, workers, capacity_gib, budget_s)
+    have = existing(project, models, dtypes) if keep_goldens else frozenset()
+    units, too_large = fitting(plan_units(project, models, dtypes, specs, compile_models, weight_cache, have,
+                                          exclude), capacity_gib)
+    plan = simulate(units, workers, capacity_gib, budget_s, have)
+    if have:
+        print(f"kept as they are (checked, not recorded): {sorted(have)}", flush=True)
     jobs = sum(workers.values())
     print(f"{len(units)} units on {workers} workers within {capacity_gib:.0f} GiB; estimated end "
           f"{plan['end_s']:.0f} s, not reached by the estimate: {len(plan['not_reached'])}", flush=True)
@@ -414,7 +474,7 @@ def phase_real(project: Project, out: Path, models: list[str], dtypes: list[str]
         print(f"{at:6.0f} s  done  {r['unit'].label}: {status} {ratio} ({r.get('seconds', '')} s, "
               f"{r.get('peak_gib', '')} GiB)", flush=True)
 
-    done = run(project, units, workers, capacity_gib, budget_s, stop_s, weight_cache, on_done=progress)
+    done = run(project, units, workers, capacity_gib, budget_s, stop_s, weight_cache, on_done=progress, have=have)
     done["results"] += [{"unit": u, "status": "skip", "reason": why} for u, why in too_large]
     goldens, single, compiled, data = _summaries(project, done, out, models, dtypes, specs)
     mine = {(g["model"], g["dtype"]) for g in goldens if g.get("written")}
@@ -469,6 +529,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-compile", action="store_true", help=f"leave out compile on {', '.join(COMPILE_MODELS)}")
     parser.add_argument("--no-weight-cache", action="store_true", help="draw every model's weights in every check")
     parser.add_argument("--plan", action="store_true", help="print the estimated schedule; run nothing")
+    parser.add_argument("--exclude", action="append", default=[], metavar="MODEL/DTYPE",
+                        help="leave this (model, dtype) out: no record, no checks (e.g. gpt_oss-real/bfloat16)")
+    parser.add_argument("--rerecord", action="store_true",
+                        help="record every golden again (default: the goldens of this class already in goldens/ "
+                             "are kept and only checked)")
     args = parser.parse_args(argv)
     project = Project.resolve(goldens=ROOT / "goldens", configs=ROOT / "toy_configs", testdata=ROOT / "testdata",
                               hardware_class="cuda-sm90" if args.plan else None)
@@ -476,6 +541,10 @@ def main(argv: list[str] | None = None) -> int:
     for m in models:
         load_config(project.configs, m)
     dtypes = args.dtype or ["bfloat16", "float32"]
+    exclude = frozenset(tuple(pair.split("/", 1)) for pair in args.exclude)
+    for pair in exclude:
+        if len(pair) != 2 or pair[1] not in ("float32", "bfloat16"):
+            parser.error(f"--exclude {'/'.join(pair)}: expected MODEL/DTYPE, e.g. gpt_oss-real/bfloat16")
     specs = args.backends.split(",") if args.backends else REAL_BACKENDS
     compile_models = [] if args.no_compile else [m for m in COMPILE_MODELS if m in models]
     cache = not args.no_weight_cache
@@ -485,8 +554,10 @@ def main(argv: list[str] | None = None) -> int:
     workers = {"record": args.record_jobs, "check": args.jobs - args.record_jobs}
     if args.plan:
         capacity = args.capacity_gib or 0.92 * 139.8
-        units, too_large = fitting(plan_units(project, models, dtypes, specs, compile_models, cache), capacity)
-        plan = simulate(units, workers, capacity, args.budget_s)
+        have = frozenset() if args.rerecord else existing(project, models, dtypes)
+        units, too_large = fitting(plan_units(project, models, dtypes, specs, compile_models, cache, have, exclude),
+                                   capacity)
+        plan = simulate(units, workers, capacity, args.budget_s, have)
         serial = sum(u.est_s for u in units)
         print(f"| unit | GiB (est.) | start s | end s |\n|---|---|---|---|")
         for r in plan["started"]:
@@ -499,6 +570,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{len(plan['not_reached'])} ({', '.join(plan['not_reached'][:12])}"
               f"{' ...' if len(plan['not_reached']) > 12 else ''})")
         return 0
+    # Set before the workers start (they inherit it): freed blocks go back to the GPU instead of staying
+    # reserved in fragments, so workers sharing the GPU see what the others no longer use.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     if not torch.cuda.is_available():
         print("gpu_real: skipped, no CUDA device here (it records and checks the cuda real-shape goldens; "
               "--plan estimates without one)")
@@ -511,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     capacity = args.capacity_gib or 0.92 * torch.cuda.get_device_properties(0).total_memory / 2**30
     phase_real(project, args.out, models, dtypes, runnable, compile_models, workers, capacity, args.budget_s,
-               args.stop_s, cache)
+               args.stop_s, cache, keep_goldens=not args.rerecord, exclude=exclude)
     return 0
 
 

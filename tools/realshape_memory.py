@@ -11,8 +11,11 @@ allocated): parameters, the golden batch's rows, width and real tokens, and esti
   which `limits.check_memory` leaves out;
 - check: float32 weights and gradients, and the same activations in float32.
 
-Estimates, not measurements (`tools/gpu_real.py` reports each unit's peak on the H200). Prints
-a markdown table; `--json` for machines.
+Estimates, not measurements (`tools/gpu_real.py` reports each unit's peak on the H200). They are upper
+bounds of what torch allocates: the H200 run of 2026-12-01 measured 61-100% of the record estimate and
+54-100% of the check estimate (`H200_MEASURED_GIB`). `planned_gib` is what `tools/gpu_real.py` schedules
+with: the measured peak plus the allocator's headroom where there is one, else the estimate. Prints a
+markdown table; `--json` for machines.
 
 `--measure` measures instead, on this machine (CPU: resident memory): it records each model's float32
 step golden into a scratch directory phase by phase, as `veosnap record` and `veosnap refresh` run it
@@ -38,6 +41,31 @@ ATTENTION_TRANSIENT = 2  # scores and masked scores, alive while one layer's sof
 H200_GIB = 139.8  # what torch reports as the H200's total memory
 CPU_BUDGET_GIB = 12.0  # what a recording may take on the 24 GiB, 2-core CI machine shared with others
 
+# Peak GPU memory allocated (GiB) on the H200 by tools/gpu_real.py, 2026-12-01 (docs/results/h200-2026-12-01b):
+# a record (the same in both dtypes: its float64 twin dominates) and the largest check of each dtype.
+H200_MEASURED_GIB = {
+    "qwen2-real": {"record": 49.0, "bfloat16": 21.2, "float32": 24.6},
+    "qwen3-real": {"record": 7.7, "bfloat16": 3.1, "float32": 3.9},
+    "qwen3_moe-real-small": {"record": 7.1, "bfloat16": 1.9, "float32": 3.6},
+    "llama-real": {"record": 72.1, "bfloat16": 29.7, "float32": 36.1},
+    "qwen3_moe-real": {"record": 81.1, "bfloat16": 32.0},
+    "mixtral-real": {"record": 63.9, "bfloat16": 21.0},
+    "gpt_oss-real": {"record": 62.9},
+}
+# What a worker's caching allocator holds beyond its peak allocation. Without expandable segments the
+# llama-real record held 133.8 GiB for a 72 GiB peak (another worker's check ran out of memory beside it);
+# tools/gpu_real.py sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True and empties the cache per unit.
+ALLOCATOR_HEADROOM = 1.25
+
+
+def planned_gib(estimated: dict, kind: str, dtype: str) -> float:
+    """The GiB a unit (`kind`: record or check) is scheduled with: measured peak x headroom, else the
+    estimate (`estimated`: a row of `estimate`)."""
+    measured = H200_MEASURED_GIB.get(estimated["model"], {}).get("record" if kind == "record" else dtype)
+    if measured is not None:
+        return measured * ALLOCATOR_HEADROOM
+    return estimated["record_gib" if kind == "record" else "check_gib"]
+
 
 def estimate(project: Project, name: str) -> dict:
     toy = load_config(project.configs, name)
@@ -57,6 +85,12 @@ def estimate(project: Project, name: str) -> dict:
             "tokens": tokens, "sequences": len(toy.batch.sequences) if toy.batch else rows,
             "distinct_ids": toy.batch.distinct if toy.batch else None,
             "record_gib": record / 2**30, "check_gib": check / 2**30}
+
+
+def _measured(model: str) -> str:
+    m = H200_MEASURED_GIB.get(model, {})
+    show = [f"{m[k]:.0f}" if k in m else "?" for k in ("record", "bfloat16", "float32")]
+    return f"{show[0]}, {show[1]} / {show[2]}" if m else "not measured"
 
 
 def _real(toy) -> str:  # noqa: ANN001
@@ -145,13 +179,14 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(rows, indent=2))
         return 0
     print("| model | real config | parameters | batch rows x width (tokens, sequences) | record GiB (est.) | "
-          "check GiB (est.) | where it can be recorded |")
-    print("|---|---|---|---|---|---|---|")
+          "check GiB (est.) | H200 peak GiB: record, check bf16 / f32 | where it can be recorded |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         where = ("cpu + H200" if r["record_gib"] <= CPU_BUDGET_GIB else
                  "H200" if r["record_gib"] <= H200_GIB else "too big for one H200")
         print(f"| {r['model']} | {r['real_config']} | {r['parameters'] / 1e9:.2f}B | {r['rows']} x {r['width']} "
-              f"({r['tokens']}, {r['sequences']}) | {r['record_gib']:.1f} | {r['check_gib']:.1f} | {where} |")
+              f"({r['tokens']}, {r['sequences']}) | {r['record_gib']:.1f} | {r['check_gib']:.1f} | "
+              f"{_measured(r['model'])} | {where} |")
     return 0
 
 
