@@ -229,7 +229,7 @@ def test_an_sdpa_kernel_that_runs_the_call_returns_its_output_and_other_errors_s
         backends.declining_sdpa("efficient", broken)(*_attention_call(mask=False))
 
 
-@pytest.mark.skipif(not ON_CUDA, reason="needs CUDA: the SDPA kernels are chosen per call on the GPU")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the SDPA kernels are chosen per call on the GPU")
 def test_sdpa_kernels_on_an_unpadded_grouped_query_golden_skip_or_pass_never_error(project: Project) -> None:
     # qwen3_moe-real-small's batch is one unpadded row: HF calls SDPA without a mask and with enable_gqa,
     # which the efficient kernel refuses (H200, 2026-12-01: "No available kernel" errors before the fix).

@@ -91,8 +91,8 @@ def test_gpu_real_without_cuda_skips_and_plans(tmp_path):
                           capture_output=True, text=True, cwd=ROOT, env=no_gpu)
     assert done.returncode == 0 and "skipped, no CUDA device" in done.stdout, done.stderr
     assert list(tmp_path.iterdir()) == []
-    plan = [sys.executable, str(ROOT / "tools" / "gpu_real.py"), "--plan", "--model", "qwen3-real", "--dtype", "float32",
-            "--jobs", "2"]
+    plan = [sys.executable, str(ROOT / "tools" / "gpu_real.py"), "--plan", "--model", "qwen3-real",
+            "--dtype", "float32", "--jobs", "2"]
     done = subprocess.run([*plan, "--rerecord"], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert "| record qwen3-real float32 |" in done.stdout and "| check qwen3-real float32 compile |" in done.stdout

@@ -269,12 +269,11 @@ def declining_sdpa(kernel: str, sdpa: Callable) -> Callable:
                 except RuntimeError:
                     pass
             why = "; ".join(dict.fromkeys(" ".join(str(w.message).split())[:200] for w in said)) or str(exc)
-            gqa = query.shape[1] != key.shape[1]
+            grouped = ", grouped" if query.shape[1] != key.shape[1] else ""
+            masked = kwargs.get("attention_mask", args[0] if args else None) is not None
             raise Unsupported(f"SDPA's {kernel} kernel cannot run this model's attention call ({query.dtype}, "
-                              f"{query.shape[1]} query and {key.shape[1]} key/value heads"
-                              f"{', grouped' if gqa else ''}, head_dim {query.shape[-1]}, "
-                              f"{'with' if kwargs.get('attention_mask', args[0] if args else None) is not None else 'no'}"
-                              f" mask): {why}") from None
+                              f"{query.shape[1]} query and {key.shape[1]} key/value heads{grouped}, head_dim "
+                              f"{query.shape[-1]}, {'with' if masked else 'no'} mask): {why}") from None
 
     return attention
 
