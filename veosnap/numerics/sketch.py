@@ -368,13 +368,28 @@ def group_counts(spec: SketchSpec, row_mask: torch.Tensor | None = None) -> torc
 
 @dataclass(frozen=True)
 class CandidateSketch:
-    """A candidate tensor reduced on its device the way its golden was."""
+    """A candidate tensor reduced on its device the way its golden was. Nothing here has been read on
+    the host: `nonfinite_rows` and `first_nonfinite_row` wait for the device (`compare_sketches` reads
+    them with every other figure in one transfer)."""
 
     values: torch.Tensor  # (groups, width)
     counts: torch.Tensor  # (groups,) rows counted per group
     off_support: torch.Tensor | None  # (rows,) exact norms of rows outside the golden's support (0 inside)
-    nonfinite_rows: int = 0
-    first_nonfinite_row: int = -1
+    nonfinite: torch.Tensor | None = None  # (rows,) bool: rows with a NaN/Inf (padding too); None: none
+
+    @property
+    def nonfinite_rows(self) -> int:
+        return 0 if self.nonfinite is None else int(self.nonfinite.sum())
+
+    @property
+    def first_nonfinite_row(self) -> int:
+        return int(_first_true(self.nonfinite)) if self.nonfinite_rows else -1
+
+
+def _first_true(mask: torch.Tensor) -> torch.Tensor:
+    """The index of the first True along the last dimension of a non-empty bool tensor (0 when none), on
+    its device."""
+    return mask.to(torch.int32).argmax(-1)  # argmax gives the first of equal maxima
 
 
 def sketch_candidate(x: torch.Tensor, golden: GoldenSketch, *, row_mask: torch.Tensor | None = None,
@@ -393,16 +408,14 @@ def candidate_from_rows(rs: RowSketch, golden: GoldenSketch, *, dtype: torch.dty
     _check_rows(rs, spec, name)
     _check_mask(row_mask, spec, name)
     # Non-finite values anywhere fail, padding included, as they do for a whole tensor.
+    # Counted on the host only when compared (one transfer for every tensor): no sync here.
     bad = ~(torch.isfinite(rs.sumsq) & torch.isfinite(rs.values).all(dim=1))
-    nonfinite = int(bad.sum())
-    first = int(bad.nonzero()[0, 0]) if nonfinite else -1
     support = None if golden.support is None else golden.support.to(rs.values.device)
     values, _, counts = _groups(rs, spec, row_mask, support, storage_dtype(dtype))
     off = None
     if support is not None:
         off = rs.sumsq.index_fill(0, support, 0).clamp(min=0).sqrt()
-    return CandidateSketch(values=values, counts=counts, off_support=off, nonfinite_rows=nonfinite,
-                           first_nonfinite_row=first)
+    return CandidateSketch(values=values, counts=counts, off_support=off, nonfinite=bad)
 
 
 @dataclass(frozen=True)
@@ -478,6 +491,109 @@ def compare_sketch(golden: GoldenSketch, candidate: torch.Tensor | CandidateSket
     fields = {"rows_over": over, "groups": compared + outside, "rows": counted + outside}
     if off_error > error:
         return replace(result, error=off_error, group=-1, first_row=row, last_row=row, group_rows=1, estimate=False, **fields)
+    return replace(result, **fields)
+
+
+def compare_sketches(pairs: Sequence[tuple[GoldenSketch, CandidateSketch, float, str]]) -> list[SketchError]:
+    """`compare_sketch` of many tensors at once, (golden, candidate sketch, bound, name) each: the same
+    numbers (the same float64 operations, element by element), from one batched pass per sketch shape
+    and ONE transfer to the host at the end, instead of several kernel launches and host syncs per
+    tensor. A check compares tens of sketched tensors: on a GPU their syncs, not their arithmetic, were
+    the cost."""
+    for golden, candidate, _, name in pairs:
+        if tuple(candidate.values.shape) != tuple(golden.values.shape):
+            raise VeosnapError(f"{name}: candidate sketch {list(candidate.values.shape)} but golden "
+                               f"{list(golden.values.shape)}")
+    # Per tensor, the figures the host needs, as float64 (integers below 2**53 are exact):
+    # error, worst group, groups over the bound, groups compared, rows in the worst group, rows counted,
+    # non-finite rows, first non-finite row, worst off-support error, its row, off-support rows over.
+    batches: dict[tuple, list[int]] = {}
+    for i, (golden, candidate, _, _) in enumerate(pairs):
+        key = (tuple(golden.values.shape), golden.values.dtype, candidate.values.dtype, candidate.counts.dtype,
+               candidate.values.device)
+        batches.setdefault(key, []).append(i)
+    by_device: dict[torch.device, list[tuple[list[int], torch.Tensor]]] = {}
+    for (shape, _, _, _, device), members in batches.items():
+        by_device.setdefault(device, []).append((members, _batch_figures([pairs[i] for i in members], shape, device)))
+    host: list[list[float]] = [[]] * len(pairs)
+    for parts in by_device.values():  # one transfer per device (a check has one)
+        values = torch.cat([figures for _, figures in parts]).cpu().tolist()
+        for i, row in zip([i for members, _ in parts for i in members], values):
+            host[i] = row
+    return [_sketch_error(golden, candidate, bound, name, row)
+            for (golden, candidate, bound, name), row in zip(pairs, host)]
+
+
+def _batch_figures(pairs: Sequence[tuple[GoldenSketch, CandidateSketch, float, str]], shape: tuple[int, ...],
+                   device: torch.device) -> torch.Tensor:
+    """`compare_sketches`' figures (n, 11) of tensors whose sketches have one shape, on their device (no sync)."""
+    n = len(pairs)
+    f64 = torch.float64
+    zeros = torch.zeros(n, dtype=f64, device=device)
+    counts = torch.stack([c.counts for _, c, _, _ in pairs])  # (n, G)
+    counted = counts.sum(1).to(f64)
+    if shape[0]:
+        # As compare_sketch: the float64 difference, its row norms, over sqrt(rows) * tau.
+        gold = torch.stack([g.values for g, _, _, _ in pairs]).to(device).double()
+        diff = torch.stack([c.values for _, c, _, _ in pairs]).double() - gold
+        scale = torch.tensor([g.tau if g.tau > 0 else 1.0 for g, _, _, _ in pairs], dtype=f64).to(device)
+        bound = torch.tensor([b for _, _, b, _ in pairs], dtype=f64).to(device)
+        errors = diff.norm(dim=-1) / (counts.clamp(min=1).double().sqrt() * scale[:, None])
+        errors = torch.where(counts > 0, errors, torch.zeros((), dtype=errors.dtype, device=device))
+        worst = errors.argmax(1, keepdim=True)
+        columns = [errors.gather(1, worst)[:, 0], worst[:, 0].to(f64), (errors > bound[:, None]).sum(1).to(f64),
+                   (counts > 0).sum(1).to(f64), counts.gather(1, worst)[:, 0].to(f64), counted]
+    else:
+        columns = [zeros, zeros, zeros, zeros, zeros, counted]
+    masks = [c.nonfinite for _, c, _, _ in pairs]
+    if all(m is not None for m in masks) and len({m.numel() for m in masks}) == 1 and masks[0].numel():
+        bad = torch.stack(masks).to(device)  # (n, rows): the common case, one shape, one pass
+        columns += [bad.sum(1).to(f64), _first_true(bad).to(f64)]
+    else:
+        counted_bad, first_bad = [], []
+        for m in masks:
+            present = m is not None and m.numel() > 0
+            counted_bad.append(m.to(device).sum().to(f64) if present else zeros[0])
+            first_bad.append(_first_true(m.to(device)).to(f64) if present else zeros[0] - 1)
+        columns += [torch.stack(counted_bad), torch.stack(first_bad)]
+    off_columns = [[zeros[0]] * n for _ in range(3)]
+    for j, (golden, candidate, bound_j, _) in enumerate(pairs):
+        if candidate.off_support is not None and candidate.off_support.numel():
+            off = candidate.off_support.double() / (golden.tau if golden.tau > 0 else 1.0)
+            row = off.argmax()
+            off_columns[0][j], off_columns[1][j], off_columns[2][j] = off[row], row.to(f64), (off > bound_j).sum().to(f64)
+    columns += [torch.stack(c) for c in off_columns]
+    return torch.stack(columns, dim=1)
+
+
+def _sketch_error(golden: GoldenSketch, candidate: CandidateSketch, bound: float, name: str,
+                  row: list[float]) -> SketchError:
+    """compare_sketch's result from `compare_sketches`' figures of one tensor."""
+    error, worst, over, compared, worst_rows, counted, nonfinite, first_bad, off_error, off_row, off_over = row
+    worst, over, compared, counted, nonfinite = int(worst), int(over), int(compared), int(counted), int(nonfinite)
+    spec = golden.spec
+    common = {"width": spec.width, "group_size": spec.group}
+    if nonfinite:
+        first = int(first_bad)
+        return SketchError(float("inf"), -1, first, first, 1, nonfinite, spec.groups, spec.rows, False,
+                           nonfinite_rows=nonfinite, first_nonfinite_row=first, **common)
+    if counted != golden.rows_counted:
+        raise VeosnapError(f"{name}: {counted} rows counted but the golden counted {golden.rows_counted} "
+                           "(another row mask than the golden's)")
+    if not spec.groups:
+        worst, error, worst_rows = 0, 0.0, 0
+    first, last = _group_rows(golden, worst)
+    estimate = not (spec.group == 1 and spec.columns <= spec.width)
+    result = SketchError(error, worst, first, last, int(worst_rows), over, compared, counted, estimate, **common)
+    if candidate.off_support is None:
+        return result
+    outside = spec.rows - spec.sketched_rows
+    over += int(off_over)
+    fields = {"rows_over": over, "groups": compared + outside, "rows": counted + outside}
+    if off_error > error:
+        row_ = int(off_row)
+        return replace(result, error=off_error, group=-1, first_row=row_, last_row=row_, group_rows=1, estimate=False,
+                       **fields)
     return replace(result, **fields)
 
 
