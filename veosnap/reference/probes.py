@@ -519,7 +519,8 @@ def keep_route(records: Routes, moe: MoeLayer, args: tuple, kwargs: dict, logits
 @contextmanager
 def record_routes(model: nn.Module) -> Iterator[Routes]:
     """Within the block, every MoE block's routes (the experts' inputs) are recorded by layer index;
-    after it, `unreadable` says which blocks' routes could not be read and why."""
+    after it, `unreadable` says which blocks' routes could not be read and why. On a GPU the host copies
+    are queued (`host_copy_async`): read them after a blocking copy from the device, or `host_sync`."""
     records = Routes()
     handles = []
     seen: set[int] = set()
