@@ -509,39 +509,57 @@ def compare_sketches(pairs: Sequence[tuple[GoldenSketch, CandidateSketch, float,
     # non-finite rows, first non-finite row, worst off-support error, its row, off-support rows over.
     batches: dict[tuple, list[int]] = {}
     for i, (golden, candidate, _, _) in enumerate(pairs):
-        key = (tuple(golden.values.shape), golden.values.dtype, candidate.values.dtype, candidate.counts.dtype,
-               candidate.values.device)
+        key = (candidate.values.device, tuple(golden.values.shape), golden.values.dtype, candidate.values.dtype,
+               candidate.counts.dtype)
         batches.setdefault(key, []).append(i)
-    by_device: dict[torch.device, list[tuple[list[int], torch.Tensor]]] = {}
-    for (shape, _, _, _, device), members in batches.items():
-        by_device.setdefault(device, []).append((members, _batch_figures([pairs[i] for i in members], shape, device)))
     host: list[list[float]] = [[]] * len(pairs)
-    for parts in by_device.values():  # one transfer per device (a check has one)
-        values = torch.cat([figures for _, figures in parts]).cpu().tolist()
-        for i, row in zip([i for members, _ in parts for i in members], values):
+    for device in dict.fromkeys(key[0] for key in batches):
+        mine = {key: members for key, members in batches.items() if key[0] == device}
+        # The golden's side goes to the device in one copy per dtype (a blocking copy waits for the device).
+        golds = _to_device({key: torch.stack([pairs[i][0].values for i in members]) for key, members in mine.items()},
+                           device)
+        order = [i for members in mine.values() for i in members]
+        params = torch.tensor([[pairs[i][0].tau if pairs[i][0].tau > 0 else 1.0, pairs[i][2]] for i in order],
+                              dtype=torch.float64).to(device)
+        figures, at = [], 0
+        for key, members in mine.items():
+            figures.append(_batch_figures([pairs[i] for i in members], key[1], golds[key], params[at:at + len(members)]))
+            at += len(members)
+        for i, row in zip(order, torch.cat(figures).cpu().tolist()):  # the one transfer to the host
             host[i] = row
     return [_sketch_error(golden, candidate, bound, name, row)
             for (golden, candidate, bound, name), row in zip(pairs, host)]
 
 
+def _to_device(tensors: dict, device: torch.device) -> dict:
+    """`tensors` on `device`, copied as one flat tensor per dtype."""
+    out = {}
+    for dtype in dict.fromkeys(t.dtype for t in tensors.values()):
+        keys = [key for key, t in tensors.items() if t.dtype == dtype]
+        flat = torch.cat([tensors[key].reshape(-1) for key in keys]).to(device)
+        for key, part in zip(keys, flat.split([tensors[key].numel() for key in keys])):
+            out[key] = part.view(tensors[key].shape)
+    return out
+
+
 def _batch_figures(pairs: Sequence[tuple[GoldenSketch, CandidateSketch, float, str]], shape: tuple[int, ...],
-                   device: torch.device) -> torch.Tensor:
-    """`compare_sketches`' figures (n, 11) of tensors whose sketches have one shape, on their device (no sync)."""
+                   gold: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """`compare_sketches`' figures (n, 11) of tensors whose sketches have one shape, on their device (no sync):
+    `gold` their golden sketches (n, G, k) and `params` each one's (scale, bound), both on that device."""
     n = len(pairs)
     f64 = torch.float64
+    device = gold.device
     zeros = torch.zeros(n, dtype=f64, device=device)
     counts = torch.stack([c.counts for _, c, _, _ in pairs])  # (n, G)
     counted = counts.sum(1).to(f64)
+    scale, bound = params[:, 0:1], params[:, 1:2]
     if shape[0]:
         # As compare_sketch: the float64 difference, its row norms, over sqrt(rows) * tau.
-        gold = torch.stack([g.values for g, _, _, _ in pairs]).to(device).double()
-        diff = torch.stack([c.values for _, c, _, _ in pairs]).double() - gold
-        scale = torch.tensor([g.tau if g.tau > 0 else 1.0 for g, _, _, _ in pairs], dtype=f64).to(device)
-        bound = torch.tensor([b for _, _, b, _ in pairs], dtype=f64).to(device)
-        errors = diff.norm(dim=-1) / (counts.clamp(min=1).double().sqrt() * scale[:, None])
+        diff = torch.stack([c.values for _, c, _, _ in pairs]).double() - gold.double()
+        errors = diff.norm(dim=-1) / (counts.clamp(min=1).double().sqrt() * scale)
         errors = torch.where(counts > 0, errors, torch.zeros((), dtype=errors.dtype, device=device))
         worst = errors.argmax(1, keepdim=True)
-        columns = [errors.gather(1, worst)[:, 0], worst[:, 0].to(f64), (errors > bound[:, None]).sum(1).to(f64),
+        columns = [errors.gather(1, worst)[:, 0], worst[:, 0].to(f64), (errors > bound).sum(1).to(f64),
                    (counts > 0).sum(1).to(f64), counts.gather(1, worst)[:, 0].to(f64), counted]
     else:
         columns = [zeros, zeros, zeros, zeros, zeros, counted]
@@ -557,11 +575,11 @@ def _batch_figures(pairs: Sequence[tuple[GoldenSketch, CandidateSketch, float, s
             first_bad.append(_first_true(m.to(device)).to(f64) if present else zeros[0] - 1)
         columns += [torch.stack(counted_bad), torch.stack(first_bad)]
     off_columns = [[zeros[0]] * n for _ in range(3)]
-    for j, (golden, candidate, bound_j, _) in enumerate(pairs):
+    for j, (_, candidate, _, _) in enumerate(pairs):
         if candidate.off_support is not None and candidate.off_support.numel():
-            off = candidate.off_support.double() / (golden.tau if golden.tau > 0 else 1.0)
+            off = candidate.off_support.double() / scale[j, 0]
             row = off.argmax()
-            off_columns[0][j], off_columns[1][j], off_columns[2][j] = off[row], row.to(f64), (off > bound_j).sum().to(f64)
+            off_columns[0][j], off_columns[1][j], off_columns[2][j] = off[row], row.to(f64), (off > bound[j, 0]).sum().to(f64)
     columns += [torch.stack(c) for c in off_columns]
     return torch.stack(columns, dim=1)
 
