@@ -36,16 +36,27 @@ def dtype_from_name(name: str) -> torch.dtype:
         raise VeosnapError(f"unknown dtype {name!r} (expected one of: {', '.join(DTYPES)})") from None
 
 
+# Config objects by config hash: a check asks for one about seven times (limits, coverage, the build), and
+# transformers validates every field each time. Each caller gets its own deep copy (a build may change it).
+_CONFIGS: dict[str, transformers.PretrainedConfig] = {}
+
+
 def hf_config(toy: ToyConfig) -> transformers.PretrainedConfig:
-    """The transformers config object for a toy config."""
-    # A deep copy: transformers writes into nested sub-config dicts (a vision config's `model_type`), and the
-    # toy's own dict is what a golden records and hashes.
-    fields = copy.deepcopy(toy.config)
-    model_type = fields.pop("model_type")
-    try:
-        return transformers.AutoConfig.for_model(model_type, **fields)
-    except Exception as exc:  # noqa: BLE001 - transformers' validators raise many types; the user gets one line
-        raise VeosnapError(f"{toy.path}: transformers cannot build this config ({_cause(exc)})") from None
+    """The transformers config object for a toy config (a fresh copy: the caller may change it)."""
+    key = toy.hash
+    if key not in _CONFIGS:
+        # A deep copy: transformers writes into nested sub-config dicts (a vision config's `model_type`), and
+        # the toy's own dict is what a golden records and hashes.
+        fields = copy.deepcopy(toy.config)
+        model_type = fields.pop("model_type")
+        try:
+            config = transformers.AutoConfig.for_model(model_type, **fields)
+        except Exception as exc:  # noqa: BLE001 - transformers' validators raise many types; the user gets one line
+            raise VeosnapError(f"{toy.path}: transformers cannot build this config ({_cause(exc)})") from None
+        if len(_CONFIGS) >= _SKELETONS_KEPT:
+            _CONFIGS.pop(next(iter(_CONFIGS)))
+        _CONFIGS[key] = config
+    return copy.deepcopy(_CONFIGS[key])
 
 
 def _cause(exc: BaseException, limit: int = 200) -> str:
