@@ -225,26 +225,31 @@ def rowsketch_torch(x2d: torch.Tensor, width: int, seed: int, *, row_offset: int
 
 
 def _groups(rs: RowSketch, spec: SketchSpec, row_mask: torch.Tensor | None, support: torch.Tensor | None,
-            out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            out_dtype: torch.dtype, sumsq: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Per-row sketches to per-group ones: (values (G, k) in `out_dtype`, sum of squares (G,),
-    counted rows (G,)). Golden and candidate both come through here: same input, same bits."""
-    values, sumsq = rs.values, rs.sumsq
+    counted rows (G,)). Golden and candidate both come through here: same input, same bits. Without
+    `sumsq` (a candidate, whose group sums of squares nothing reads) that part is None and not computed."""
+    values, sq = rs.values, rs.sumsq if sumsq else None
     if support is not None:
-        values, sumsq = values.index_select(0, support), sumsq.index_select(0, support)
+        values = values.index_select(0, support)
+        sq = sq.index_select(0, support) if sq is not None else None
         counts = torch.ones(support.shape[0], dtype=torch.int64, device=values.device)
     elif row_mask is not None:
         keep = row_mask.reshape(-1).to(device=values.device, dtype=torch.bool)
         values = torch.where(keep[:, None], values, torch.zeros((), dtype=values.dtype, device=values.device))
-        sumsq = torch.where(keep, sumsq, torch.zeros((), dtype=sumsq.dtype, device=sumsq.device))
+        if sq is not None:
+            sq = torch.where(keep, sq, torch.zeros((), dtype=sq.dtype, device=sq.device))
         counts = keep.to(torch.int64)
     else:
         counts = torch.ones(values.shape[0], dtype=torch.int64, device=values.device)
     m = spec.group
     pad = spec.groups * m - values.shape[0]
     if pad:
-        values, sumsq, counts = F.pad(values, (0, 0, 0, pad)), F.pad(sumsq, (0, pad)), F.pad(counts, (0, pad))
+        values, counts = F.pad(values, (0, 0, 0, pad)), F.pad(counts, (0, pad))
+        sq = F.pad(sq, (0, pad)) if sq is not None else None
     grouped = pairwise_sum(values.view(spec.groups, m, spec.width), 1).to(out_dtype)
-    return grouped, pairwise_sum(sumsq.view(spec.groups, m), 1), counts.view(spec.groups, m).sum(1)
+    grouped_sq = pairwise_sum(sq.view(spec.groups, m), 1) if sq is not None else None
+    return grouped, grouped_sq, counts.view(spec.groups, m).sum(1)
 
 
 # --- what a golden stores ----------------------------------------------------------------------------
@@ -411,7 +416,7 @@ def candidate_from_rows(rs: RowSketch, golden: GoldenSketch, *, dtype: torch.dty
     # Counted on the host only when compared (one transfer for every tensor): no sync here.
     bad = ~(torch.isfinite(rs.sumsq) & torch.isfinite(rs.values).all(dim=1))
     support = None if golden.support is None else golden.support.to(rs.values.device)
-    values, _, counts = _groups(rs, spec, row_mask, support, storage_dtype(dtype))
+    values, _, counts = _groups(rs, spec, row_mask, support, storage_dtype(dtype), sumsq=False)
     off = None
     if support is not None:
         off = rs.sumsq.index_fill(0, support, 0).clamp(min=0).sqrt()
