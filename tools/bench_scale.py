@@ -32,7 +32,7 @@ with `--sketch auto` and checks a candidate against it, and prints one table:
     own/f+b             the issue's target: <= 0.25 on the H200 at ~1B parameters (aim 0.1); own/eager likewise
     decode off path     zstd decompress / safetensors parse + hashes + validation, on the decode thread while
                         the model is built (not in own: only `wait` is)
-    serial own          the same check again with the golden read and decoded before anything else, on the
+    serial own          (not with --no-serial) the same check again with the golden read and decoded first, on the
                         main thread (as before the decode thread; in brackets its decompress / parse), and
                         its ratio to cand f+b: what the overlap saves
     peak                GPU: torch.cuda.max_memory_allocated during the check / during the candidate alone;
@@ -339,7 +339,7 @@ class Row:
         return self.plain_check_s - self.plain_build_s - self.fwd_bwd_s
 
 
-def run_size(size: Size, dtype: str, workdir: Path, profile_to: Path | None = None) -> Row:
+def run_size(size: Size, dtype: str, workdir: Path, profile_to: Path | None = None, serial: bool = True) -> Row:
     row = Row(size.name, dtype)
     project = make_project(workdir, size)
     key = GoldenKey(project.hardware_class, size.name, "step", dtype)
@@ -383,15 +383,18 @@ def run_size(size: Size, dtype: str, workdir: Path, profile_to: Path | None = No
     row.phases = split_phases(phases)
     row.own_s = own_time(row.phases)
     row.rest_s = row.check_s - row.build_s - row.fwd_bwd_s - (row.own_s - row.phases["report"])
-    _, serial, serial_check_s, _ = one_check(project, key, backend, serial=True)
-    row.serial_phases = split_phases(serial)
-    row.serial_own_s = own_time(row.serial_phases)
-    row.serial_check_s = serial_check_s
+    if serial:
+        _, serial_phases, row.serial_check_s, _ = one_check(project, key, backend, serial=True)
+        row.serial_phases = split_phases(serial_phases)
+        row.serial_own_s = own_time(row.serial_phases)
     _, plain, row.plain_check_s, _ = one_check(project, key, backend, only={"build"})
     row.plain_build_s = plain.get("build")
     row.sketch_gbps, row.copy_gbps = kernel_throughput(golden, dtype)
     if profile_to is not None:
-        profile_check(project, key, backend, row, profile_to)
+        try:
+            profile_check(project, key, backend, row, profile_to)
+        except Exception as exc:  # noqa: BLE001 - the profile must not lose the row's figures
+            row.note += f"profile failed: {type(exc).__name__} {str(exc)[:120]}; "
     return row
 
 
@@ -687,6 +690,8 @@ def main() -> None:
     parser.add_argument("--profile", nargs="?", const="last", metavar="SIZE:DTYPE",
                         help="one more check of SIZE:DTYPE under torch.profiler, to $OUT/profile.md (default: the last "
                              "size, bfloat16 if run)")
+    parser.add_argument("--no-serial", action="store_true",
+                        help="leave out the serial-decode check (the 'serial own' columns): one check less per size")
     args = parser.parse_args()
     sizes = [SIZES[name] for name in args.sizes.split(",")]
     dtypes = args.dtypes.split(",")
@@ -709,7 +714,7 @@ def main() -> None:
                 try:
                     where = (out_dir or Path(tempfile.gettempdir()) / "bench_scale_profile") \
                         if profile == (size.name, dtype) else None
-                    row = run_size(size, dtype, Path(tmp), where)
+                    row = run_size(size, dtype, Path(tmp), where, serial=not args.no_serial)
                 except Exception as exc:  # noqa: BLE001 - one size failing must not lose the others' rows
                     row = Row(size.name, dtype, note=f"{type(exc).__name__}: {str(exc)[:200]}")
             rows.append(row)
