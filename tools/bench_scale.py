@@ -497,10 +497,10 @@ def profile_check(project: Project, key: GoldenKey, backend, row: Row, out: Path
     total_attr = "device_time_total" if hasattr(averages[0], "device_time_total") else "cuda_time_total"
     stages = sorted((e for e in averages if e.key.startswith("veosnap.")), key=lambda e: -e.cpu_time_total)
     lines = [f"# One check of {row.size} {row.dtype} ({row.candidate}) under torch.profiler",
-             "", f"torch {torch.__version__}, {torch.cuda.get_device_name() if CUDA else 'CPU'}; wall {wall * 1e3:.0f} ms "
-             f"under the profiler (plain check {row.plain_check_s * 1e3:.0f} ms, of it build {row.plain_build_s * 1e3:.0f} "
-             f"ms; candidate f+b alone {row.fwd_bwd_s * 1e3:.0f} ms). Host ms of a stage include the stages inside it "
-             "and any wait for the device.", "",
+             "", f"torch {torch.__version__}, {torch.cuda.get_device_name() if CUDA else 'CPU'}; wall "
+             f"{wall * 1e3:.0f} ms under the profiler (plain check {row.plain_check_s * 1e3:.0f} ms, of it build "
+             f"{row.plain_build_s * 1e3:.0f} ms; candidate f+b alone {row.fwd_bwd_s * 1e3:.0f} ms). Host ms of a "
+             "stage include the stages inside it and any wait for the device.", "",
              "| stage | calls | host ms | device ms (kernels launched inside) |", "|---|---|---|---|"]
     lines += [f"| {e.key} | {e.count} | {e.cpu_time_total / 1e3:.1f} | {getattr(e, total_attr, 0) / 1e3:.1f} |"
               for e in stages]
@@ -635,8 +635,9 @@ def fmt_s(s: float) -> str:
 
 
 COLUMNS = ("size", "dtype", "params", "tokens", "golden", "sketched", "record", "build", "candidate", "cand f+b",
-           "eager f+b", "check", "own", "load/head/wait", "setup (config/limits/coverage/versions)", "reduce (grads)", "routes/assemble", "compare",
-           "report", "rest", "own/f+b", "plain check", "e2e own/f+b", "own/eager", "decode off path (dec/parse)", "serial own (dec/parse)", "serial/f+b",
+           "eager f+b", "check", "own", "load/head/wait", "setup (config/limits/coverage/versions)", "reduce (grads)",
+           "routes/assemble", "compare", "report", "rest", "own/f+b", "plain check", "e2e own/f+b", "own/eager",
+           "decode off path (dec/parse)", "serial own (dec/parse)", "serial/f+b",
            "peak check/cand", "sketch/copy GB/s", "note")
 
 

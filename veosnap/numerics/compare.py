@@ -4,8 +4,9 @@
 every toleranced tensor's row error against its bound, and where the worst of it is. Token tensors are
 compared on the batch's real tokens (`Tokens`); under route replay a layer's route weights are
 compared on the tokens the candidate routed as the golden. A tensor the golden holds as a sketch is
-compared sketch to sketch (`sketch.compare_sketch`, on the candidate's device): its error is an
-estimate and its worst place a group of rows, which the result says (`estimate`, `width`, `group`).
+compared sketch to sketch (`sketch.compare_sketches`: all of them at once, on the candidate's device): its
+error is an estimate and its worst place a group of rows, which the result says (`estimate`, `width`,
+`group`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from ..golden.codec import Golden
 from . import fmt
 from .metric import RowError, is_token_tensor, row_error
 from .routes import RouteDiff, compare_routes
-from .sketch import CandidateSketch, SketchError, SketchProblem, compare_sketch, compare_sketches
+from .sketch import CandidateSketch, SketchError, SketchProblem, compare_sketches
 
 
 @dataclass(frozen=True)
@@ -135,7 +136,7 @@ def compare_tensors(golden: Golden, produced: Mapping[str, torch.Tensor], tokens
                 pending.append((len(results), name, cand))
                 results.append(None)
             else:
-                results.append(_compare_sketched(golden, name, cand, tokens))
+                results.append(_unmeasured_sketch(golden, name, cand))
             continue
         gold = golden.tensors[name]
         cand = produced.get(name)
@@ -202,16 +203,11 @@ def _where(name: str, err: RowError, gold: torch.Tensor, tokens: Tokens) -> str:
     return f"row {err.row} {values}"
 
 
-def _compare_sketched(golden: Golden, name: str, cand: CandidateSketch | SketchProblem | None,
-                      tokens: Tokens) -> TensorResult:
-    """A sketched golden tensor against the candidate's sketch of it."""
-    tol, gold = golden.manifest.tolerance[name], golden.sketches[name]
-    spec = gold.spec
-    kind = {"width": spec.width, "group": spec.group}
-    if cand is None or isinstance(cand, SketchProblem):
-        problem = "missing from the candidate" if cand is None else cand.problem
-        return TensorResult(name, float("inf"), tol.bound, tol.noise, problem=problem, **kind)
-    return _sketched_result(golden, name, compare_sketch(gold, cand, bound=tol.bound, name=name), tokens)
+def _unmeasured_sketch(golden: Golden, name: str, cand: SketchProblem | None) -> TensorResult:
+    """A sketched golden tensor the candidate has no sketch of: missing, or of another shape or dtype."""
+    tol, spec = golden.manifest.tolerance[name], golden.sketches[name].spec
+    problem = "missing from the candidate" if cand is None else cand.problem
+    return TensorResult(name, float("inf"), tol.bound, tol.noise, problem=problem, width=spec.width, group=spec.group)
 
 
 def _sketched_result(golden: Golden, name: str, err: SketchError, tokens: Tokens) -> TensorResult:

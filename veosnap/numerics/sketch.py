@@ -528,7 +528,8 @@ def compare_sketches(pairs: Sequence[tuple[GoldenSketch, CandidateSketch, float,
                               dtype=torch.float64).to(device)
         figures, at = [], 0
         for key, members in mine.items():
-            figures.append(_batch_figures([pairs[i] for i in members], key[1], golds[key], params[at:at + len(members)]))
+            chunk = params[at:at + len(members)]
+            figures.append(_batch_figures([pairs[i] for i in members], key[1], golds[key], chunk))
             at += len(members)
         for i, row in zip(order, torch.cat(figures).cpu().tolist()):  # the one transfer to the host
             host[i] = row
@@ -584,7 +585,8 @@ def _batch_figures(pairs: Sequence[tuple[GoldenSketch, CandidateSketch, float, s
         if candidate.off_support is not None and candidate.off_support.numel():
             off = candidate.off_support.double() / scale[j, 0]
             row = off.argmax()
-            off_columns[0][j], off_columns[1][j], off_columns[2][j] = off[row], row.to(f64), (off > bound[j, 0]).sum().to(f64)
+            over = (off > bound[j, 0]).sum().to(f64)
+            off_columns[0][j], off_columns[1][j], off_columns[2][j] = off[row], row.to(f64), over
     columns += [torch.stack(c) for c in off_columns]
     return torch.stack(columns, dim=1)
 
