@@ -29,6 +29,10 @@ with `--sketch auto` and checks a candidate against it, and prints one table:
     plain check         the same check with nothing timed but the build (no syncs added): what a user waits
     e2e own/f+b         (plain check - build - cand f+b) / cand f+b: everything veosnap adds, end to end, as a
                         user sees it (no phase split; includes `rest` and the noise of cand f+b)
+    cand first f+b      the candidate's first step alone, its allocator holding only the weights, as in a check
+                        (its activations' and gradients' first allocation: on a GPU, cudaMalloc calls)
+    e2e own (cold)/f+b  (plain check - build - cand first f+b) / cand f+b: as e2e, with that first-step cost the
+                        candidate's (a check runs one step, so it always pays it)
     own/f+b             the issue's target: <= 0.25 on the H200 at ~1B parameters (aim 0.1); own/eager likewise
     decode off path     zstd decompress / safetensors parse + hashes + validation, on the decode thread while
                         the model is built (not in own: only `wait` is)
@@ -314,6 +318,7 @@ class Row:
     candidate: str = ""
     fwd_bwd_s: float = 0.0
     eager_s: float = 0.0  # the eager reference's forward and backward (no hooks)
+    first_fwd_bwd_s: float = 0.0  # the candidate's first step alone (cold allocator, as in a check)
     check_s: float = 0.0
     own_s: float = 0.0
     rest_s: float = 0.0
@@ -337,6 +342,11 @@ class Row:
     @property
     def e2e_own_s(self) -> float:
         return self.plain_check_s - self.plain_build_s - self.fwd_bwd_s
+
+    @property
+    def e2e_cold_own_s(self) -> float:
+        """As `e2e_own_s`, the candidate's first step (its allocations) counted as the candidate's."""
+        return self.plain_check_s - self.plain_build_s - self.first_fwd_bwd_s
 
 
 def run_size(size: Size, dtype: str, workdir: Path, profile_to: Path | None = None, serial: bool = True) -> Row:
@@ -363,8 +373,8 @@ def run_size(size: Size, dtype: str, workdir: Path, profile_to: Path | None = No
         try:
             backend = backends.resolve(spec)
             with deterministic():
-                row.fwd_bwd_s, row.peak_candidate, row.params, row.eager_s = candidate_alone(toy, dtype, golden,
-                                                                                             backend)
+                row.fwd_bwd_s, row.peak_candidate, row.params, row.eager_s, row.first_fwd_bwd_s = candidate_alone(
+                    toy, dtype, golden, backend)
             row.candidate = spec
             break
         except (Unsupported, RuntimeError, NotImplementedError) as exc:
@@ -551,27 +561,31 @@ def own_time(phases: dict[str, float]) -> float:
     return sum(phases[name] for name in ON_PATH)
 
 
-def candidate_alone(toy, dtype: str, golden, backend) -> tuple[float, int, int, float]:  # noqa: ANN001
+def candidate_alone(toy, dtype: str, golden, backend) -> tuple[float, int, int, float, float]:  # noqa: ANN001
     """The candidate's forward and backward with no veosnap hook: median seconds of 3 (after one warm-up),
-    its peak memory, its parameter count; and the eager reference's own forward and backward (median of 2),
-    the slower candidate a ratio can also be read against."""
+    its peak memory, its parameter count; the eager reference's own forward and backward (median of 2),
+    the slower candidate a ratio can also be read against; and the candidate's first step (the warm-up:
+    the allocator holds only the weights, as in a check, which pays for its activations' first allocation)."""
     device = hardware.device_for(hardware.detect())
     model = models_module.build(toy, models_module.dtype_from_name(dtype), device, golden.manifest.reference.seed)
     params = sum(p.numel() for p in model.parameters())
     batch = Batch.from_golden(golden).to(device)
     model.train()
     eager = _fwd_bwd_times(model, batch, 3)
+    model.zero_grad(set_to_none=True)
+    if CUDA:
+        torch.cuda.empty_cache()  # the candidate's first step starts as a check's does: only the weights held
     peak = Peak()
     with backend.prepare(model) as candidate:
         times = _fwd_bwd_times(candidate.model, batch, 4, peak)
     del model
     if CUDA:
         torch.cuda.empty_cache()
-    return statistics.median(times), peak.bytes, params, statistics.median(eager)
+    return statistics.median(times[1:]), peak.bytes, params, statistics.median(eager[1:]), times[0]
 
 
 def _fwd_bwd_times(model, batch: Batch, runs: int, peak: Peak | None = None) -> list[float]:  # noqa: ANN001
-    """Seconds of each forward and backward after the first (a warm-up); `peak` measures the second."""
+    """Seconds of each forward and backward, the first (a warm-up) included; `peak` measures the second."""
     times = []
     model.train()
     for i in range(runs):
@@ -582,8 +596,7 @@ def _fwd_bwd_times(model, batch: Batch, runs: int, peak: Peak | None = None) -> 
             out = model(**batch.model_kwargs(), use_cache=False)
             out.loss.backward()
             sync()
-        if i:
-            times.append(time.perf_counter() - start)
+        times.append(time.perf_counter() - start)
         del out
     model.zero_grad(set_to_none=True)
     return times
@@ -636,7 +649,8 @@ def fmt_s(s: float) -> str:
 
 COLUMNS = ("size", "dtype", "params", "tokens", "golden", "sketched", "record", "build", "candidate", "cand f+b",
            "eager f+b", "check", "own", "load/head/wait", "setup (config/limits/coverage/versions)", "reduce (grads)",
-           "routes/assemble", "compare", "report", "rest", "own/f+b", "plain check", "e2e own/f+b", "own/eager",
+           "routes/assemble", "compare", "report", "rest", "own/f+b", "plain check", "e2e own/f+b", "cand first f+b",
+           "e2e own (cold)/f+b", "own/eager",
            "decode off path (dec/parse)", "serial own (dec/parse)", "serial/f+b",
            "peak check/cand", "sketch/copy GB/s", "note")
 
@@ -659,6 +673,7 @@ def cells(r: Row) -> list[str]:
             fmt_s(p["compare"]), fmt_s(p["report"]), ("-" if r.rest_s < 0 else "") + fmt_s(abs(r.rest_s)),
             f"{r.ratio:.2f}", fmt_s(r.plain_check_s) if r.plain_check_s else "",
             f"{r.e2e_own_s / r.fwd_bwd_s:.2f}" if r.plain_check_s and r.fwd_bwd_s else "",
+            fmt_s(r.first_fwd_bwd_s), f"{r.e2e_cold_own_s / r.fwd_bwd_s:.2f}" if r.plain_check_s and r.fwd_bwd_s else "",
             f"{r.own_s / r.eager_s:.2f}" if r.eager_s else "",
             f"{ms(p['bg:decompress'])}/{ms(p['bg:parse'])} ms",
             f"{fmt_s(r.serial_own_s)} ({ms(q['decompress'])}/{ms(q['parse'])} ms)" if q else "",
