@@ -560,9 +560,12 @@ def _batch_figures(pairs: Sequence[tuple[GoldenSketch, CandidateSketch, float, s
     counted = counts.sum(1).to(f64)
     scale, bound = params[:, 0:1], params[:, 1:2]
     if shape[0]:
-        # As compare_sketch: the float64 difference, its row norms, over sqrt(rows) * tau.
-        diff = torch.stack([c.values for _, c, _, _ in pairs]).double() - gold.double()
-        errors = diff.norm(dim=-1) / (counts.clamp(min=1).double().sqrt() * scale)
+        # As compare_sketch: the float64 difference, its row norms, over sqrt(rows) * tau. The norms are
+        # taken tensor by tensor, on tensors shaped as compare_sketch's: a reduction's order depends on
+        # its shape (on CUDA, on how many rows it reduces at once), and these must be its bits.
+        norms = torch.stack([(c.values.double() - gold[j].double()).norm(dim=-1) for j, (_, c, _, _) in
+                             enumerate(pairs)])
+        errors = norms / (counts.clamp(min=1).double().sqrt() * scale)
         errors = torch.where(counts > 0, errors, torch.zeros((), dtype=errors.dtype, device=device))
         worst = errors.argmax(1, keepdim=True)
         columns = [errors.gather(1, worst)[:, 0], worst[:, 0].to(f64), (errors > bound).sum(1).to(f64),
