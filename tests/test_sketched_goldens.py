@@ -159,6 +159,32 @@ def test_every_bug_the_exact_check_catches_is_caught_sketched_and_no_legitimate_
             assert {t.name for t in sketched.tensors if not t.passed} & failing, name
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("model", MODELS)
+def test_the_batched_compare_gives_the_per_tensor_compares_numbers(twins, model, dtype, monkeypatch):
+    """A check compares all its sketched tensors in one batched pass with one host transfer
+    (`compare_sketches`); every figure of every tensor is the one `compare_sketch` gives for it alone, for
+    every legitimate backend and planted bug, against the exact and the sketch-forced golden."""
+    from veosnap.numerics import compare as compare_module
+    from veosnap.numerics.sketch import compare_sketch, compare_sketches
+
+    seen = []
+
+    def both(pairs):  # noqa: ANN001, ANN202
+        batched = compare_sketches(pairs)
+        alone = [compare_sketch(gold, cand, bound=bound, name=name) for gold, cand, bound, name in pairs]
+        assert batched == alone
+        seen.append(len(pairs))
+        return batched
+
+    monkeypatch.setattr(compare_module, "compare_sketches", both)
+    for spec in CANDIDATES:
+        for mode in ("never", "always"):
+            report = check(twins[mode], key(model, dtype), backends.resolve(spec))
+            assert not report.error, (spec, report.error)
+    assert seen and max(seen) >= 10 and min(seen) == 0  # the sketch-forced goldens' tensors; the exact: none
+
+
 LEGIT_LAYOUTS = ("packed", "microbatch", "ddp", "fsdp2", "sp")
 LAYOUT_FAULTS = ("packed_no_restart", "ddp_sum_grads", "sp_grads_unreduced", "sp_boundary_off_by_one")
 

@@ -20,13 +20,23 @@ with `--sketch auto` and checks a candidate against it, and prints one table:
                                     version drift
         reduce (grads)               capture's hooks and gradient pass: sketches, host copies of whole tensors
                                      (in brackets: the gradient pass alone)
+        routes / assemble            the route hooks (experts, weights, margins of each MoE block); the capture
+                                     put together from the passes, and the route comparison that decides replay
         compare / report             every tensor against the golden; the text and JSON reports
-    rest                check - build - cand f+b - own: what no phase covers (hooks on routes, assembling the
-                        capture), and the noise of timing the candidate apart (it can come out negative)
+    rest                check - build - cand f+b - own: what no phase covers, and the noise of timing the
+                        candidate apart (it can come out negative). The phases are timed with a device sync
+                        around each (hooks included), which itself costs the overlap of host and device
+    plain check         the same check with nothing timed but the build (no syncs added): what a user waits
+    e2e own/f+b         (plain check - build - cand f+b) / cand f+b: everything veosnap adds, end to end, as a
+                        user sees it (no phase split; includes `rest` and the noise of cand f+b)
+    cand first f+b      the candidate's first step alone, its allocator holding only the weights, as in a check
+                        (its activations' and gradients' first allocation: on a GPU, cudaMalloc calls)
+    e2e own (cold)/f+b  (plain check - build - cand first f+b) / cand f+b: as e2e, with that first-step cost the
+                        candidate's (a check runs one step, so it always pays it)
     own/f+b             the issue's target: <= 0.25 on the H200 at ~1B parameters (aim 0.1); own/eager likewise
     decode off path     zstd decompress / safetensors parse + hashes + validation, on the decode thread while
                         the model is built (not in own: only `wait` is)
-    serial own          the same check again with the golden read and decoded before anything else, on the
+    serial own          (not with --no-serial) the same check again with the golden read and decoded first, on the
                         main thread (as before the decode thread; in brackets its decompress / parse), and
                         its ratio to cand f+b: what the overlap saves
     peak                GPU: torch.cuda.max_memory_allocated during the check / during the candidate alone;
@@ -37,6 +47,12 @@ with `--sketch auto` and checks a candidate against it, and prints one table:
     python tools/bench_scale.py --sizes toy,llama-17m  # the CPU breakdown at a small width (about 2 minutes)
     python tools/bench_scale.py --sizes toy,llama-1b --dtypes bfloat16 --budget-s 480
     OUT=/tmp/out python tools/bench_scale.py          # also writes $OUT/bench_scale.json and .md
+    python tools/bench_scale.py --profile             # and one more check of the last size (bfloat16) under
+                                                      # torch.profiler: $OUT/profile.md (+ trace, when small)
+
+`--profile` summarizes that check as three tables: veosnap's own stages (record_function ranges around the
+check's phases and the engine's steps: calls, host ms, device ms), the top operators by host self time
+(syncs and copies show here as cudaStreamSynchronize / cudaMemcpyAsync) and by device self time.
 
 Sizes are real widths with few layers (docs/scale.md lists them); test data is generated (random
 tokens, seeded) into a scratch project, so nothing in the repository is touched. Routers at 128 experts
@@ -75,6 +91,7 @@ import veosnap.golden.store as store_module  # noqa: E402
 import veosnap.reference.coverage as coverage_module  # noqa: E402
 import veosnap.reference.limits as limits_module  # noqa: E402
 import veosnap.reference.models as models_module  # noqa: E402
+import veosnap.reference.probes as probes_module  # noqa: E402
 import veosnap.reference.zoo as zoo_module  # noqa: E402
 import veosnap.runs.check as check_module  # noqa: E402
 from veosnap.candidates import backends  # noqa: E402
@@ -157,8 +174,9 @@ class Phases:
 
     active: Phases | None = None
 
-    def __init__(self) -> None:
+    def __init__(self, only: set[str] | None = None) -> None:
         self.seconds: dict[str, float] = {}
+        self.only = only  # the phases timed (None: all); the others run as if untimed (no sync)
 
     def add(self, phase: str, seconds: float) -> None:
         self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
@@ -180,7 +198,7 @@ def timed(phase: str, fn: Callable, nested: bool = False, host: bool = False) ->
 
     def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         phases = Phases.active
-        if phases is None or getattr(depth, "n", 0):
+        if phases is None or getattr(depth, "n", 0) or (phases.only is not None and phase not in phases.only):
             return fn(*args, **kwargs)
         depth.n = 1
         if not host:
@@ -215,6 +233,8 @@ def instrument() -> None:
         (check_module, "compare", "compare", {}), (Reducer, "keep_tokens", "reduce", {}),
         (Reducer, "keep_rows", "reduce", {}), (CandidateReducer, "finish", "reduce", {}),
         (engine_module, "reduce_gradients", "grads", {}),
+        (probes_module, "keep_route", "routes", {}), (engine_module, "assemble", "assemble", {}),
+        (engine_module._Runner, "routes_differ", "assemble", {}),
     ]
     for owner, attribute, phase, how in targets:
         if not callable(getattr(owner, attribute, None)):
@@ -298,6 +318,7 @@ class Row:
     candidate: str = ""
     fwd_bwd_s: float = 0.0
     eager_s: float = 0.0  # the eager reference's forward and backward (no hooks)
+    first_fwd_bwd_s: float = 0.0  # the candidate's first step alone (cold allocator, as in a check)
     check_s: float = 0.0
     own_s: float = 0.0
     rest_s: float = 0.0
@@ -305,6 +326,8 @@ class Row:
     serial_check_s: float = 0.0  # the same check with the golden decoded first, on the main thread
     serial_own_s: float = 0.0
     serial_phases: dict = field(default_factory=dict)
+    plain_check_s: float = 0.0  # the same check with only the build timed (no syncs added)
+    plain_build_s: float = 0.0
     peak_check: int = 0
     peak_candidate: int = 0
     sketch_gbps: float = 0.0
@@ -316,8 +339,17 @@ class Row:
     def ratio(self) -> float:
         return self.own_s / self.fwd_bwd_s if self.fwd_bwd_s else float("nan")
 
+    @property
+    def e2e_own_s(self) -> float:
+        return self.plain_check_s - self.plain_build_s - self.fwd_bwd_s
 
-def run_size(size: Size, dtype: str, workdir: Path) -> Row:
+    @property
+    def e2e_cold_own_s(self) -> float:
+        """As `e2e_own_s`, the candidate's first step (its allocations) counted as the candidate's."""
+        return self.plain_check_s - self.plain_build_s - self.first_fwd_bwd_s
+
+
+def run_size(size: Size, dtype: str, workdir: Path, profile_to: Path | None = None, serial: bool = True) -> Row:
     row = Row(size.name, dtype)
     project = make_project(workdir, size)
     key = GoldenKey(project.hardware_class, size.name, "step", dtype)
@@ -341,8 +373,8 @@ def run_size(size: Size, dtype: str, workdir: Path) -> Row:
         try:
             backend = backends.resolve(spec)
             with deterministic():
-                row.fwd_bwd_s, row.peak_candidate, row.params, row.eager_s = candidate_alone(toy, dtype, golden,
-                                                                                             backend)
+                row.fwd_bwd_s, row.peak_candidate, row.params, row.eager_s, row.first_fwd_bwd_s = candidate_alone(
+                    toy, dtype, golden, backend)
             row.candidate = spec
             break
         except (Unsupported, RuntimeError, NotImplementedError) as exc:
@@ -361,19 +393,27 @@ def run_size(size: Size, dtype: str, workdir: Path) -> Row:
     row.phases = split_phases(phases)
     row.own_s = own_time(row.phases)
     row.rest_s = row.check_s - row.build_s - row.fwd_bwd_s - (row.own_s - row.phases["report"])
-    _, serial, serial_check_s, _ = one_check(project, key, backend, serial=True)
-    row.serial_phases = split_phases(serial)
-    row.serial_own_s = own_time(row.serial_phases)
-    row.serial_check_s = serial_check_s
+    if serial:
+        _, serial_phases, row.serial_check_s, _ = one_check(project, key, backend, serial=True)
+        row.serial_phases = split_phases(serial_phases)
+        row.serial_own_s = own_time(row.serial_phases)
+    _, plain, row.plain_check_s, _ = one_check(project, key, backend, only={"build"})
+    row.plain_build_s = plain.get("build")
     row.sketch_gbps, row.copy_gbps = kernel_throughput(golden, dtype)
+    if profile_to is not None:
+        try:
+            profile_check(project, key, backend, row, profile_to)
+        except Exception as exc:  # noqa: BLE001 - the profile must not lose the row's figures
+            row.note += f"profile failed: {type(exc).__name__} {str(exc)[:120]}; "
     return row
 
 
-def one_check(project: Project, key: GoldenKey, backend, serial: bool = False):  # noqa: ANN001, ANN201
+def one_check(project: Project, key: GoldenKey, backend, serial: bool = False,  # noqa: ANN001, ANN201
+              only: set[str] | None = None):
     """One `check` of `backend` against the golden for `key`, then its text and JSON reports: the report, its
     `Phases`, the check's wall seconds and its peak memory. `serial`: the golden is read and decoded whole
-    before anything else (no decode thread), as before issue 10's overlap."""
-    phases = Phases()
+    before anything else (no decode thread), as before issue 10's overlap. `only`: the phases timed."""
+    phases = Phases(only)
     peak = Peak()
     saved = background_module.read
     if serial:
@@ -403,8 +443,100 @@ def one_check(project: Project, key: GoldenKey, backend, serial: bool = False): 
     return report, phases, check_s, peak.bytes
 
 
+# --- one check under the profiler -------------------------------------------------------------------
+
+
+def _labelled(label: str, fn: Callable) -> Callable:
+    """`fn` inside a profiler range named `veosnap.<label>` (nothing else: no sync, no timing)."""
+    def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        with torch.profiler.record_function(f"veosnap.{label}"):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+_LABELLED: list[bool] = []
+
+
+def label_stages() -> None:
+    """Profiler ranges around a check's stages, once: the timed phases and the engine's steps between them."""
+    if _LABELLED:
+        return
+    _LABELLED.append(True)
+    import veosnap.candidates.layouts.engine as engine_module
+    import veosnap.reference.capture as capture_module
+
+    stages = [
+        (check_module, "check_layouts", "check"), (zoo_module, "load_checked", "load_checked"),
+        (store_module, "load", "load"), (background_module, "_head", "head"),
+        (background_module._Decode, "result", "wait"), (check_module, "_check_loaded", "after_load"),
+        (limits_module, "check_config", "setup.limits"), (limits_module, "check_batch", "setup.limits"),
+        (limits_module, "check_memory", "setup.limits"), (coverage_module, "require", "setup.coverage"),
+        (check_module, "version_drift", "setup.versions"), (models_module, "build", "build"),
+        (engine_module, "run", "engine.run"), (engine_module._Runner, "passes", "passes"),
+        (capture_module, "forward_backward", "forward_backward"), (Reducer, "keep_tokens", "hooks.sketch"),
+        (probes_module, "keep_route", "hooks.routes"), (CandidateReducer, "finish", "reduce.finish"),
+        (engine_module, "reduce_gradients", "grads"), (engine_module._Runner, "routes_differ", "routes_differ"),
+        (engine_module, "assemble", "assemble"), (check_module, "judge", "judge"),
+        (check_module, "compare", "compare"),
+    ]
+    for owner, attribute, label in stages:
+        if callable(getattr(owner, attribute, None)):
+            setattr(owner, attribute, _labelled(label, getattr(owner, attribute)))
+
+
+def profile_check(project: Project, key: GoldenKey, backend, row: Row, out: Path) -> None:  # noqa: ANN001
+    """One more check (nothing timed, so no added sync) under torch.profiler: `out/profile.md` holds veosnap's
+    stages (calls, host ms, device ms), the top operators by host self time and by device self time; the
+    Chrome trace goes to `out/profile_trace.json.gz` when it is under 12 MiB compressed."""
+    import gzip
+
+    from torch.profiler import ProfilerActivity, profile
+
+    label_stages()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if CUDA else [])
+    models_module._SKELETONS.clear()
+    sync()
+    with profile(activities=activities, record_shapes=False) as prof:
+        started = time.perf_counter()
+        check_module.check(project, key, backend)
+        sync()
+        wall = time.perf_counter() - started
+    averages = prof.key_averages()
+    device_attr = "self_device_time_total" if hasattr(averages[0], "self_device_time_total") else "self_cuda_time_total"
+    total_attr = "device_time_total" if hasattr(averages[0], "device_time_total") else "cuda_time_total"
+    stages = sorted((e for e in averages if e.key.startswith("veosnap.")), key=lambda e: -e.cpu_time_total)
+    lines = [f"# One check of {row.size} {row.dtype} ({row.candidate}) under torch.profiler",
+             "", f"torch {torch.__version__}, {torch.cuda.get_device_name() if CUDA else 'CPU'}; wall "
+             f"{wall * 1e3:.0f} ms under the profiler (plain check {row.plain_check_s * 1e3:.0f} ms, of it build "
+             f"{row.plain_build_s * 1e3:.0f} ms; candidate f+b alone {row.fwd_bwd_s * 1e3:.0f} ms). Host ms of a "
+             "stage include the stages inside it and any wait for the device.", "",
+             "| stage | calls | host ms | device ms (kernels launched inside) |", "|---|---|---|---|"]
+    lines += [f"| {e.key} | {e.count} | {e.cpu_time_total / 1e3:.1f} | {getattr(e, total_attr, 0) / 1e3:.1f} |"
+              for e in stages]
+    sort_device = "self_device_time_total" if device_attr == "self_device_time_total" else "self_cuda_time_total"
+    lines += ["", "## Top operators by host self time", "", "```",
+              averages.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60), "```"]
+    if CUDA:
+        lines += ["", "## Top operators by device self time", "", "```",
+                  averages.table(sort_by=sort_device, row_limit=30, max_name_column_width=60), "```"]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "profile.md").write_text("\n".join(lines) + "\n")
+    console.print("\n".join(lines[:len(stages) + 6]))
+    trace = out / "profile_trace.json"
+    try:
+        prof.export_chrome_trace(str(trace))
+        packed = out / "profile_trace.json.gz"
+        packed.write_bytes(gzip.compress(trace.read_bytes(), 6))
+        if packed.stat().st_size > 12 * 2**20:
+            packed.unlink()
+    finally:
+        trace.unlink(missing_ok=True)
+
+
 # The phases of a check's own time, in the table's order. On the critical path (the main thread):
-ON_PATH = ("load", "head", "wait", "decompress", "parse", "setup", "reduce", "grads", "compare", "report")
+ON_PATH = ("load", "head", "wait", "decompress", "parse", "setup", "reduce", "grads", "routes", "assemble", "compare",
+           "report")
 
 
 SETUP = ("config", "limits", "coverage", "versions")  # its parts
@@ -429,27 +561,31 @@ def own_time(phases: dict[str, float]) -> float:
     return sum(phases[name] for name in ON_PATH)
 
 
-def candidate_alone(toy, dtype: str, golden, backend) -> tuple[float, int, int, float]:  # noqa: ANN001
+def candidate_alone(toy, dtype: str, golden, backend) -> tuple[float, int, int, float, float]:  # noqa: ANN001
     """The candidate's forward and backward with no veosnap hook: median seconds of 3 (after one warm-up),
-    its peak memory, its parameter count; and the eager reference's own forward and backward (median of 2),
-    the slower candidate a ratio can also be read against."""
+    its peak memory, its parameter count; the eager reference's own forward and backward (median of 2),
+    the slower candidate a ratio can also be read against; and the candidate's first step (the warm-up:
+    the allocator holds only the weights, as in a check, which pays for its activations' first allocation)."""
     device = hardware.device_for(hardware.detect())
     model = models_module.build(toy, models_module.dtype_from_name(dtype), device, golden.manifest.reference.seed)
     params = sum(p.numel() for p in model.parameters())
     batch = Batch.from_golden(golden).to(device)
     model.train()
     eager = _fwd_bwd_times(model, batch, 3)
+    model.zero_grad(set_to_none=True)
+    if CUDA:
+        torch.cuda.empty_cache()  # the candidate's first step starts as a check's does: only the weights held
     peak = Peak()
     with backend.prepare(model) as candidate:
         times = _fwd_bwd_times(candidate.model, batch, 4, peak)
     del model
     if CUDA:
         torch.cuda.empty_cache()
-    return statistics.median(times), peak.bytes, params, statistics.median(eager)
+    return statistics.median(times[1:]), peak.bytes, params, statistics.median(eager[1:]), times[0]
 
 
 def _fwd_bwd_times(model, batch: Batch, runs: int, peak: Peak | None = None) -> list[float]:  # noqa: ANN001
-    """Seconds of each forward and backward after the first (a warm-up); `peak` measures the second."""
+    """Seconds of each forward and backward, the first (a warm-up) included; `peak` measures the second."""
     times = []
     model.train()
     for i in range(runs):
@@ -460,8 +596,7 @@ def _fwd_bwd_times(model, batch: Batch, runs: int, peak: Peak | None = None) -> 
             out = model(**batch.model_kwargs(), use_cache=False)
             out.loss.backward()
             sync()
-        if i:
-            times.append(time.perf_counter() - start)
+        times.append(time.perf_counter() - start)
         del out
     model.zero_grad(set_to_none=True)
     return times
@@ -513,8 +648,10 @@ def fmt_s(s: float) -> str:
 
 
 COLUMNS = ("size", "dtype", "params", "tokens", "golden", "sketched", "record", "build", "candidate", "cand f+b",
-           "eager f+b", "check", "own", "load/head/wait", "setup (config/limits/coverage/versions)", "reduce (grads)", "compare", "report", "rest",
-           "own/f+b", "own/eager", "decode off path (dec/parse)", "serial own (dec/parse)", "serial/f+b",
+           "eager f+b", "check", "own", "load/head/wait", "setup (config/limits/coverage/versions)", "reduce (grads)",
+           "routes/assemble", "compare", "report", "rest", "own/f+b", "plain check", "e2e own/f+b", "cand first f+b",
+           "e2e own (cold)/f+b", "own/eager",
+           "decode off path (dec/parse)", "serial own (dec/parse)", "serial/f+b",
            "peak check/cand", "sketch/copy GB/s", "note")
 
 
@@ -532,8 +669,11 @@ def cells(r: Row) -> list[str]:
             fmt_s(r.fwd_bwd_s), fmt_s(r.eager_s), fmt_s(r.check_s), fmt_s(r.own_s),
             f"{ms(p['load'])}/{ms(p['head'])}/{ms(p['wait'])} ms",
             f"{fmt_s(p['setup'])} ({'/'.join(ms(p['setup:' + part]) for part in SETUP)} ms)",
-            f"{fmt_s(p['reduce'] + p['grads'])} ({fmt_s(p['grads'])})", fmt_s(p["compare"]), fmt_s(p["report"]),
-            ("-" if r.rest_s < 0 else "") + fmt_s(abs(r.rest_s)), f"{r.ratio:.2f}",
+            f"{fmt_s(p['reduce'] + p['grads'])} ({fmt_s(p['grads'])})", f"{ms(p['routes'])}/{ms(p['assemble'])} ms",
+            fmt_s(p["compare"]), fmt_s(p["report"]), ("-" if r.rest_s < 0 else "") + fmt_s(abs(r.rest_s)),
+            f"{r.ratio:.2f}", fmt_s(r.plain_check_s) if r.plain_check_s else "",
+            f"{r.e2e_own_s / r.fwd_bwd_s:.2f}" if r.plain_check_s and r.fwd_bwd_s else "",
+            fmt_s(r.first_fwd_bwd_s), f"{r.e2e_cold_own_s / r.fwd_bwd_s:.2f}" if r.plain_check_s and r.fwd_bwd_s else "",
             f"{r.own_s / r.eager_s:.2f}" if r.eager_s else "",
             f"{ms(p['bg:decompress'])}/{ms(p['bg:parse'])} ms",
             f"{fmt_s(r.serial_own_s)} ({ms(q['decompress'])}/{ms(q['parse'])} ms)" if q else "",
@@ -545,7 +685,7 @@ def cells(r: Row) -> list[str]:
 def print_table(rows: list[Row]) -> str:
     device = torch.cuda.get_device_name() if CUDA else "CPU"
     table = Table(title=f"veosnap at scale on {device} (torch {torch.__version__}; own = load + head + wait + setup + "
-                        "reduce + compare + report, on the check's critical path)")
+                        "reduce + routes + assemble + compare + report, on the check's critical path)")
     for col in COLUMNS:
         table.add_column(col, justify="left" if col in ("size", "dtype", "candidate", "note") else "right")
     for r in rows:
@@ -563,12 +703,21 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=float("inf"),
                         help="start no new size after this many seconds (the table shows what finished)")
     parser.add_argument("--json", type=Path, help="write the rows here (default: $OUT/bench_scale.json if $OUT)")
+    parser.add_argument("--profile", nargs="?", const="last", metavar="SIZE:DTYPE",
+                        help="one more check of SIZE:DTYPE under torch.profiler, to $OUT/profile.md (default: the last "
+                             "size, bfloat16 if run)")
+    parser.add_argument("--no-serial", action="store_true",
+                        help="leave out the serial-decode check (the 'serial own' columns): one check less per size")
     args = parser.parse_args()
     sizes = [SIZES[name] for name in args.sizes.split(",")]
     dtypes = args.dtypes.split(",")
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     json_path = args.json or (out_dir / "bench_scale.json" if out_dir else None)
     instrument()
+    profile = None
+    if args.profile:
+        profile = (sizes[-1].name, "bfloat16" if "bfloat16" in dtypes else dtypes[-1]) if args.profile == "last" \
+            else tuple(args.profile.split(":"))
     started = time.perf_counter()
     rows: list[Row] = []
     for size in sizes:
@@ -579,7 +728,9 @@ def main() -> None:
             console.print(f"[dim]{size.name} {dtype} ...[/dim]")
             with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
                 try:
-                    row = run_size(size, dtype, Path(tmp))
+                    where = (out_dir or Path(tempfile.gettempdir()) / "bench_scale_profile") \
+                        if profile == (size.name, dtype) else None
+                    row = run_size(size, dtype, Path(tmp), where, serial=not args.no_serial)
                 except Exception as exc:  # noqa: BLE001 - one size failing must not lose the others' rows
                     row = Row(size.name, dtype, note=f"{type(exc).__name__}: {str(exc)[:200]}")
             rows.append(row)

@@ -4,8 +4,9 @@
 every toleranced tensor's row error against its bound, and where the worst of it is. Token tensors are
 compared on the batch's real tokens (`Tokens`); under route replay a layer's route weights are
 compared on the tokens the candidate routed as the golden. A tensor the golden holds as a sketch is
-compared sketch to sketch (`sketch.compare_sketch`, on the candidate's device): its error is an
-estimate and its worst place a group of rows, which the result says (`estimate`, `width`, `group`).
+compared sketch to sketch (`sketch.compare_sketches`: all of them at once, on the candidate's device): its
+error is an estimate and its worst place a group of rows, which the result says (`estimate`, `width`,
+`group`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from ..golden.codec import Golden
 from . import fmt
 from .metric import RowError, is_token_tensor, row_error
 from .routes import RouteDiff, compare_routes
-from .sketch import CandidateSketch, SketchError, SketchProblem, compare_sketch
+from .sketch import CandidateSketch, SketchError, SketchProblem, compare_sketches
 
 
 @dataclass(frozen=True)
@@ -120,16 +121,22 @@ def compare_tensors(golden: Golden, produced: Mapping[str, torch.Tensor], tokens
     `same_routes`: per MoE layer, the tokens whose route weights are comparable (see `same_route_tokens`).
     `absent`: tensors the candidate says it does not produce, and why (not compared; the report says so).
     """
-    results = []
+    results: list[TensorResult | None] = []
     sketches = sketches or {}
     absent = absent or {}
+    pending: list[tuple[int, str, CandidateSketch]] = []  # sketched tensors, compared together below
     for name in golden.compared_names():
         parsed = names.parse(name)
         if (isinstance(parsed, names.Grad) and not gradients) or name in absent or name in skip:
             continue
         tol = golden.manifest.tolerance[name]
         if name in golden.sketches:
-            results.append(_compare_sketched(golden, name, sketches.get(name), tokens))
+            cand = sketches.get(name)
+            if isinstance(cand, CandidateSketch):
+                pending.append((len(results), name, cand))
+                results.append(None)
+            else:
+                results.append(_unmeasured_sketch(golden, name, cand))
             continue
         gold = golden.tensors[name]
         cand = produced.get(name)
@@ -150,6 +157,12 @@ def compare_tensors(golden: Golden, produced: Mapping[str, torch.Tensor], tokens
         results.append(TensorResult(name, err.error, tol.bound, tol.noise, where=_where(name, err, gold, tokens),
                                     rows_over=err.rows_over, rows=err.rows,
                                     worst_rows=tuple(_worst_row(name, row, e, tokens) for row, e in err.worst_rows)))
+    # One batched pass and one host transfer for every sketched tensor (a sync per tensor cost more on a
+    # GPU than the arithmetic).
+    errors = compare_sketches([(golden.sketches[name], cand, golden.manifest.tolerance[name].bound, name)
+                               for _, name, cand in pending])
+    for (at, name, _), err in zip(pending, errors):
+        results[at] = _sketched_result(golden, name, err, tokens)
     return results
 
 
@@ -190,21 +203,22 @@ def _where(name: str, err: RowError, gold: torch.Tensor, tokens: Tokens) -> str:
     return f"row {err.row} {values}"
 
 
-def _compare_sketched(golden: Golden, name: str, cand: CandidateSketch | SketchProblem | None,
-                      tokens: Tokens) -> TensorResult:
-    """A sketched golden tensor against the candidate's sketch of it."""
-    tol, gold = golden.manifest.tolerance[name], golden.sketches[name]
-    spec = gold.spec
+def _unmeasured_sketch(golden: Golden, name: str, cand: SketchProblem | None) -> TensorResult:
+    """A sketched golden tensor the candidate has no sketch of: missing, or of another shape or dtype."""
+    tol, spec = golden.manifest.tolerance[name], golden.sketches[name].spec
+    problem = "missing from the candidate" if cand is None else cand.problem
+    return TensorResult(name, float("inf"), tol.bound, tol.noise, problem=problem, width=spec.width, group=spec.group)
+
+
+def _sketched_result(golden: Golden, name: str, err: SketchError, tokens: Tokens) -> TensorResult:
+    """A sketched tensor's result from its `SketchError`."""
+    tol, spec = golden.manifest.tolerance[name], golden.sketches[name].spec
     kind = {"width": spec.width, "group": spec.group}
-    if cand is None or isinstance(cand, SketchProblem):
-        problem = "missing from the candidate" if cand is None else cand.problem
-        return TensorResult(name, float("inf"), tol.bound, tol.noise, problem=problem, **kind)
-    if cand.nonfinite_rows:
-        row = cand.first_nonfinite_row
+    if err.nonfinite_rows:
+        row = err.first_nonfinite_row
         where = _row_place(name, row, row, len(spec.shape), tokens)
         return TensorResult(name, float("inf"), tol.bound, tol.noise, where=where, **kind,
-                            problem=f"{cand.nonfinite_rows} row(s) with non-finite values (NaN/Inf), first at {where}")
-    err = compare_sketch(gold, cand, bound=tol.bound, name=name)
+                            problem=f"{err.nonfinite_rows} row(s) with non-finite values (NaN/Inf), first at {where}")
     where = _where_sketched(name, err, len(spec.shape), tokens)
     return TensorResult(name, err.error, tol.bound, tol.noise, where=where, rows_over=err.rows_over, rows=err.groups,
                         estimate=err.estimate, **kind)

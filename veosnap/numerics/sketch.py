@@ -225,26 +225,31 @@ def rowsketch_torch(x2d: torch.Tensor, width: int, seed: int, *, row_offset: int
 
 
 def _groups(rs: RowSketch, spec: SketchSpec, row_mask: torch.Tensor | None, support: torch.Tensor | None,
-            out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            out_dtype: torch.dtype, sumsq: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Per-row sketches to per-group ones: (values (G, k) in `out_dtype`, sum of squares (G,),
-    counted rows (G,)). Golden and candidate both come through here: same input, same bits."""
-    values, sumsq = rs.values, rs.sumsq
+    counted rows (G,)). Golden and candidate both come through here: same input, same bits. Without
+    `sumsq` (a candidate, whose group sums of squares nothing reads) that part is None and not computed."""
+    values, sq = rs.values, rs.sumsq if sumsq else None
     if support is not None:
-        values, sumsq = values.index_select(0, support), sumsq.index_select(0, support)
+        values = values.index_select(0, support)
+        sq = sq.index_select(0, support) if sq is not None else None
         counts = torch.ones(support.shape[0], dtype=torch.int64, device=values.device)
     elif row_mask is not None:
         keep = row_mask.reshape(-1).to(device=values.device, dtype=torch.bool)
         values = torch.where(keep[:, None], values, torch.zeros((), dtype=values.dtype, device=values.device))
-        sumsq = torch.where(keep, sumsq, torch.zeros((), dtype=sumsq.dtype, device=sumsq.device))
+        if sq is not None:
+            sq = torch.where(keep, sq, torch.zeros((), dtype=sq.dtype, device=sq.device))
         counts = keep.to(torch.int64)
     else:
         counts = torch.ones(values.shape[0], dtype=torch.int64, device=values.device)
     m = spec.group
     pad = spec.groups * m - values.shape[0]
     if pad:
-        values, sumsq, counts = F.pad(values, (0, 0, 0, pad)), F.pad(sumsq, (0, pad)), F.pad(counts, (0, pad))
+        values, counts = F.pad(values, (0, 0, 0, pad)), F.pad(counts, (0, pad))
+        sq = F.pad(sq, (0, pad)) if sq is not None else None
     grouped = pairwise_sum(values.view(spec.groups, m, spec.width), 1).to(out_dtype)
-    return grouped, pairwise_sum(sumsq.view(spec.groups, m), 1), counts.view(spec.groups, m).sum(1)
+    grouped_sq = pairwise_sum(sq.view(spec.groups, m), 1) if sq is not None else None
+    return grouped, grouped_sq, counts.view(spec.groups, m).sum(1)
 
 
 # --- what a golden stores ----------------------------------------------------------------------------
@@ -368,13 +373,28 @@ def group_counts(spec: SketchSpec, row_mask: torch.Tensor | None = None) -> torc
 
 @dataclass(frozen=True)
 class CandidateSketch:
-    """A candidate tensor reduced on its device the way its golden was."""
+    """A candidate tensor reduced on its device the way its golden was. Nothing here has been read on
+    the host: `nonfinite_rows` and `first_nonfinite_row` wait for the device (`compare_sketches` reads
+    them with every other figure in one transfer)."""
 
     values: torch.Tensor  # (groups, width)
     counts: torch.Tensor  # (groups,) rows counted per group
     off_support: torch.Tensor | None  # (rows,) exact norms of rows outside the golden's support (0 inside)
-    nonfinite_rows: int = 0
-    first_nonfinite_row: int = -1
+    nonfinite: torch.Tensor | None = None  # (rows,) bool: rows with a NaN/Inf (padding too); None: none
+
+    @property
+    def nonfinite_rows(self) -> int:
+        return 0 if self.nonfinite is None else int(self.nonfinite.sum())
+
+    @property
+    def first_nonfinite_row(self) -> int:
+        return int(_first_true(self.nonfinite)) if self.nonfinite_rows else -1
+
+
+def _first_true(mask: torch.Tensor) -> torch.Tensor:
+    """The index of the first True along the last dimension of a non-empty bool tensor (0 when none), on
+    its device."""
+    return mask.to(torch.int32).argmax(-1)  # argmax gives the first of equal maxima
 
 
 def sketch_candidate(x: torch.Tensor, golden: GoldenSketch, *, row_mask: torch.Tensor | None = None,
@@ -393,16 +413,14 @@ def candidate_from_rows(rs: RowSketch, golden: GoldenSketch, *, dtype: torch.dty
     _check_rows(rs, spec, name)
     _check_mask(row_mask, spec, name)
     # Non-finite values anywhere fail, padding included, as they do for a whole tensor.
+    # Counted on the host only when compared (one transfer for every tensor): no sync here.
     bad = ~(torch.isfinite(rs.sumsq) & torch.isfinite(rs.values).all(dim=1))
-    nonfinite = int(bad.sum())
-    first = int(bad.nonzero()[0, 0]) if nonfinite else -1
     support = None if golden.support is None else golden.support.to(rs.values.device)
-    values, _, counts = _groups(rs, spec, row_mask, support, storage_dtype(dtype))
+    values, _, counts = _groups(rs, spec, row_mask, support, storage_dtype(dtype), sumsq=False)
     off = None
     if support is not None:
         off = rs.sumsq.index_fill(0, support, 0).clamp(min=0).sqrt()
-    return CandidateSketch(values=values, counts=counts, off_support=off, nonfinite_rows=nonfinite,
-                           first_nonfinite_row=first)
+    return CandidateSketch(values=values, counts=counts, off_support=off, nonfinite=bad)
 
 
 @dataclass(frozen=True)
@@ -478,6 +496,132 @@ def compare_sketch(golden: GoldenSketch, candidate: torch.Tensor | CandidateSket
     fields = {"rows_over": over, "groups": compared + outside, "rows": counted + outside}
     if off_error > error:
         return replace(result, error=off_error, group=-1, first_row=row, last_row=row, group_rows=1, estimate=False, **fields)
+    return replace(result, **fields)
+
+
+def compare_sketches(pairs: Sequence[tuple[GoldenSketch, CandidateSketch, float, str]]) -> list[SketchError]:
+    """`compare_sketch` of many tensors at once, (golden, candidate sketch, bound, name) each: the same
+    numbers (the same float64 operations, element by element), from one batched pass per sketch shape
+    and ONE transfer to the host at the end, instead of several kernel launches and host syncs per
+    tensor. A check compares tens of sketched tensors: on a GPU their syncs, not their arithmetic, were
+    the cost."""
+    for golden, candidate, _, name in pairs:
+        if tuple(candidate.values.shape) != tuple(golden.values.shape):
+            raise VeosnapError(f"{name}: candidate sketch {list(candidate.values.shape)} but golden "
+                               f"{list(golden.values.shape)}")
+    # Per tensor, the figures the host needs, as float64 (integers below 2**53 are exact):
+    # error, worst group, groups over the bound, groups compared, rows in the worst group, rows counted,
+    # non-finite rows, first non-finite row, worst off-support error, its row, off-support rows over.
+    batches: dict[tuple, list[int]] = {}
+    for i, (golden, candidate, _, _) in enumerate(pairs):
+        key = (candidate.values.device, tuple(golden.values.shape), golden.values.dtype, candidate.values.dtype,
+               candidate.counts.dtype)
+        batches.setdefault(key, []).append(i)
+    host: list[list[float]] = [[]] * len(pairs)
+    for device in dict.fromkeys(key[0] for key in batches):
+        mine = {key: members for key, members in batches.items() if key[0] == device}
+        # The golden's side goes to the device in one copy per dtype (a blocking copy waits for the device).
+        golds = _to_device({key: torch.stack([pairs[i][0].values for i in members]) for key, members in mine.items()},
+                           device)
+        order = [i for members in mine.values() for i in members]
+        params = torch.tensor([[pairs[i][0].tau if pairs[i][0].tau > 0 else 1.0, pairs[i][2]] for i in order],
+                              dtype=torch.float64).to(device)
+        figures, at = [], 0
+        for key, members in mine.items():
+            chunk = params[at:at + len(members)]
+            figures.append(_batch_figures([pairs[i] for i in members], key[1], golds[key], chunk))
+            at += len(members)
+        for i, row in zip(order, torch.cat(figures).cpu().tolist()):  # the one transfer to the host
+            host[i] = row
+    return [_sketch_error(golden, candidate, bound, name, row)
+            for (golden, candidate, bound, name), row in zip(pairs, host)]
+
+
+def _to_device(tensors: dict, device: torch.device) -> dict:
+    """`tensors` on `device`, copied as one flat tensor per dtype."""
+    out = {}
+    for dtype in dict.fromkeys(t.dtype for t in tensors.values()):
+        keys = [key for key, t in tensors.items() if t.dtype == dtype]
+        flat = torch.cat([tensors[key].reshape(-1) for key in keys]).to(device)
+        for key, part in zip(keys, flat.split([tensors[key].numel() for key in keys])):
+            out[key] = part.view(tensors[key].shape)
+    return out
+
+
+def _batch_figures(pairs: Sequence[tuple[GoldenSketch, CandidateSketch, float, str]], shape: tuple[int, ...],
+                   gold: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """`compare_sketches`' figures (n, 11) of tensors whose sketches have one shape, on their device (no sync):
+    `gold` their golden sketches (n, G, k) and `params` each one's (scale, bound), both on that device."""
+    n = len(pairs)
+    f64 = torch.float64
+    device = gold.device
+    zeros = torch.zeros(n, dtype=f64, device=device)
+    counts = torch.stack([c.counts for _, c, _, _ in pairs])  # (n, G)
+    counted = counts.sum(1).to(f64)
+    scale, bound = params[:, 0:1], params[:, 1:2]
+    if shape[0]:
+        # As compare_sketch: the float64 difference, its row norms, over sqrt(rows) * tau. The norms are
+        # taken tensor by tensor, on tensors shaped as compare_sketch's: a reduction's order depends on
+        # its shape (on CUDA, on how many rows it reduces at once), and these must be its bits.
+        norms = torch.stack([(c.values.double() - gold[j].double()).norm(dim=-1) for j, (_, c, _, _) in
+                             enumerate(pairs)])
+        errors = norms / (counts.clamp(min=1).double().sqrt() * scale)
+        errors = torch.where(counts > 0, errors, torch.zeros((), dtype=errors.dtype, device=device))
+        worst = errors.argmax(1, keepdim=True)
+        columns = [errors.gather(1, worst)[:, 0], worst[:, 0].to(f64), (errors > bound).sum(1).to(f64),
+                   (counts > 0).sum(1).to(f64), counts.gather(1, worst)[:, 0].to(f64), counted]
+    else:
+        columns = [zeros, zeros, zeros, zeros, zeros, counted]
+    masks = [c.nonfinite for _, c, _, _ in pairs]
+    if all(m is not None for m in masks) and len({m.numel() for m in masks}) == 1 and masks[0].numel():
+        bad = torch.stack(masks).to(device)  # (n, rows): the common case, one shape, one pass
+        columns += [bad.sum(1).to(f64), _first_true(bad).to(f64)]
+    else:
+        counted_bad, first_bad = [], []
+        for m in masks:
+            present = m is not None and m.numel() > 0
+            counted_bad.append(m.to(device).sum().to(f64) if present else zeros[0])
+            first_bad.append(_first_true(m.to(device)).to(f64) if present else zeros[0] - 1)
+        columns += [torch.stack(counted_bad), torch.stack(first_bad)]
+    off_columns = [[zeros[0]] * n for _ in range(3)]
+    for j, (_, candidate, _, _) in enumerate(pairs):
+        if candidate.off_support is not None and candidate.off_support.numel():
+            off = candidate.off_support.double() / scale[j, 0]
+            row = off.argmax()
+            over = (off > bound[j, 0]).sum().to(f64)
+            off_columns[0][j], off_columns[1][j], off_columns[2][j] = off[row], row.to(f64), over
+    columns += [torch.stack(c) for c in off_columns]
+    return torch.stack(columns, dim=1)
+
+
+def _sketch_error(golden: GoldenSketch, candidate: CandidateSketch, bound: float, name: str,
+                  row: list[float]) -> SketchError:
+    """compare_sketch's result from `compare_sketches`' figures of one tensor."""
+    error, worst, over, compared, worst_rows, counted, nonfinite, first_bad, off_error, off_row, off_over = row
+    worst, over, compared, counted, nonfinite = int(worst), int(over), int(compared), int(counted), int(nonfinite)
+    spec = golden.spec
+    common = {"width": spec.width, "group_size": spec.group}
+    if nonfinite:
+        first = int(first_bad)
+        return SketchError(float("inf"), -1, first, first, 1, nonfinite, spec.groups, spec.rows, False,
+                           nonfinite_rows=nonfinite, first_nonfinite_row=first, **common)
+    if counted != golden.rows_counted:
+        raise VeosnapError(f"{name}: {counted} rows counted but the golden counted {golden.rows_counted} "
+                           "(another row mask than the golden's)")
+    if not spec.groups:
+        worst, error, worst_rows = 0, 0.0, 0
+    first, last = _group_rows(golden, worst)
+    estimate = not (spec.group == 1 and spec.columns <= spec.width)
+    result = SketchError(error, worst, first, last, int(worst_rows), over, compared, counted, estimate, **common)
+    if candidate.off_support is None:
+        return result
+    outside = spec.rows - spec.sketched_rows
+    over += int(off_over)
+    fields = {"rows_over": over, "groups": compared + outside, "rows": counted + outside}
+    if off_error > error:
+        row_ = int(off_row)
+        return replace(result, error=off_error, group=-1, first_row=row_, last_row=row_, group_rows=1, estimate=False,
+                       **fields)
     return replace(result, **fields)
 
 

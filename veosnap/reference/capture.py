@@ -35,6 +35,8 @@ from .probes import (
     decoder_layers,
     find_moe_layers,
     full,
+    host_copy_async,
+    host_sync,
     record_encoder_outputs,
     record_layer_outputs,
     record_logits,
@@ -195,6 +197,7 @@ def forward_backward(model: nn.Module, batch: Batch, *, inner: nn.Module | None 
     if backward:
         (loss if weight == 1.0 else loss * weight).backward()
     reported = loss.detach().cpu() if share == 1.0 else (loss.detach().float() * share).cpu()
+    host_sync(loss.device)  # the route hooks' queued copies (that copy of the loss already waited for them)
     absent = {str(names.Route(layer, part)): why for layer, why in routes.unreadable.items()
               for part in ("experts", "weights")}
     absent.update({str(names.Route(layer, "margin")): why for layer, why in routes.no_margin.items()})
@@ -243,6 +246,7 @@ def reduce_gradients(model: nn.Module, reducer: Reducer = WHOLE) -> tuple[dict[s
     """
     whole: dict[str, torch.Tensor] = {}
     kept: dict[str, object] = {}
+    devices = set()
     for param_name, param in model.named_parameters():
         if not param.requires_grad:
             continue
@@ -250,13 +254,17 @@ def reduce_gradients(model: nn.Module, reducer: Reducer = WHOLE) -> tuple[dict[s
         spec = reducer.spec(name)
         grad = param.grad
         if spec is None:
-            whole[name] = full(grad if grad is not None else torch.zeros_like(param)).detach().cpu()
+            value = full(grad if grad is not None else torch.zeros_like(param)).detach()
+            devices.add(value.device)
+            whole[name] = host_copy_async(value) if value.is_cuda else value.cpu()  # one wait for all, below
         elif grad is None:
             kept[name] = reducer.finish(name, Rows(zero_rows(spec, param.dtype, param.device), param.dtype))
         elif _row_sharded(grad):
             kept[name] = reducer.finish(name, _sharded_rows(reducer, name, grad, spec.rows))
         else:
             kept[name] = reducer.finish(name, reducer.keep_rows(name, full(grad)))
+    for device in devices:
+        host_sync(device)
     return whole, kept
 
 

@@ -48,8 +48,8 @@ HIDDEN_VALUES_PER_LAYER = 34
 LOGIT_COPIES = 3
 
 
-def check_config(toy: ToyConfig) -> int:
-    """Refuse a config veosnap cannot sensibly build; the parameter count when it can."""
+def check_layers(toy: ToyConfig) -> None:
+    """Refuse a config whose layer count veosnap will not build (checked before any skeleton is built)."""
     text = models.hf_config(toy).get_text_config()
     layers = getattr(text, "num_hidden_layers", None)
     if layers is not None:
@@ -58,6 +58,21 @@ def check_config(toy: ToyConfig) -> int:
         if layers > MAX_LAYERS:
             raise VeosnapError(f"{toy.path}: num_hidden_layers {layers} is over veosnap's limit of {MAX_LAYERS} "
                                f"({WHERE})")
+
+
+def prefetch_skeleton(toy: ToyConfig) -> None:
+    """Start building `toy`'s skeleton on a thread when its layer count is acceptable (`models.prefetch_skeleton`);
+    a config refused here is refused again, in its turn, by `check_config`."""
+    try:
+        check_layers(toy)
+    except VeosnapError:
+        return
+    models.prefetch_skeleton(toy)
+
+
+def check_config(toy: ToyConfig) -> int:
+    """Refuse a config veosnap cannot sensibly build; the parameter count when it can."""
+    check_layers(toy)
     model = models.skeleton(toy)
     count = sum(p.numel() for p in model.parameters())
     if count > MAX_PARAMETERS:

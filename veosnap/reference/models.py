@@ -6,7 +6,9 @@ import copy
 import inspect
 import logging
 import sys
+import threading
 import warnings
+from concurrent.futures import Future
 from typing import Callable
 
 import torch
@@ -34,16 +36,27 @@ def dtype_from_name(name: str) -> torch.dtype:
         raise VeosnapError(f"unknown dtype {name!r} (expected one of: {', '.join(DTYPES)})") from None
 
 
+# Config objects by config hash: a check asks for one about seven times (limits, coverage, the build), and
+# transformers validates every field each time. Each caller gets its own deep copy (a build may change it).
+_CONFIGS: dict[str, transformers.PretrainedConfig] = {}
+
+
 def hf_config(toy: ToyConfig) -> transformers.PretrainedConfig:
-    """The transformers config object for a toy config."""
-    # A deep copy: transformers writes into nested sub-config dicts (a vision config's `model_type`), and the
-    # toy's own dict is what a golden records and hashes.
-    fields = copy.deepcopy(toy.config)
-    model_type = fields.pop("model_type")
-    try:
-        return transformers.AutoConfig.for_model(model_type, **fields)
-    except Exception as exc:  # noqa: BLE001 - transformers' validators raise many types; the user gets one line
-        raise VeosnapError(f"{toy.path}: transformers cannot build this config ({_cause(exc)})") from None
+    """The transformers config object for a toy config (a fresh copy: the caller may change it)."""
+    key = toy.hash
+    if key not in _CONFIGS:
+        # A deep copy: transformers writes into nested sub-config dicts (a vision config's `model_type`), and
+        # the toy's own dict is what a golden records and hashes.
+        fields = copy.deepcopy(toy.config)
+        model_type = fields.pop("model_type")
+        try:
+            config = transformers.AutoConfig.for_model(model_type, **fields)
+        except Exception as exc:  # noqa: BLE001 - transformers' validators raise many types; the user gets one line
+            raise VeosnapError(f"{toy.path}: transformers cannot build this config ({_cause(exc)})") from None
+        if len(_CONFIGS) >= _SKELETONS_KEPT:
+            _CONFIGS.pop(next(iter(_CONFIGS)))
+        _CONFIGS[key] = config
+    return copy.deepcopy(_CONFIGS[key])
 
 
 def _cause(exc: BaseException, limit: int = 200) -> str:
@@ -113,25 +126,22 @@ def _uninitialized(config: transformers.PretrainedConfig, dtype: torch.dtype) ->
 # building one costs time per layer. Read-only meta modules; a few configs per process at most.
 _SKELETONS: dict[str, nn.Module] = {}
 _SKELETONS_KEPT = 8
+# Skeletons being built on a thread (`prefetch_skeleton`), by config hash.
+_PENDING: dict[str, Future] = {}
 
 
 def skeleton(toy: ToyConfig) -> nn.Module:
     """The reference model for `toy` on the meta device: its parameter names, layers and routers, no memory.
-    Built once per config (the same module again after: read it, never change it).
+    Built once per config (the same module again after: read it, never change it); one `prefetch_skeleton`
+    started is waited for (its error, if any, raised here).
 
     Check a config's size first (`limits.check_config`): building still costs time per layer.
     """
     key = toy.hash
     model = _SKELETONS.get(key)
     if model is None:
-        config = hf_config(toy)
-        with warnings.catch_warnings(), quiet_transformers(), torch.device("meta"):
-            warnings.simplefilter("ignore")
-            try:
-                model = auto_class(config).from_config(
-                    config, attn_implementation=REFERENCE_ATTN, experts_implementation=REFERENCE_EXPERTS)
-            except Exception as exc:  # noqa: BLE001 - a config transformers accepts but cannot instantiate
-                raise VeosnapError(f"{toy.path}: transformers cannot build this model ({_cause(exc)})") from None
+        pending = _PENDING.pop(key, None)
+        model = pending.result() if pending is not None else _build_skeleton(toy)
         if len(_SKELETONS) >= _SKELETONS_KEPT:
             _SKELETONS.pop(next(iter(_SKELETONS)))
         _SKELETONS[key] = model
@@ -139,6 +149,36 @@ def skeleton(toy: ToyConfig) -> nn.Module:
     # module afterwards (`candidates.pristine`), and the reference's own pinning is no candidate's patch.
     pin_torch_fallbacks(model)
     return model
+
+
+def _build_skeleton(toy: ToyConfig) -> nn.Module:
+    config = hf_config(toy)
+    with warnings.catch_warnings(), quiet_transformers(), torch.device("meta"):
+        warnings.simplefilter("ignore")
+        try:
+            return auto_class(config).from_config(
+                config, attn_implementation=REFERENCE_ATTN, experts_implementation=REFERENCE_EXPERTS)
+        except Exception as exc:  # noqa: BLE001 - a config transformers accepts but cannot instantiate
+            raise VeosnapError(f"{toy.path}: transformers cannot build this model ({_cause(exc)})") from None
+
+
+def prefetch_skeleton(toy: ToyConfig) -> None:
+    """Start building `toy`'s skeleton on a thread, for a caller with other work to do first (a check reads
+    its golden meanwhile: the file read, zstd and hashing release the GIL). `skeleton` waits for it. Only
+    for a config whose layer count `limits.check_layers` accepted: nothing else is checked before."""
+    key = toy.hash
+    if key in _SKELETONS or key in _PENDING:
+        return
+    future: Future = Future()
+
+    def build() -> None:
+        try:
+            future.set_result(_build_skeleton(toy))
+        except BaseException as exc:  # noqa: BLE001 - raised where `skeleton` waits for it, never lost
+            future.set_exception(exc)
+
+    _PENDING[key] = future
+    threading.Thread(target=build, name=f"veosnap-skeleton {toy.name}", daemon=True).start()
 
 
 def modeling_module(toy: ToyConfig) -> str:

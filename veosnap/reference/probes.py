@@ -179,6 +179,21 @@ def host_copy(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to("cpu", copy=True)
 
 
+def host_copy_async(tensor: torch.Tensor) -> torch.Tensor:
+    """`host_copy` without waiting for it: from a GPU, a copy queued on the current stream into pinned
+    memory, so the host does not stop the device mid-step. Its values are there once that stream is
+    synchronized: the caller's next blocking copy from the same stream (a step's loss) or `host_sync`."""
+    if not tensor.is_cuda:
+        return host_copy(tensor)
+    return tensor.detach().to("cpu", copy=True, non_blocking=True)
+
+
+def host_sync(device: torch.device | str) -> None:
+    """Wait for the copies `host_copy_async` queued on `device`'s current stream."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
 # What a hook keeps of a tensor it sees, given the tensor's golden name: a host copy by default; capture
 # passes its reducer's (a sketch made on the tensor's device for a sketched tensor).
 Keep = Callable[[str, torch.Tensor], object]
@@ -471,10 +486,41 @@ def experts_inputs(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tenso
     return index, weights
 
 
+def keep_route(records: Routes, moe: MoeLayer, args: tuple, kwargs: dict, logits: list) -> None:
+    """What `record_routes` keeps when an MoE block's experts are called: the routes (experts, weights, the
+    router's margins from `logits[0]`, its output this step) into `records`, or why they cannot be read."""
+    found = experts_inputs(args, kwargs)
+    if isinstance(found, str):
+        records.unreadable[moe.layer] = found
+        return
+    indices, weights = found
+    experts, sorted_weights = sort_route(indices.detach(), weights.detach())
+    chosen = indices.reshape(-1, indices.shape[-1])
+    scored, logits[0] = logits[0], None
+    if moe.router is not None and is_table_router(moe.router):
+        margin = torch.full((chosen.shape[0],), NO_TIE_MARGIN)
+    elif scored is not None and scored.reshape(-1, scored.shape[-1]).shape[0] == chosen.shape[0]:
+        margin = host_copy_async(selection(moe, scored.reshape(-1, scored.shape[-1])).margins(chosen))
+    else:
+        why = "no router found" if moe.router is None else \
+            f"{moe.router_name} returned no [tokens, {moe.num_experts}] logits"
+        records.no_margin[moe.layer] = f"margins unknown: {why}"
+        margin = torch.full((chosen.shape[0],), float("nan"))
+    # Queued copies, no sync in the middle of the step: the step's loss (`capture.forward_backward`
+    # copies it to the host, blocking, on the same stream) is read after them.
+    records[moe.layer] = RouteRecord(
+        layer=moe.layer,
+        experts=host_copy_async(experts.reshape(-1, experts.shape[-1])),
+        weights=host_copy_async(sorted_weights.reshape(-1, experts.shape[-1])),
+        margin=margin,
+    )
+
+
 @contextmanager
 def record_routes(model: nn.Module) -> Iterator[Routes]:
     """Within the block, every MoE block's routes (the experts' inputs) are recorded by layer index;
-    after it, `unreadable` says which blocks' routes could not be read and why."""
+    after it, `unreadable` says which blocks' routes could not be read and why. On a GPU the host copies
+    are queued (`host_copy_async`): read them after a blocking copy from the device, or `host_sync`."""
     records = Routes()
     handles = []
     seen: set[int] = set()
@@ -488,29 +534,7 @@ def record_routes(model: nn.Module) -> Iterator[Routes]:
 
         def read(_module: nn.Module, args: tuple, kwargs: dict, moe: MoeLayer = moe, logits: list = logits) -> None:
             seen.add(moe.layer)
-            found = experts_inputs(args, kwargs)
-            if isinstance(found, str):
-                records.unreadable[moe.layer] = found
-                return
-            indices, weights = found
-            experts, sorted_weights = sort_route(indices.detach(), weights.detach())
-            chosen = indices.reshape(-1, indices.shape[-1])
-            scored, logits[0] = logits[0], None
-            if moe.router is not None and is_table_router(moe.router):
-                margin = torch.full((chosen.shape[0],), NO_TIE_MARGIN)
-            elif scored is not None and scored.reshape(-1, scored.shape[-1]).shape[0] == chosen.shape[0]:
-                margin = selection(moe, scored.reshape(-1, scored.shape[-1])).margins(chosen).cpu()
-            else:
-                why = "no router found" if moe.router is None else \
-                    f"{moe.router_name} returned no [tokens, {moe.num_experts}] logits"
-                records.no_margin[moe.layer] = f"margins unknown: {why}"
-                margin = torch.full((chosen.shape[0],), float("nan"))
-            records[moe.layer] = RouteRecord(
-                layer=moe.layer,
-                experts=experts.reshape(-1, experts.shape[-1]).cpu(),
-                weights=sorted_weights.reshape(-1, experts.shape[-1]).cpu(),
-                margin=margin,
-            )
+            keep_route(records, moe, args, kwargs, logits)
 
         if moe.router is not None:
             handles.append(moe.router.register_forward_hook(keep_logits))

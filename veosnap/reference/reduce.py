@@ -138,6 +138,16 @@ class CandidateReducer(Reducer):
         self.sketches = dict(sketches)
         self.token_mask = token_mask.reshape(-1).cpu().bool()
         self.check_dtype = check_dtype
+        self._masks: dict[torch.device, torch.Tensor] = {}  # the token mask on each device it was asked for
+
+    def _mask_on(self, name: str, device: torch.device) -> torch.Tensor | None:
+        """`row_mask(name)` on `device`, copied there once per check (a blocking copy waits for the device)."""
+        mask = self.row_mask(name)
+        if mask is None or mask.device == device:
+            return mask
+        if device not in self._masks:
+            self._masks[device] = mask.to(device)
+        return self._masks[device]
 
     def spec(self, name: str) -> SketchSpec | None:
         gold = self.sketches.get(name)
@@ -153,7 +163,8 @@ class CandidateReducer(Reducer):
         if rows.sketch.values.shape[0] != gold.spec.rows:
             found = rows.sketch.values.shape[0]
             return SketchProblem(f"{found} rows but golden {gold.spec.rows} (shape {gold.spec.shape})")
-        return candidate_from_rows(rows.sketch, gold, dtype=rows.dtype, row_mask=self.row_mask(name), name=name)
+        return candidate_from_rows(rows.sketch, gold, dtype=rows.dtype, name=name,
+                                   row_mask=self._mask_on(name, rows.sketch.values.device))
 
 
 def assemble_rows(pieces: list[Rows | SketchProblem], rows: int) -> Rows | SketchProblem:

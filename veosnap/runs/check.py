@@ -63,11 +63,15 @@ def check_layouts(project: Project, key: GoldenKey, backend: Backend, layouts: S
     timeout_s = guard.check_timeout(timeout_s)
     chosen = [(spec, registry.resolve(spec)) for spec in layouts]
     scenario = scenarios.get(key.scenario)
+    config = load_config(project.configs, key.model)
     try:
-        scenario.accept(load_config(project.configs, key.model).config)
+        scenario.accept(config.config)
     except Unsupported as exc:  # a scenario the model cannot run (no encoder for it) is a skip, not an error
         return [CheckReport(golden=str(key), model=key.model, dtype=key.dtype, backend=backend.spec, layout=spec,
                             skipped=str(exc)) for spec, _ in chosen]
+    # The meta-device skeleton the limits and coverage need is built on a thread while the golden is read
+    # (its errors, if any, come where the limits ask for it, after the golden's own).
+    limits.prefetch_skeleton(config)
     # The golden's manifest and batch are read now; its other tensors are decoded on a thread while the
     # model is built and the candidate runs (golden.background): the first use of them waits for it.
     with one_thread():  # a golden's tensors are small: a thread pool would cost more than the work

@@ -282,7 +282,8 @@ def write_result(path: Path, result: LayoutResult) -> None:
         for name, kept in capture.sketches.items():
             sketches[prefix + name] = _sketch_meta(kept)
             if isinstance(kept, CandidateSketch):
-                parts = {"values": kept.values, "counts": kept.counts, "off_support": kept.off_support}
+                parts = {"values": kept.values, "counts": kept.counts, "off_support": kept.off_support,
+                         "nonfinite": kept.nonfinite}
                 tensors.update({f"{SKETCH}{prefix}{name}.{part}": t.detach().cpu().contiguous().clone()
                                 for part, t in parts.items() if t is not None})
     meta = {"notes": result.notes, "forward_only": result.forward_only, "backward": result.capture.backward,
@@ -294,7 +295,7 @@ def write_result(path: Path, result: LayoutResult) -> None:
 def _sketch_meta(kept: object) -> dict:
     if isinstance(kept, SketchProblem):
         return {"problem": kept.problem}
-    return {"nonfinite_rows": kept.nonfinite_rows, "first_nonfinite_row": kept.first_nonfinite_row}
+    return {}
 
 
 def _read_sketches(meta: dict, tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, object]:
@@ -308,8 +309,7 @@ def _read_sketches(meta: dict, tensors: dict[str, torch.Tensor], prefix: str) ->
             continue
         part = lambda p: tensors.get(f"{SKETCH}{key}.{p}")  # noqa: E731
         out[name] = CandidateSketch(values=part("values"), counts=part("counts"), off_support=part("off_support"),
-                                    nonfinite_rows=info["nonfinite_rows"],
-                                    first_nonfinite_row=info["first_nonfinite_row"])
+                                    nonfinite=part("nonfinite"))
     return out
 
 
