@@ -2,7 +2,7 @@
 compute the expert bias gradients of gpt-oss in bfloat16 with an accumulating gather backward, several
 times less accurate than the `eager` experts' per-expert sum.
 
-    python tools/repro_moe_bias_grad.py [--tokens 2050] [--hidden 2880] [--out DIR]   # CPU and, if any, CUDA
+    python tools/repro_moe_bias_grad.py [--tokens 2050] [--hidden 2880] [--devices cpu,cuda] [--out DIR]
 
 gpt-oss's experts add their bias per routed row, `bias[expert_ids]`; autograd's backward of that gather
 is an accumulating `index_put_` that adds each row's gradient into the expert's bias gradient in the
@@ -59,16 +59,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=2050, help="gpt_oss-real's batch: 2 rows, 2050 tokens")
     parser.add_argument("--hidden", type=int, default=2880, help="gpt-oss-20b's hidden and intermediate size")
+    parser.add_argument("--devices", help="comma-separated (default: cpu, and cuda where there is one)")
     parser.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
     args = parser.parse_args()
     import transformers
 
-    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    devices = args.devices.split(",") if args.devices else ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    torch.backends.cuda.matmul.allow_tf32 = False
+    exact = bias_grads("eager", torch.float64, args.tokens, args.hidden, "cpu")
     rows = []
     for device in devices:
-        if device == "cuda":
-            torch.backends.cuda.matmul.allow_tf32 = False
-        exact = bias_grads("eager", torch.float64, args.tokens, args.hidden, "cpu")
         got = {impl: bias_grads(impl, torch.bfloat16, args.tokens, args.hidden, device)
                for impl in ("eager", "grouped_mm")}
         for name in exact:
