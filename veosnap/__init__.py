@@ -56,21 +56,24 @@ def _key(project: Project | None, model: str, dtype: str, scenario: str,
 
 def record(model: str, dtype: str = "float32", scenario: str = "step", *, project: Project | None = None,
            seed: int = 0, allow_near_ties: bool = False, allow_fragile: bool = False,
-           sketch: str = "auto") -> RecordOutcome:
+           sketch: str = "auto", excuses: dict[str, str] | None = None) -> RecordOutcome:
     """Record the golden of `model` in `dtype` for `scenario` on this machine (as `veosnap record` does).
 
     `project` says where the goldens, configs and test data are (default: `Project.for_recording()`:
     `./goldens`, created if need be; configs and test data the current directory's, else veosnap's
     bundled zoo). An identical golden is left untouched; a golden with an approval trail keeps it; one
-    that cheap legitimate variants (sdpa, grouped_mm, batched_mm) fail is refused unless `allow_fragile`.
-    `sketch`: `auto` stores large tensors as sketches only when the golden would not fit its target
+    that cheap legitimate variants (sdpa, grouped_mm, batched_mm) fail is refused unless `allow_fragile`, or
+    unless each failing variant is excused (`excuses`: {variant: reason}, kept in the golden; checks of that
+    variant still fail and say the reason). `sketch`: `auto` stores large tensors as sketches only when the golden would not fit its target
     size, `always` sketches every sketchable tensor, `never` none (docs/scale.md).
     """
+    from .runs.record import parse_excuses
     from .runs.record import record as record_one
 
     project, key = _key(project, model, dtype, scenario, recording=True)
     return record_one(project, key.model, key.dtype, scenario=key.scenario, seed=seed, allow_near_ties=allow_near_ties,
-                      allow_fragile=allow_fragile, sketch=sketch)
+                      allow_fragile=allow_fragile, sketch=sketch,
+                      excuses=parse_excuses(f"{v}={r}" for v, r in (excuses or {}).items()))
 
 
 def check(model: str, backend: str = "eager", dtype: str = "float32", *, layouts: Sequence[str] = ("single",),

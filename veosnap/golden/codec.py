@@ -16,6 +16,7 @@ import struct
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 import zstandard
@@ -177,6 +178,32 @@ def _split_sketches(manifest: Manifest, stored: dict[str, torch.Tensor], source:
     if extra:
         raise GoldenError(source, f"tensor {extra[0]!r} is not part of a golden (extra or hand-added)")
     return Golden(manifest=manifest, tensors=whole, sketches=sketches)
+
+
+def read_manifest(stream: BinaryIO, source: object) -> Manifest:
+    """The manifest of the golden whose file `stream` reads, decompressing only up to the end of the
+    safetensors header (`veosnap ls`: a look at many goldens). Its own hash is checked; the tensors and the
+    payload hash are not (`decode` does that)."""
+    try:
+        reader = zstandard.ZstdDecompressor().stream_reader(stream)
+        head = reader.read(8)
+        if len(head) < 8:
+            raise GoldenError(source, "truncated: the safetensors header ends early")
+        (header_len,) = struct.unpack("<Q", head)
+        if header_len > MAX_HEADER:
+            raise GoldenError(source, f"safetensors header declares {header_len} bytes, over the {MAX_HEADER} byte cap")
+        header = b""
+        while len(header) < header_len:
+            more = reader.read(header_len - len(header))
+            if not more:
+                raise GoldenError(source, "truncated: the safetensors header ends early")
+            header += more
+    except zstandard.ZstdError as exc:
+        raise GoldenError(source, _zstd_cause(str(exc))) from None
+    metadata = _safetensors_metadata(head + header, source)
+    if METADATA_KEY not in metadata:
+        raise GoldenError(source, f"safetensors metadata has no '{METADATA_KEY}' manifest (not a veosnap golden)")
+    return Manifest.from_json(metadata[METADATA_KEY], source)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from ..errors import GoldenError, VeosnapError
+from . import names
 from .key import GoldenKey
 from .sketches import SketchPlan
 
@@ -121,6 +122,21 @@ class Absence:
     reason: str
 
 
+# The recorder's fragility variants a golden may be recorded despite (`veosnap record --excuse`): eager is
+# the reference itself, run again, and a golden it fails does not reproduce itself, so it is never excusable.
+EXCUSABLE = ("sdpa", "grouped_mm", "batched_mm")
+
+
+@dataclass(frozen=True)
+class Excuse:
+    """A legitimate variant that fails the golden for a known reason outside veosnap (a library bug), recorded
+    explicitly: checks of it still fail, and their reports carry `reason`."""
+
+    reason: str
+    tensor: str  # its worst tensor over the bound when recorded (a route name: its routing differed)
+    ratio: float | None = None  # that tensor's error/bound ratio then (None: not finite, or a routing difference)
+
+
 @dataclass
 class Manifest:
     """Everything about a golden besides its tensors."""
@@ -145,6 +161,9 @@ class Manifest:
     absent: list[Absence] = field(default_factory=list)  # left out of the JSON when empty
     # Schema 2 only: how the golden chose whole or sketched tensors, and each sketched tensor's entry.
     sketch: SketchPlan | None = None
+    # Variants of the fragility check known to fail this golden, by name (`Excuse`); left out of the JSON
+    # when empty, so a golden without one keeps the bytes it always had.
+    excused: dict[str, Excuse] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.sketch is not None:
@@ -162,7 +181,10 @@ class Manifest:
                     tolerance={name: [t.noise, t.bound] for name, t in sorted(self.tolerance.items())},
                     min_margin={str(layer): value for layer, value in self.min_margin.items()},
                     approvals=[asdict(a) for a in self.approvals],
-                    absent=[{"kind": a.kind, "names": list(a.names), "reason": a.reason} for a in self.absent])
+                    absent=[{"kind": a.kind, "names": list(a.names), "reason": a.reason} for a in self.absent],
+                    excused={variant: json_object(e) for variant, e in sorted(self.excused.items())})
+        if not self.excused:
+            del data["excused"]
         if not self.absent:
             del data["absent"]  # goldens that leave nothing out keep the bytes they always had
         if self.sketch is None:
@@ -226,9 +248,9 @@ _MANIFEST_TYPES: dict[str, type | tuple[type, ...]] = {
     "key": dict, "config": dict, "config_hash": str, "inputs_hash": str, "reference": dict, "provenance": dict,
     "tolerance": dict, "alpha": _NUMBER, "floor": _NUMBER, "tie_epsilon": _NUMBER,
     "min_margin": dict, "payload_hash": str, "approvals": list, "schema_version": int, "manifest_hash": str,
-    "absent": list, "sketch": dict,
+    "absent": list, "sketch": dict, "excused": dict,
 }
-_OPTIONAL = {"payload_hash", "approvals", "manifest_hash", "absent", "sketch"}
+_OPTIONAL = {"payload_hash", "approvals", "manifest_hash", "absent", "sketch", "excused"}
 
 
 def _finite_non_negative(value: object) -> bool:
@@ -340,6 +362,34 @@ def _absence(value: object, where: str) -> Absence:
     return absence
 
 
+def _excused(data: dict, tolerance: dict[str, Tolerance], route_layers: set[int]) -> dict[str, Excuse]:
+    """The `excused` section: present only when it names a variant, each with a reason and the figures of a
+    tensor the golden holds."""
+    if not data:
+        raise ValueError("excused is empty (a golden without excuses has no 'excused' field)")
+    excused = {}
+    for variant, value in data.items():
+        where = f"excused.{variant}"
+        if variant not in EXCUSABLE:
+            raise ValueError(f"{where}: {variant!r} is not an excusable variant ({', '.join(EXCUSABLE)})")
+        excuse = _section(Excuse, value, where, {"reason": str, "tensor": str, "ratio": _optional_ratio})
+        if not excuse.reason.strip():
+            raise ValueError(f"{where} has an empty reason (an excuse says why)")
+        route = names.try_parse(excuse.tensor)
+        if excuse.tensor not in tolerance and not (isinstance(route, names.Route) and route.layer in route_layers):
+            raise ValueError(f"{where}.tensor {excuse.tensor!r} is not a tensor or route of this golden")
+        excused[variant] = excuse
+    return excused
+
+
+def _optional_ratio(value: object, where: str) -> float | None:
+    if value is None:
+        return None
+    if not _finite_non_negative(value) or value == 0:
+        raise ValueError(f"field {where!r} is not a finite positive number or null")
+    return value  # type: ignore[return-value]
+
+
 def _str_list(value: object, where: str) -> tuple[str, ...]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise TypeError(f"field {where!r} is not a list of strings")
@@ -393,4 +443,5 @@ def _parse(data: dict) -> Manifest:
         approvals=_approvals(data.get("approvals", [])),
         schema_version=data["schema_version"], manifest_hash=data.get("manifest_hash", ""),
         absent=[_absence(a, f"absent[{i}]") for i, a in enumerate(data.get("absent", []))], sketch=sketch,
+        excused=_excused(data["excused"], tolerance, set(min_margin)) if "excused" in data else {},
     )

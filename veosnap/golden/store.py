@@ -27,6 +27,8 @@ from pathlib import Path
 
 from ..errors import GoldenError, VeosnapError
 from .codec import MAX_COMPRESSED, Golden, decode, encode
+from .codec import read_manifest as codec_read_manifest
+from .manifest import Manifest
 from .key import SUFFIX, GoldenKey
 
 try:
@@ -232,6 +234,27 @@ def load(path: Path, root: Path | None = None) -> bytes:
     if why:
         raise GoldenError(path, why)
     return read_file(path)
+
+
+def read_manifest(path: Path, root: Path | None = None) -> Manifest:
+    """The manifest of the golden at `path`, reading only the head of the file (`codec.read_manifest`): for
+    listings. The same refusals as `load` before anything is read; its key is checked against the path's."""
+    why = problem(path, root)
+    if why:
+        raise GoldenError(path, why)
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise GoldenError(path, f"cannot read ({exc.strerror or exc})") from None
+    with os.fdopen(fd, "rb") as fh:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise GoldenError(path, not_regular(info.st_mode))
+        manifest = codec_read_manifest(fh, path)
+    expected = key_of(path, root)
+    if expected is not None and manifest.key != expected:
+        raise GoldenError(path, f"manifest key {manifest.key} disagrees with its path ({expected})")
+    return manifest
 
 
 def check_key(golden: Golden, expected: GoldenKey | None, source: object) -> Golden:

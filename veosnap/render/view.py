@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 
 from ..golden import names
 from ..golden.codec import Golden
-from ..golden.manifest import Approval, json_object
+from ..golden.manifest import Approval, Excuse, json_object
 from ..numerics import fmt
 from ..numerics.compare import TensorResult
 from ..reference.coverage import routes_not_captured
+from ..runs.check import excuse_figures
 from ..runs.diff import DiffReport, FieldChange, GoldenDiff, TrailChange
 from ..runs.matrix import Cell, Matrix
 from ..runs.verdict import CheckReport, drift_text
@@ -399,6 +400,12 @@ class GoldenView:
     hidden: int  # per-parameter tensors left out
 
 
+def excuse_line(variant: str, excuse: Excuse) -> str:
+    """A variant the golden was recorded despite (`record --excuse`), with its reason and figures then."""
+    return f"{variant} fails it, known at record time: {excuse.reason} (then: {excuse_figures(excuse)}; its checks " \
+           "still fail)"
+
+
 def golden_view(g: Golden, full: bool = False) -> GoldenView:
     """The manifest's key facts, the approval trail, and the tensors (per-parameter ones with `full`)."""
     m = g.manifest
@@ -426,6 +433,7 @@ def golden_view(g: Golden, full: bool = False) -> GoldenView:
         facts += [("routers", unread)] if unread else []
         facts += [("absent", f"{a.kind} {', '.join(a.names) or '(all)'}: {a.reason}") for a in m.absent
                   if a.kind != "router_unread"]
+    facts += [("excused", excuse_line(variant, e)) for variant, e in sorted(m.excused.items())]
     facts += [("approved", f"{a.reason!r} (replaced {a.previous_payload_hash})") for a in m.approvals]
     every = sorted({*g.tensors, *g.sketches})
     shown = every if full else [n for n in every if not names.parse(n).per_parameter]

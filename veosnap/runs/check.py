@@ -31,6 +31,8 @@ from ..golden import names
 from ..golden.background import PendingGolden, errors_after
 from ..golden.codec import Golden
 from ..golden.key import GoldenKey
+from ..golden.manifest import Excuse
+from ..numerics import fmt
 from ..numerics.compare import TensorResult, compare_route_sets, compare_tensors, same_route_tokens, structure_changes
 from ..reference import coverage, hardware, limits, models, scenarios
 from ..reference.capture import Capture
@@ -132,7 +134,8 @@ def _check_loaded(project: Project, key: GoldenKey, backend: Backend, chosen: li
     portable = backends.portable(backend.spec) or ""
     drift = version_drift(golden)
     for report in ordered:
-        report.notes[:0] = cross_class_notes(key) + routes_not_captured_notes(golden)
+        report.notes[:0] = cross_class_notes(key) + routes_not_captured_notes(golden) + \
+            excused_notes(golden, backend.spec)
         report.selection = list(selection)
         report.portable_backend = portable if portable != backend.spec else ""
         report.versions = drift
@@ -272,6 +275,24 @@ def routes_not_captured_notes(golden: Golden) -> list[str]:
     """The report note for a golden whose routers veosnap could not read (none when it read them all)."""
     unread = coverage.routes_not_captured(golden.manifest)
     return [f"{unread}: routing is not compared, a routing bug shows only in the outputs"] if unread else []
+
+
+def excused_notes(golden: Golden, spec: str) -> list[str]:
+    """The report note for each variant of the recorder's fragility check that `spec` runs (alone or joined
+    with `+`) and that the golden was recorded despite (`veosnap record --excuse`): the check still fails,
+    and says it was known."""
+    parts = {part.strip() for part in spec.split("+")}
+    notes = []
+    for variant, excuse in sorted(golden.manifest.excused.items()):
+        if variant in parts:
+            notes.append(f"{variant} fails this golden, known at record time: {excuse.reason} (then: "
+                         f"{excuse_figures(excuse)})")
+    return notes
+
+
+def excuse_figures(excuse: Excuse) -> str:
+    """What the excused variant failed by when the golden was recorded: its worst tensor and ratio."""
+    return f"{excuse.tensor} {fmt.times(excuse.ratio)}" if excuse.ratio is not None else excuse.tensor
 
 
 def _report(golden: Golden, fields: dict[str, str], **outcome: str) -> CheckReport:

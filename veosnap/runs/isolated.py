@@ -5,7 +5,7 @@ transformers' classes and torch's functions are the originals. `FreshRecorder` r
 one long-lived child (`python -m veosnap.runs.isolated`) that imports only veosnap, torch and
 transformers: it reads one JSON request per line on stdin, writes the golden's bytes to the file the
 request names, and answers one JSON line on its own channel (`{"ok": true}` or `{"error": "<one line>"}`).
-Asked to judge, the child also runs the recorder's fragility check there (`record.fragility`): the variants
+Asked to judge, the child also runs the recorder's fragility check there (`record.judge_variants`): the variants
 must run against the same pristine reference the golden came from, not in the touched parent.
 """
 
@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 
 import veosnap
@@ -23,6 +24,7 @@ import veosnap
 from ..errors import VeosnapError
 from ..golden.key import GoldenKey
 from ..reference.zoo import Project
+from .record import Judgment
 
 
 class FreshRecorder:
@@ -51,8 +53,8 @@ class FreshRecorder:
         return self.record_judged(project, key, seed, allow_near_ties, judge=False, sketch=sketch)[0]
 
     def record_judged(self, project: Project, key: GoldenKey, seed: int = 0, allow_near_ties: bool = False,
-                      judge: bool = True, sketch: str = "auto") -> tuple[bytes, list[str]]:
-        """The golden's bytes and, if `judge`, the fragility lines of the variants run in that same process."""
+                      judge: bool = True, sketch: str = "auto") -> tuple[bytes, list[Judgment]]:
+        """The golden's bytes and, if `judge`, the judgments of the variants run in that same process."""
         proc = self._start()
         assert self._dir is not None and proc.stdin is not None and proc.stdout is not None
         out = Path(self._dir.name) / "golden.bin"
@@ -70,7 +72,7 @@ class FreshRecorder:
         reply = json.loads(answer)
         if "error" in reply:
             raise VeosnapError(reply["error"])
-        return out.read_bytes(), list(reply.get("fragile", []))
+        return out.read_bytes(), [Judgment(**j) for j in reply.get("judgments", [])]
 
     def _last_log_line(self) -> str:
         try:
@@ -103,8 +105,8 @@ class FreshRecorder:
 
 
 def record_judged(project: Project, key: GoldenKey, seed: int = 0, allow_near_ties: bool = False,
-                  sketch: str = "auto") -> tuple[bytes, list[str]]:
-    """One golden recorded in a fresh process, and the fragility check's lines from that process."""
+                  sketch: str = "auto") -> tuple[bytes, list[Judgment]]:
+    """One golden recorded in a fresh process, and the fragility check's judgments from that process."""
     with FreshRecorder() as recorder:
         return recorder.record_judged(project, key, seed, allow_near_ties, sketch=sketch)
 
@@ -115,7 +117,7 @@ def main() -> int:
     os.dup2(2, 1)  # whatever else prints (warnings, progress) goes to the log, not the channel
     sys.stdout = sys.stderr
     from ..golden import codec
-    from .record import build_golden, fragility
+    from .record import build_golden, judge_variants
 
     for line in sys.stdin:
         request = json.loads(line)
@@ -125,7 +127,8 @@ def main() -> int:
             golden = build_golden(project, GoldenKey.from_name(request["key"]), seed=request["seed"],
                                   allow_near_ties=request["allow_near_ties"], sketch=request.get("sketch", "auto"))
             Path(request["out"]).write_bytes(codec.encode(golden))
-            reply = {"ok": True, "fragile": fragility(project, golden) if request.get("judge") else []}
+            judged = judge_variants(project, golden) if request.get("judge") else []
+            reply = {"ok": True, "judgments": [asdict(j) for j in judged]}
         except VeosnapError as exc:
             reply = {"error": str(exc)}
         except Exception as exc:  # noqa: BLE001 - reported to the parent in one line

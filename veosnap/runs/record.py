@@ -19,15 +19,21 @@ experts kernels for MoE models; not compile, which takes a minute) are checked a
 that one of them fails is fragile: its bounds do not cover what an equally good kernel does (a router
 deciding on a near-tie in a low precision, a tensor noisier than the float64 run says, a model that
 samples in training mode and so never reproduces itself), and every real candidate would fail it too.
-`record` refuses it, naming the variant, the tensor and the ratio, unless `allow_fragile`. The variants
+`record` refuses it, naming the variant, the tensor and the ratio, unless `allow_fragile`, or unless that
+variant is excused: `--excuse VARIANT=REASON` says the variant is known to be wrong here (a library bug,
+docs/findings/), and the golden keeps {variant: reason, worst tensor, ratio} in its manifest (`excused`,
+absent when there is none), so every check of that variant still fails and its report says the reason.
+An excuse for a variant that passes (or does not run) is refused: it would hide nothing. The variants
 are veosnap's own, as shipped (not a same-named backend registered at run time), and leave the process
 pristine (`pristine.own_variants`): a later recording here still runs in this process.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import platform
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,7 +46,7 @@ from ..errors import GoldenError, Unsupported, VeosnapError
 from ..golden import codec, names, store
 from ..golden.codec import Golden
 from ..golden.key import DTYPE_NAMES, SCENARIOS, GoldenKey
-from ..golden.manifest import BatchSpec, Manifest, Provenance, Reference
+from ..golden.manifest import EXCUSABLE, BatchSpec, Excuse, Manifest, Provenance, Reference
 from ..golden.limits import mib
 from ..golden.sketches import MODES, SketchPlan
 from ..numerics import fmt
@@ -53,6 +59,7 @@ from ..reference.determinism import deterministic
 from ..reference.probes import RouteRecord, unread_routers
 from ..reference.reduce import WHOLE, CandidateReducer, RecordReducer, Reducer
 from ..reference.zoo import Project, ToyConfig, load_config, writable
+from .verdict import CheckReport
 
 
 @dataclass(frozen=True)
@@ -65,6 +72,7 @@ class RecordOutcome:
     min_margin: float | None  # smallest router margin over all MoE layers (None: dense model)
     note: str = ""  # what else the user should know (a trail kept, an unreadable golden replaced)
     fragile: tuple[str, ...] = ()  # variants that fail the golden (written anyway: allow_fragile)
+    excused: tuple[str, ...] = ()  # variants that fail the golden, excused (`--excuse`): their figures
     routes_not_captured: str = ""  # the warning for routers whose routes the golden lacks ('' when none)
     config: Path | None = None  # the toy config it was recorded from (the project's, or the bundled zoo's)
 
@@ -301,16 +309,16 @@ def _check_routes(key: GoldenKey, reference: dict[int, RouteRecord], truth: dict
 
 @dataclass
 class Recorded:
-    """A new golden and, when it was recorded in a fresh process, its fragility lines judged there."""
+    """A new golden and, when it was recorded in a fresh process, its variants' judgments made there."""
 
     golden: Golden
-    fragile: list[str] | None = None  # None: not judged yet (`judge` runs the variants here)
+    judgments: list[Judgment] | None = None  # None: not judged yet (`judge` runs the variants here)
 
-    def judge(self, project: Project) -> list[str]:
-        """The fragility check's lines: from the fresh process that recorded it, else run here."""
-        if self.fragile is None:
-            self.fragile = fragility(project, self.golden)
-        return self.fragile
+    def judge(self, project: Project) -> list[Judgment]:
+        """The fragility check's judgments: from the fresh process that recorded it, else run here."""
+        if self.judgments is None:
+            self.judgments = judge_variants(project, self.golden)
+        return self.judgments
 
 
 def recorded(project: Project, key: GoldenKey, seed: int = 0, allow_near_ties: bool = False,
@@ -320,9 +328,9 @@ def recorded(project: Project, key: GoldenKey, seed: int = 0, allow_near_ties: b
     if pristine.touched():
         from .isolated import record_judged
 
-        data, fragile = record_judged(project, key, seed=seed, allow_near_ties=allow_near_ties, sketch=sketch)
+        data, judgments = record_judged(project, key, seed=seed, allow_near_ties=allow_near_ties, sketch=sketch)
         try:
-            return Recorded(codec.decode(data, f"the fresh recording of {key}"), fragile)
+            return Recorded(codec.decode(data, f"the fresh recording of {key}"), judgments)
         except GoldenError as exc:
             raise _refused(key, exc) from None
     return Recorded(build_golden(project, key, seed=seed, allow_near_ties=allow_near_ties, sketch=sketch))
@@ -358,13 +366,49 @@ def stored_bytes(project: Project, new: Golden) -> tuple[bytes, str]:
 
 # Cheap legitimate variants: eager is the reference run again (a golden it fails does not reproduce
 # itself); the experts kernels are tried on MoE models only.
-VARIANTS = ("eager", "sdpa", "grouped_mm", "batched_mm")
+VARIANTS = ("eager", *EXCUSABLE)
 _MOE_ONLY = ("grouped_mm", "batched_mm")
 
 
-def fragility(project: Project, golden: Golden) -> list[str]:
-    """The cheap legitimate variants (`VARIANTS`) that fail `golden`, one line each: the variant, then its
-    routing difference or its worst tensors over their bounds with their ratios.
+@dataclass(frozen=True)
+class Judgment:
+    """One variant of the fragility check against a new golden."""
+
+    variant: str
+    status: str  # "passed", "failed" or "not run"
+    figures: str = ""  # failed: its routing difference or worst tensors with their ratios; not run: why
+    tensor: str = ""  # failed: its worst tensor over the bound (a route name when only its routing differs)
+    ratio: float | None = None  # that tensor's error/bound ratio (None: not finite, or a routing difference)
+
+    @property
+    def failed(self) -> bool:
+        return self.status == "failed"
+
+    def line(self) -> str:
+        """The fragility line: the variant, then its figures."""
+        name = "eager (the reference itself, run again)" if self.variant == "eager" else self.variant
+        return f"{name}: {self.figures}"
+
+
+def judgment(variant: str, report: CheckReport) -> Judgment:
+    """What `report` (a check of `variant` against the new golden) says about the golden."""
+    if report.passed:
+        return Judgment(variant, "passed")
+    if report.skipped or report.error:  # does not apply, or could not run: nothing said about the golden
+        return Judgment(variant, "not run", report.skipped or report.error)
+    flipped = [r for r in report.routes if not r.passed]
+    over = [t for t in report.ranked() if not t.passed][:3]
+    parts = [f"routing differs in layer {r.layer} ({r.clear_flips} of {r.tokens} tokens)" for r in flipped]
+    parts += [f"{t.name} {fmt.times(t.ratio)}" for t in over]
+    if over:
+        tensor, ratio = over[0].name, over[0].ratio if math.isfinite(over[0].ratio) else None
+    else:
+        tensor, ratio = (str(names.Route(flipped[0].layer, "experts")) if flipped else ""), None
+    return Judgment(variant, "failed", ", ".join(parts) or report.status, tensor, ratio)
+
+
+def judge_variants(project: Project, golden: Golden) -> list[Judgment]:
+    """Each cheap legitimate variant (`VARIANTS`) against `golden`, in order.
 
     They run here, as shipped, and leave this process as pristine as it was (`pristine.own_variants`)."""
     from ..candidates import backends
@@ -374,20 +418,73 @@ def fragility(project: Project, golden: Golden) -> list[str]:
     found = []
     for variant in VARIANTS:
         if variant in _MOE_ONLY and not moe:
+            found.append(Judgment(variant, "not run", "a dense model has no experts"))
             continue
         if variant == "batched_mm" and batched_mm_too_large(project, golden):
-            continue  # at real shapes its gathered expert weights would dwarf the recording (README, "Two tiers")
+            # at real shapes its gathered expert weights would dwarf the recording (README, "Two tiers")
+            found.append(Judgment(variant, "not run", "its copies of the experts' weights would exceed "
+                                                      f"{mib(BATCHED_MM_JUDGE_LIMIT)}"))
+            continue
         with pristine.own_variants():
             report = check(project, golden.manifest.key, backends.shipped(variant), gold=golden)
-        if report.passed or report.skipped or report.error:
-            continue  # passed, does not apply, or could not run: nothing said about the golden
-        flipped = [r for r in report.routes if not r.passed]
-        over = [t for t in report.ranked() if not t.passed][:3]
-        parts = [f"routing differs in layer {r.layer} ({r.clear_flips} of {r.tokens} tokens)" for r in flipped]
-        parts += [f"{t.name} {fmt.times(t.ratio)}" for t in over]
-        name = "eager (the reference itself, run again)" if variant == "eager" else variant
-        found.append(f"{name}: {', '.join(parts)}")
+        found.append(judgment(variant, report))
     return found
+
+
+def fragility(project: Project, golden: Golden) -> list[str]:
+    """The cheap legitimate variants (`VARIANTS`) that fail `golden`, one line each: the variant, then its
+    routing difference or its worst tensors over their bounds with their ratios."""
+    return [j.line() for j in judge_variants(project, golden) if j.failed]
+
+
+def parse_excuses(items: Sequence[str]) -> dict[str, str]:
+    """`--excuse VARIANT=REASON` options as {variant: reason}; a bad one is a one-line error naming it."""
+    excuses: dict[str, str] = {}
+    for item in items:
+        variant, sep, reason = item.partition("=")
+        variant, reason = variant.strip(), reason.strip()
+        if variant == "eager":
+            raise VeosnapError(f"--excuse {item!r}: eager is the reference itself, run again; a golden it fails "
+                               f"does not reproduce itself and cannot be excused (excusable: {', '.join(EXCUSABLE)})")
+        if variant not in EXCUSABLE:
+            raise VeosnapError(f"--excuse {item!r}: unknown variant {variant!r} (the fragility check's variants "
+                               f"that can be excused: {', '.join(EXCUSABLE)})")
+        if not sep or not reason:
+            raise VeosnapError(f"--excuse {item!r}: give the reason, as --excuse {variant}=REASON (it is kept in "
+                               "the golden and shown by every check of that variant)")
+        if variant in excuses and excuses[variant] != reason:
+            raise VeosnapError(f"--excuse {variant}: given twice with different reasons")
+        excuses[variant] = reason
+    return excuses
+
+
+def excused(key: GoldenKey, judgments: Sequence[Judgment], excuses: dict[str, str]) -> dict[str, Excuse]:
+    """The manifest's `excused` entries for `excuses` ({variant: reason}), with the figures each variant
+    failed by. An excuse for a variant that passes, or did not run, is refused: it would hide nothing now
+    and whatever the variant does later."""
+    by_variant = {j.variant: j for j in judgments}
+    entries = {}
+    for variant, reason in sorted(excuses.items()):
+        found = by_variant.get(variant)
+        if found is None or not found.failed:
+            how = "passes it" if found is not None and found.status == "passed" else \
+                f"did not run on it ({found.figures if found is not None else 'not judged'})"
+            raise VeosnapError(f"{key}: --excuse {variant}: {variant} {how}; a stale excuse hides nothing, "
+                               "drop it")
+        entries[variant] = Excuse(reason, found.tensor, found.ratio)
+    return entries
+
+
+def settle(key: GoldenKey, golden: Golden, judgments: Sequence[Judgment], excuses: dict[str, str],
+           allow_fragile: bool, command: str) -> tuple[list[str], list[str]]:
+    """Decide on a new golden from its judgments: the excused variants go into its manifest (`excused`),
+    any other variant that fails it refuses it unless `allow_fragile`. Returns the lines of the variants
+    that fail it, not excused (allowed) and excused, for the user."""
+    golden.manifest.excused = excused(key, judgments, excuses)
+    unexcused = [j.line() for j in judgments if j.failed and j.variant not in excuses]
+    if unexcused and not allow_fragile:
+        raise fragile_error(key, unexcused, command)
+    return unexcused, [j.line() for j in judgments if j.failed and j.variant in excuses]
 
 
 # The fragility check leaves batched_mm out where its copies of the experts' weights (`limits.batched_mm_bytes`)
@@ -407,34 +504,40 @@ def fragile_error(key: GoldenKey, fragile: list[str], command: str) -> VeosnapEr
     return VeosnapError(
         f"{key}: fragile golden, not written: legitimate variants of the reference exceed its bounds "
         f"({'; '.join(fragile)}); every candidate would fail where they do. Look for near-tie routers or "
-        f"a precision the toy config cannot carry, or keep it with `{command} --allow-fragile`")
+        f"a precision the toy config cannot carry; where a variant is known to be wrong (a library bug), record "
+        f"it with --excuse VARIANT=REASON; or keep it with `{command} --allow-fragile`")
 
 
 def record(project: Project, model: str, dtype: str, scenario: str = "step", seed: int = 0,
-           allow_near_ties: bool = False, allow_fragile: bool = False, sketch: str = "auto") -> RecordOutcome:
+           allow_near_ties: bool = False, allow_fragile: bool = False, sketch: str = "auto",
+           excuses: dict[str, str] | None = None) -> RecordOutcome:
     """Record one golden into the project's goldens directory; leaves an identical file untouched. A scenario
     checked against another's golden (`frozen_vision`) records that one.
 
-    A golden that cheap legitimate variants fail (`fragility`) is refused unless `allow_fragile`
-    (then written, and the outcome lists them)."""
+    A golden that cheap legitimate variants fail (`fragility`) is refused unless `allow_fragile` (then
+    written, and the outcome lists them) or each failing variant is excused (`excuses`: {variant: reason},
+    kept in the manifest; an excuse for a variant that passes is refused)."""
     key = GoldenKey(project.hardware_class, model, scenario, dtype).recorded
     writable(project.goldens)
     path = store.path_for(project.goldens, key)
     store.check_writable(path, project.goldens)  # before the minutes a recording may take
     fresh = recorded(project, key, seed=seed, allow_near_ties=allow_near_ties, sketch=sketch)
     new = fresh.golden
+    command = project.recording_command("record", key)
+    fragile: list[str] = []
+    excused_lines: list[str] = []
+    if excuses:  # judged before the bytes: the excuses, with the figures they are made for, are in them
+        fragile, excused_lines = settle(key, new, fresh.judge(project), excuses, allow_fragile, command)
     data, note = stored_bytes(project, new)
     try:
         written = store.read_file(path) != data
     except GoldenError:
         written = True
-    fragile: list[str] = []
     if written:  # an identical golden on disk was judged when it was written
-        fragile = fresh.judge(project)
-        if fragile and not allow_fragile:
-            raise fragile_error(key, fragile, project.recording_command("record", key))
+        if not excuses:
+            fragile, _ = settle(key, new, fresh.judge(project), {}, allow_fragile, command)
         store.write_bytes(data, path, project.goldens)
     margins = new.manifest.min_margin.values()
     return RecordOutcome(key=key, path=path, written=written, min_margin=min(margins) if margins else None,
-                         note=note, fragile=tuple(fragile), routes_not_captured=coverage.routes_not_captured(
+                         note=note, fragile=tuple(fragile), excused=tuple(excused_lines), routes_not_captured=coverage.routes_not_captured(
                              new.manifest), config=load_config(project.configs, model).path)

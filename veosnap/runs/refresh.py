@@ -6,7 +6,8 @@ touches only the goldens that really changed. It compares bounds too: a golden w
 than the reference now measures (loosened by hand, say) is rewritten, never kept as "within noise".
 Each rewrite appends {reason, previous_payload_hash} to the manifest's approval trail (which `diff`
 shows), so the history of why a golden changed travels with it. The new golden is recorded as `record`
-records it: from a pristine process, and refused when fragile unless `allow_fragile` (`record.fragility`).
+records it: from a pristine process, and refused when fragile unless `allow_fragile` or its failing variants
+are excused (`record.settle`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from ..numerics import fmt
 from ..reference import hardware
 from ..reference.zoo import Project, writable
 from .diff import GoldenDiff, diff_goldens
-from .record import encode_checked, fragile_error, recorded
+from .record import encode_checked, recorded, settle
 
 # Manifest fields whose change alone makes a refresh rewrite: the golden would describe another
 # function, batch, tolerance rule or format than the one on disk.
@@ -80,11 +81,14 @@ def reasons_to_rewrite(d: GoldenDiff) -> list[str]:
 
 def refresh(project: Project, model: str, dtype: str, reason: str, force: bool = False,
             scenario: str = "step", seed: int | None = None, allow_near_ties: bool = False,
-            allow_fragile: bool = False, sketch: str | None = None) -> RefreshOutcome:
+            allow_fragile: bool = False, sketch: str | None = None,
+            excuses: dict[str, str] | None = None) -> RefreshOutcome:
     """Re-record one golden from the reference; rewrite it only if it moved beyond noise (or `force`).
 
     A new golden that cheap legitimate variants fail is refused, as `record` refuses it, unless
-    `allow_fragile`. `sketch` (auto, always, never): None keeps the mode the old golden was recorded
+    `allow_fragile` or its failing variants are excused (`excuses`, as `record` takes them; None keeps the
+    old golden's, dropping one whose variant passes now; a change of the excused variants or their reasons
+    is a reason to rewrite). `sketch` (auto, always, never): None keeps the mode the old golden was recorded
     with (auto when it has no sketched tensor, or there is none)."""
     reason = reason.strip()
     if not reason:
@@ -106,11 +110,21 @@ def refresh(project: Project, model: str, dtype: str, reason: str, force: bool =
         sketch = old.manifest.sketch.mode if old is not None and old.manifest.sketch is not None else "auto"
     fresh = recorded(project, key, seed=seed, allow_near_ties=allow_near_ties, sketch=sketch)
     new = fresh.golden
+    command = project.recording_command("refresh", key, "--reason", reason)
+    dropped = []
+    if excuses is None and old is not None and old.manifest.excused:
+        # Kept from the old golden, as its seed and sketch mode are; one its variant now passes is dropped.
+        excuses = _reasons(old)
+        failing = {j.variant for j in fresh.judge(project) if j.failed}
+        dropped = sorted(set(excuses) - failing)
+        excuses = {v: r for v, r in excuses.items() if v in failing}
+    if excuses:  # judged first: a stale excuse is refused even where nothing else changed
+        settle(key, new, fresh.judge(project), excuses, allow_fragile, command)
     why = reasons_to_rewrite(diff_goldens(old, new)) if old is not None else []
-    if (old is None or why or force) and not allow_fragile:
-        fragile = fresh.judge(project)
-        if fragile:
-            raise fragile_error(key, fragile, project.recording_command("refresh", key, "--reason", reason))
+    if old is not None and _reasons(old) != _reasons(new):
+        why.append(f"excuse for {', '.join(dropped)} dropped (it no longer fails)" if dropped else "excused variants changed")
+    if (old is None or why or force) and not excuses:
+        settle(key, new, fresh.judge(project), {}, allow_fragile, command)
     if old is None:
         why = "replaced an unreadable golden (--force)" if os.path.lexists(path) else "no golden before"
         new.manifest.approvals = [Approval(reason, previous_payload_hash=None)]
@@ -121,6 +135,10 @@ def refresh(project: Project, model: str, dtype: str, reason: str, force: bool =
     new.manifest.approvals = [*old.manifest.approvals, Approval(reason, old.manifest.payload_hash)]
     store.write_bytes(encode_checked(new, path), path, project.goldens)
     return RefreshOutcome(key, path, "rewrote", "; ".join(why) or "forced (--force)", diff_goldens(old, new))
+
+
+def _reasons(golden: Golden) -> dict[str, str]:
+    return {variant: excuse.reason for variant, excuse in golden.manifest.excused.items()}
 
 
 def _read_old(project: Project, key: GoldenKey, force: bool, reason: str) -> Golden | None:

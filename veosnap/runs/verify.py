@@ -29,13 +29,16 @@ class VerifyResult:
     path: Path
     key: GoldenKey | None
     problem: str = ""
+    excused: tuple[str, ...] = ()  # a sound golden's variants recorded despite (`record --excuse`), with why
 
     @property
     def ok(self) -> bool:
         return not self.problem
 
     def line(self) -> str:
-        return f"{self.path}: {self.problem}" if self.problem else f"{self.path}: ok"
+        if self.problem:
+            return f"{self.path}: {self.problem}"
+        return f"{self.path}: ok" + "".join(f"; excused {line}" for line in self.excused)
 
 
 def consistency_problem(g: Golden) -> str:
@@ -63,7 +66,8 @@ def verify_file(path: Path, root: Path | None = None) -> VerifyResult:
         return VerifyResult(path, expected, exc.cause)
     except VeosnapError as exc:
         return VerifyResult(path, expected, str(exc).removeprefix(f"{path}: "))
-    return VerifyResult(path, expected, consistency_problem(g))
+    excused = tuple(f"{variant}: {e.reason}" for variant, e in sorted(g.manifest.excused.items()))
+    return VerifyResult(path, expected, consistency_problem(g), excused)
 
 
 def collect(paths: list[Path]) -> list[tuple[Path, Path | None]]:

@@ -95,14 +95,15 @@ def _scenarios(args: argparse.Namespace, project: Project, model: str, recording
 
 
 def cmd_record(args: argparse.Namespace) -> int:
-    from ..runs.record import record
+    from ..runs.record import parse_excuses, record
 
+    excuses = parse_excuses(args.excuse or [])
     project = _recording_project(args)
     for model, dtype in _selection(args, project):
         for scenario in _scenarios(args, project, model, recording=True):
             outcome = record(project, model, dtype, scenario=scenario, seed=args.seed,
                              allow_near_ties=args.allow_near_ties, allow_fragile=args.allow_fragile,
-                             sketch=args.sketch)
+                             sketch=args.sketch, excuses=excuses)
             margin = "" if outcome.min_margin is None else f"  min router margin {fmt.num(outcome.min_margin)}"
             note = f"  ({outcome.note})" if outcome.note else ""
             state = "wrote" if outcome.written else "unchanged"
@@ -114,6 +115,9 @@ def cmd_record(args: argparse.Namespace) -> int:
             if outcome.fragile:
                 print(f"veosnap: warning: {outcome.path}: fragile golden written (--allow-fragile): legitimate "
                       f"variants exceed its bounds ({'; '.join(outcome.fragile)})", file=sys.stderr)
+            for line in outcome.excused:
+                print(f"veosnap: warning: {outcome.path}: excused (--excuse), its checks still fail: {line}",
+                      file=sys.stderr)
     return EXIT_OK
 
 
@@ -184,14 +188,16 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def cmd_refresh(args: argparse.Namespace) -> int:
+    from ..runs.record import parse_excuses
     from ..runs.refresh import refresh
 
+    excuses = parse_excuses(args.excuse) if args.excuse else None
     project = _recording_project(args)
     for model, dtype in _selection(args, project):
         for scenario in _scenarios(args, project, model, recording=True):
             outcome = refresh(project, model, dtype, args.reason, force=args.force, scenario=scenario,
                               allow_near_ties=args.allow_near_ties, allow_fragile=args.allow_fragile,
-                              sketch=args.sketch)
+                              sketch=args.sketch, excuses=excuses)
             print(f"{outcome.action:9s} {outcome.path}  ({outcome.why})")
             if outcome.diff is not None:
                 print("\n".join(render_text.diff_golden(outcome.diff)))
@@ -204,8 +210,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     paths = args.paths or [Path(args.goldens) if args.goldens else default_goldens()]
     results = verify(paths)
     bad = [r for r in results if not r.ok]
-    for r in bad:
-        print(r.line())
+    for r in results:
+        if not r.ok or r.excused:  # a sound golden recorded despite a failing variant says so
+            print(r.line())
     print(f"verified {len(results)} golden(s): {len(bad)} bad")
     return EXIT_FAILED if bad else EXIT_OK
 
@@ -274,14 +281,29 @@ def cmd_ls(args: argparse.Namespace) -> int:
                if (args.hardware_class is None or key.hardware_class == project.hardware_class)
                and (not args.model or key.model in args.model) and (not args.dtype or key.dtype in args.dtype)
                and (args.scenario is None or key.scenario == args.scenario)]
+    excused = {path: _excused(path, project.goldens) for _, path in entries}
     if args.format == "json":
-        print(json.dumps([{"key": str(k), "path": str(p), "bytes": p.stat().st_size} for k, p in entries], indent=2))
+        print(json.dumps([{"key": str(k), "path": str(p), "bytes": p.stat().st_size,
+                           **({"excused": excused[p]} if excused[p] else {})} for k, p in entries], indent=2))
         return EXIT_OK
     if not entries:
         print(f"no goldens under {project.goldens}" + (" matching the filters" if _filtered(args) else ""))
     for key, path in entries:
-        print(f"{str(key):45s} {path.stat().st_size / 1024:8.1f} KiB  {path}")
+        said = "".join(f"  excused {variant}: {reason}" for variant, reason in excused[path].items())
+        print(f"{str(key):45s} {path.stat().st_size / 1024:8.1f} KiB  {path}{said}")
     return EXIT_OK
+
+
+def _excused(path: Path, root: Path) -> dict[str, str]:
+    """The variants a golden was recorded despite (`record --excuse`), from its manifest; a golden whose
+    manifest cannot be read lists none here (`veosnap verify` says what is wrong with it)."""
+    from ..errors import GoldenError
+
+    try:
+        manifest = store.read_manifest(path, root)
+    except GoldenError:
+        return {}
+    return {variant: excuse.reason for variant, excuse in sorted(manifest.excused.items())}
 
 
 def _filtered(args: argparse.Namespace) -> bool:
@@ -313,6 +335,16 @@ def _scenario(p: argparse.ArgumentParser, repeatable: bool = True) -> None:
                                             if repeatable else " (default step)"))
 
 
+def _excuse(p: argparse.ArgumentParser, default: str) -> None:
+    from ..golden.manifest import EXCUSABLE
+
+    p.add_argument("--excuse", action="append", metavar="VARIANT=REASON",
+                   help=f"write the golden although the fragility check's VARIANT ({', '.join(EXCUSABLE)}) fails it, "
+                        "for a known reason outside veosnap (a library bug): kept in the golden with the figures, "
+                        "shown by every check of VARIANT, which still fails; refused if VARIANT passes (repeatable)"
+                        + default)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="veosnap", description="Golden-reference snapshot regression for HF models.")
     parser.add_argument("--version", action="version", version=f"veosnap {__version__}")
@@ -330,6 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-fragile", action="store_true",
                    help="write a golden even if cheap legitimate variants (sdpa, grouped_mm, batched_mm) exceed "
                         "its bounds (warns, naming them)")
+    _excuse(p, "")
     commands["record"] = cmd_record
 
     p = sub.add_parser("check", help="check a backend against the goldens")
@@ -381,6 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "has no sketched tensor)")
     p.add_argument("--allow-fragile", action="store_true",
                    help="rewrite even if cheap legitimate variants exceed the new golden's bounds")
+    _excuse(p, " (default: the old golden's excuses, dropping one whose variant no longer fails)")
     commands["refresh"] = cmd_refresh
 
     p = sub.add_parser("verify", help="check golden files for corruption and inconsistency")
