@@ -250,3 +250,15 @@ FAULTS = {
 # outside bf16 noise and fail; bf16 accumulators in attention add about 1.5x the reference's own
 # bf16 noise and stay inside the bound (tools/calibrate_tolerance.py prints both).
 PRECISION_FAULTS = {"fp8_attention_probabilities": "fails", "low_precision_attention": "within bound"}
+
+
+def expert_bias_grad_in_bfloat16(model: nn.Module) -> nn.Module:
+    """The MoE experts' bias gradients rounded to bfloat16, as a grouped GEMM that accumulates them in low
+    precision does (transformers' grouped_mm on GPT-OSS: docs/findings/transformers-grouped-mm-bias-grad-bf16.md).
+    Every other tensor is untouched; a float32 golden's bounds catch it."""
+    biases = [p for name, p in model.named_parameters() if ".experts." in name and name.endswith("_bias")]
+    if not biases:
+        raise Unsupported("no expert biases to plant this fault in")
+    for parameter in biases:
+        parameter.register_hook(lambda grad: grad.to(torch.bfloat16).to(grad.dtype))
+    return model
