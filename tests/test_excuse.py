@@ -166,3 +166,20 @@ def test_committed_goldens_record_again_byte_identical(scratch_project, monkeypa
     pristine_here(monkeypatch)
     outcome = record(scratch_project, model, dtype)
     assert not outcome.written and outcome.path.read_bytes() == committed.read_bytes()
+
+
+def test_gpu_real_records_an_excused_golden_as_record_does(scratch_project, planted, monkeypatch):
+    """tools/gpu_real.py's record unit (in this process: the planted variant exists here only) writes the
+    golden with its excuse, and the variant's report, a cell of its matrix, still fails with the note."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "tools"))
+    gpu_real = pytest.importorskip("gpu_real")
+    pristine_here(monkeypatch)
+    unit = gpu_real.Unit("record", "gpt_oss", "float32", excuses=(("grouped_mm", REASON),))
+    row = gpu_real._run_unit(scratch_project, unit)
+    assert (row["status"], row["fragile"], row["excused"], row["written"]) == ("recorded", [], ["grouped_mm"], True)
+    assert row["judges"]["grouped_mm"].status == "FAIL"
+    assert row["judges"]["grouped_mm"].notes[0].startswith("grouped_mm fails this golden, known at record time: ")
+    golden = store.read(scratch_project.goldens / row["path"])
+    assert golden.manifest.excused["grouped_mm"].reason == REASON

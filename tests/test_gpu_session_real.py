@@ -220,3 +220,30 @@ def test_a_unit_marked_alone_waits_for_the_gpu_to_drain_and_nothing_starts_besid
     assert gpu_real.next_unit([other], recorded, [alone], 100, {("m", "float32")}) is None
     assert gpu_real.out_of_memory({"status": "OutOfMemoryError: CUDA out of memory."})
     assert not gpu_real.out_of_memory({"status": "recorded"})
+
+
+def test_gpu_real_passes_excuses_to_its_records_and_refuses_a_stale_one(tmp_path):
+    """`--excuse MODEL/DTYPE:VARIANT=REASON` reaches the record unit, which decides as `veosnap record
+    --excuse` does: here grouped_mm passes the toy qwen3_moe, so the excuse is stale and nothing is written."""
+    import shutil
+
+    from golden_repo import CLASS
+
+    from veosnap.reference.zoo import Project
+
+    parser = gpu_real.argparse.ArgumentParser()
+    excuses = gpu_real.parse_excuses(["qwen3_moe/float32:grouped_mm=known bug"], parser)
+    assert excuses == {("qwen3_moe", "float32"): {"grouped_mm": "known bug"}}
+    with pytest.raises(SystemExit):
+        gpu_real.parse_excuses(["qwen3_moe/float32:eager=x"], parser)
+    shutil.copytree(ROOT / "toy_configs", tmp_path / "toy_configs")
+    project = Project.resolve(goldens=tmp_path / "goldens", configs=tmp_path / "toy_configs",
+                              testdata=ROOT / "testdata", hardware_class=CLASS)
+    out = tmp_path / "out"
+    out.mkdir()
+    result = gpu_real.phase_real(project, out, ["qwen3_moe"], ["float32"], ["eager"], [], {"record": 1, "check": 1},
+                                 capacity_gib=1000, budget_s=3600, excuses=excuses)
+    (golden,) = result["goldens"]
+    assert golden["status"] == (f"refused: {CLASS}/qwen3_moe/step-float32: --excuse grouped_mm: grouped_mm passes "
+                                "it; a stale excuse hides nothing, drop it")
+    assert not golden["written"] and not (tmp_path / "goldens" / CLASS).exists()

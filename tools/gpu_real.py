@@ -3,6 +3,7 @@ legitimate backend, several worker processes sharing the GPU.
 
     python tools/gpu_real.py --out DIR [--jobs 4] [--record-jobs 2] [--budget-s 400] [--stop-s 500]
                              [--dtype D]... [--model M]... [--backends B,C] [--no-compile] [--rerecord]
+                             [--excuse MODEL/DTYPE:VARIANT=REASON]...
     python tools/gpu_real.py --plan [--jobs 4] ...   # no GPU needed: the estimated schedule, what fits
 
 Work comes in units: `record (model, dtype)` and `check (model, dtype, backend)`, the checks after their
@@ -10,9 +11,11 @@ golden's record. A golden of this class already in goldens/ is kept and only che
 records it again). A record is `veosnap record`: the reference, its float64 twin, then the fragility check
 (the shipped `eager`, `sdpa`, and on MoE models `grouped_mm` and `batched_mm`, against the new golden);
 their reports are the matrix's cells for those backends, and a golden they fail is FRAGILE: reported, not
-written, left out of the tars. Records run on `--record-jobs` workers that run nothing else, so they stay
-pristine (as `veosnap record` requires; a touched process would record in a fresh child and judge again);
-the other backends run on the remaining workers. Units are taken smallest model first (a time budget
+written, left out of the tars, unless each failing variant is excused (`--excuse MODEL/DTYPE:VARIANT=REASON`,
+as `veosnap record --excuse`: written with the excuse in its manifest, the variant's cell still a fail).
+Records run on `--record-jobs` workers that run nothing else, so they stay pristine (as `veosnap record`
+requires; a touched process would record in a fresh child and judge again); the other backends run on the
+remaining workers. Units are taken smallest model first (a time budget
 leaves out the largest), a (model, dtype)'s units one at a time, so each worker draws a model's weights
 once and keeps them for its next build (`--no-weight-cache`), and a unit starts only when its memory
 estimate (`tools/realshape_memory.py`: record or check GiB, plus batched_mm's copies of the experts) fits
@@ -82,6 +85,7 @@ class Unit:
     gib: float = 0.0  # memory estimate (GPU)
     est_s: float = 0.0  # time estimate (for --plan)
     alone: bool = False  # run with no other unit beside it (a retry after a CUDA OOM among others)
+    excuses: tuple[tuple[str, str], ...] = ()  # a record's (variant, reason) pairs: `veosnap record --excuse`
 
     @property
     def label(self) -> str:
@@ -90,10 +94,11 @@ class Unit:
 
 def plan_units(project: Project, models: list[str], dtypes: list[str], specs: list[str],
                compile_models: list[str], cached: bool = True, have: frozenset = frozenset(),
-               exclude: frozenset = frozenset()) -> list[Unit]:
+               exclude: frozenset = frozenset(), excuses: dict | None = None) -> list[Unit]:
     """Every unit, in the order they are taken: smallest model first; per (model, dtype) its record, then
     its checks (the heaviest backend last). `have`: the (model, dtype) pairs whose golden is kept as it is
-    (no record unit; their checks start at once). `exclude`: (model, dtype) pairs left out entirely."""
+    (no record unit; their checks start at once). `exclude`: (model, dtype) pairs left out entirely.
+    `excuses`: {(model, dtype): {variant: reason}}, for their records (`veosnap record --excuse`)."""
     from realshape_memory import estimate, planned_gib
 
     from veosnap.reference import limits, models as vmodels
@@ -111,7 +116,8 @@ def plan_units(project: Project, models: list[str], dtypes: list[str], specs: li
         for dtype in [d for d in dtypes if (model, d) not in exclude]:
             record_s = RECORD_FIXED_S + RECORD_S_PER_B * b + RECORD_S_PER_BKT * b * kt
             if (model, dtype) not in have:
-                units.append(Unit("record", model, dtype, gib=planned_gib(e, "record", dtype), est_s=record_s))
+                units.append(Unit("record", model, dtype, gib=planned_gib(e, "record", dtype), est_s=record_s,
+                                  excuses=tuple(sorted((excuses or {}).get((model, dtype), {}).items()))))
             for i, spec in enumerate([s for s in specs if s not in RECORD_JUDGES]
                                      + (["compile"] if model in compile_models else [])):
                 build = (CACHED_BUILD_S_PER_B if cached and i else BUILD_S_PER_B) * b
@@ -263,8 +269,9 @@ def run_unit(project: Project, unit: Unit) -> dict:
 def _run_unit(project: Project, unit: Unit) -> dict:
     from veosnap.candidates import backends, pristine
     from veosnap.golden import store
+    from veosnap.errors import VeosnapError
     from veosnap.runs import record
-    from veosnap.runs.check import check
+    from veosnap.runs.check import check, excused_notes
 
     _release()
     key = GoldenKey(project.hardware_class, unit.model, "step", unit.dtype)
@@ -297,12 +304,30 @@ def _run_unit(project: Project, unit: Unit) -> dict:
         _release()
         with pristine.own_variants():
             reports[variant] = check(project, key, backends.shipped(variant), gold=golden)
-    fragile = [v for v, r in reports.items() if not isinstance(r, str) and not (r.passed or r.skipped or r.error)]
+    # Decided as `veosnap record` decides: excused variants (`--excuse`) go into the manifest, and their
+    # reports say so; any other failing variant, or an excuse for one that passes, refuses the golden.
+    judgments = [record.Judgment(v, "not run", r) if isinstance(r, str) else record.judgment(v, r)
+                 for v, r in reports.items()]
+    excuses = dict(unit.excuses)
+    fragile = [j.variant for j in judgments if j.failed and j.variant not in excuses]
     path = store.path_for(project.goldens, key)
-    if not fragile:
+    written = False
+    try:
+        record.settle(key, golden, judgments, excuses, allow_fragile=False, command="gpu_real")
+    except VeosnapError as exc:
+        if not fragile:  # a stale excuse (its variant passes): said as the status; fragile ones in the table
+            row["status"] = f"refused: {exc}"[:400]
+    else:
+        written = True
+        data, row["note"] = record.stored_bytes(project, golden)  # with the excuses in its manifest
+        row["bytes"] = len(data)
         store.write_bytes(data, path, project.goldens)
-    return {**row, "fragile": fragile, "judges": reports, "path": str(path.relative_to(project.goldens)),
-            "written": not fragile, "seconds": round(time.perf_counter() - t, 1), "pid": os.getpid()}
+        for variant, report in reports.items():
+            if not isinstance(report, str):
+                report.notes[:0] = excused_notes(golden, variant)
+    return {**row, "fragile": fragile, "excused": sorted(golden.manifest.excused), "judges": reports,
+            "path": str(path.relative_to(project.goldens)), "written": written,
+            "seconds": round(time.perf_counter() - t, 1), "pid": os.getpid()}
 
 
 # --- in the parent ----------------------------------------------------------------------------------
@@ -450,9 +475,9 @@ def existing(project: Project, models: list[str], dtypes: list[str]) -> frozense
 def phase_real(project: Project, out: Path, models: list[str], dtypes: list[str], specs: list[str],
                compile_models: list[str], workers: dict[str, int], capacity_gib: float, budget_s: float,
                stop_s: float = math.inf, weight_cache: bool = True, keep_goldens: bool = False,
-               exclude: frozenset = frozenset()) -> dict:
+               exclude: frozenset = frozenset(), excuses: dict | None = None) -> dict:
     """Record and check; write DIR's files; return what `real.json` holds. The goldens already in
-    the project are checked as they are, not recorded again (`keep_goldens`)."""
+    the project are checked as they are, not recorded again (`keep_goldens`). `excuses`: see `plan_units`."""
     import gpu_session
 
     from veosnap.render import text as render_text
@@ -460,7 +485,7 @@ def phase_real(project: Project, out: Path, models: list[str], dtypes: list[str]
 
     have = existing(project, models, dtypes) if keep_goldens else frozenset()
     units, too_large = fitting(plan_units(project, models, dtypes, specs, compile_models, weight_cache, have,
-                                          exclude), capacity_gib)
+                                          exclude, excuses), capacity_gib)
     plan = simulate(units, workers, capacity_gib, budget_s, have)
     if have:
         print(f"kept as they are (checked, not recorded): {sorted(have)}", flush=True)
@@ -487,7 +512,8 @@ def phase_real(project: Project, out: Path, models: list[str], dtypes: list[str]
     table = ["| model | dtype | status | record s | with judges s | peak GiB | golden KiB | min margin | fragile |",
              "|---|---|---|---|---|---|---|---|---|"]
     for g in goldens:
-        status = g.get("status", "") + (" FRAGILE, not written" if g.get("fragile") else "")
+        status = g.get("status", "") + (" FRAGILE, not written" if g.get("fragile") else "") + \
+            (f" (excused: {', '.join(g['excused'])})" if g.get("excused") else "")
         table.append(f"| {g['model']} | {g['dtype']} | {status} | {g.get('record_s', '')} | {g.get('seconds', '')} | "
                      f"{g.get('peak_gib', '')} | {round(g['bytes'] / 1024) if 'bytes' in g else ''} | "
                      f"{g.get('min_margin', '')} | {', '.join(g.get('fragile', [])) or ''} |")
@@ -514,6 +540,25 @@ def phase_real(project: Project, out: Path, models: list[str], dtypes: list[str]
     return result
 
 
+def parse_excuses(items: list[str], parser: argparse.ArgumentParser) -> dict:
+    """`--excuse MODEL/DTYPE:VARIANT=REASON` options as {(model, dtype): {variant: reason}}."""
+    from veosnap.errors import VeosnapError
+    from veosnap.runs import record
+
+    found: dict = {}
+    for item in items:
+        golden, _, excuse = item.partition(":")
+        pair = tuple(golden.split("/", 1))
+        if len(pair) != 2 or pair[1] not in ("float32", "bfloat16") or not excuse:
+            parser.error(f"--excuse {item}: expected MODEL/DTYPE:VARIANT=REASON, e.g. "
+                         "gpt_oss-real/bfloat16:grouped_mm=<why>")
+        try:
+            found.setdefault(pair, {}).update(record.parse_excuses([excuse]))
+        except VeosnapError as exc:
+            parser.error(str(exc))
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-out")))
@@ -531,6 +576,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plan", action="store_true", help="print the estimated schedule; run nothing")
     parser.add_argument("--exclude", action="append", default=[], metavar="MODEL/DTYPE",
                         help="leave this (model, dtype) out: no record, no checks (e.g. gpt_oss-real/bfloat16)")
+    parser.add_argument("--excuse", action="append", default=[], metavar="MODEL/DTYPE:VARIANT=REASON",
+                        help="record this golden although the fragility check's VARIANT fails it, for REASON (as "
+                             "`veosnap record --excuse`; e.g. gpt_oss-real/bfloat16:grouped_mm=...)")
     parser.add_argument("--rerecord", action="store_true",
                         help="record every golden again (default: the goldens of this class already in goldens/ "
                              "are kept and only checked)")
@@ -545,6 +593,7 @@ def main(argv: list[str] | None = None) -> int:
     for pair in exclude:
         if len(pair) != 2 or pair[1] not in ("float32", "bfloat16"):
             parser.error(f"--exclude {'/'.join(pair)}: expected MODEL/DTYPE, e.g. gpt_oss-real/bfloat16")
+    excuses = parse_excuses(args.excuse, parser)
     specs = args.backends.split(",") if args.backends else REAL_BACKENDS
     compile_models = [] if args.no_compile else [m for m in COMPILE_MODELS if m in models]
     cache = not args.no_weight_cache
@@ -555,8 +604,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.plan:
         capacity = args.capacity_gib or 0.92 * 139.8
         have = frozenset() if args.rerecord else existing(project, models, dtypes)
-        units, too_large = fitting(plan_units(project, models, dtypes, specs, compile_models, cache, have, exclude),
-                                   capacity)
+        units, too_large = fitting(plan_units(project, models, dtypes, specs, compile_models, cache, have, exclude,
+                                              excuses), capacity)
         plan = simulate(units, workers, capacity, args.budget_s, have)
         serial = sum(u.est_s for u in units)
         print(f"| unit | GiB (est.) | start s | end s |\n|---|---|---|---|")
@@ -585,7 +634,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     capacity = args.capacity_gib or 0.92 * torch.cuda.get_device_properties(0).total_memory / 2**30
     phase_real(project, args.out, models, dtypes, runnable, compile_models, workers, capacity, args.budget_s,
-               args.stop_s, cache, keep_goldens=not args.rerecord, exclude=exclude)
+               args.stop_s, cache, keep_goldens=not args.rerecord, exclude=exclude, excuses=excuses)
     return 0
 
 

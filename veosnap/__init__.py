@@ -64,8 +64,8 @@ def record(model: str, dtype: str = "float32", scenario: str = "step", *, projec
     bundled zoo). An identical golden is left untouched; a golden with an approval trail keeps it; one
     that cheap legitimate variants (sdpa, grouped_mm, batched_mm) fail is refused unless `allow_fragile`, or
     unless each failing variant is excused (`excuses`: {variant: reason}, kept in the golden; checks of that
-    variant still fail and say the reason). `sketch`: `auto` stores large tensors as sketches only when the golden would not fit its target
-    size, `always` sketches every sketchable tensor, `never` none (docs/scale.md).
+    variant still fail and say the reason). `sketch`: `auto` stores large tensors as sketches only when the
+    golden would not fit its target size, `always` sketches every sketchable tensor, `never` none (docs/scale.md).
     """
     from .runs.record import parse_excuses
     from .runs.record import record as record_one

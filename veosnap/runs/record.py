@@ -539,5 +539,6 @@ def record(project: Project, model: str, dtype: str, scenario: str = "step", see
         store.write_bytes(data, path, project.goldens)
     margins = new.manifest.min_margin.values()
     return RecordOutcome(key=key, path=path, written=written, min_margin=min(margins) if margins else None,
-                         note=note, fragile=tuple(fragile), excused=tuple(excused_lines), routes_not_captured=coverage.routes_not_captured(
-                             new.manifest), config=load_config(project.configs, model).path)
+                         note=note, fragile=tuple(fragile), excused=tuple(excused_lines),
+                         routes_not_captured=coverage.routes_not_captured(new.manifest),
+                         config=load_config(project.configs, model).path)

@@ -122,7 +122,8 @@ def refresh(project: Project, model: str, dtype: str, reason: str, force: bool =
         settle(key, new, fresh.judge(project), excuses, allow_fragile, command)
     why = reasons_to_rewrite(diff_goldens(old, new)) if old is not None else []
     if old is not None and _reasons(old) != _reasons(new):
-        why.append(f"excuse for {', '.join(dropped)} dropped (it no longer fails)" if dropped else "excused variants changed")
+        why.append(f"excuse for {', '.join(dropped)} dropped (it no longer fails)" if dropped
+                   else "excused variants changed")
     if (old is None or why or force) and not excuses:
         settle(key, new, fresh.judge(project), {}, allow_fragile, command)
     if old is None:
