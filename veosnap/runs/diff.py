@@ -260,6 +260,8 @@ def diff_goldens(old: Golden, new: Golden) -> GoldenDiff:
     out.manifest += _dict_changes("reference", json_object(om.reference), json_object(nm.reference))
     out.manifest += _dict_changes("min_margin", _layers(om.min_margin), _layers(nm.min_margin))
     out.manifest += _dict_changes("sketch", _sketch_plan(om), _sketch_plan(nm))
+    out.manifest += _dict_changes("excused", {v: e.reason for v, e in om.excused.items()},  # record --excuse
+                                  {v: e.reason for v, e in nm.excused.items()})
     out.provenance = _dict_changes("", json_object(om.provenance), json_object(nm.provenance))
     out.absent = _dict_changes("absent", _absences(om), _absences(nm))
     out.trail = trail_changes(om.approvals, nm.approvals, om.payload_hash)
