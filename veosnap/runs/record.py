@@ -471,6 +471,9 @@ def excused(key: GoldenKey, judgments: Sequence[Judgment], excuses: dict[str, st
                 f"did not run on it ({found.figures if found is not None else 'not judged'})"
             raise VeosnapError(f"{key}: --excuse {variant}: {variant} {how}; a stale excuse hides nothing, "
                                "drop it")
+        if not found.tensor:  # a structure change, say: nothing the manifest could name
+            raise VeosnapError(f"{key}: --excuse {variant}: its failure names no tensor or route ({found.figures}); "
+                               "only a numerical failure can be excused")
         entries[variant] = Excuse(reason, found.tensor, found.ratio)
     return entries
 
