@@ -94,6 +94,8 @@ def test_a_golden_a_variant_fails_is_recorded_only_with_its_excuse_and_checks_of
     assert f"excused     grouped_mm fails it, known at record time: {REASON}" in run(capsys, "show", str(path))[1]
     code, out, _ = run(capsys, "ls", *dirs, *gpt_oss)
     assert out.rstrip().endswith(f"  excused grouped_mm: {REASON}")
+    listed = json.loads(run(capsys, "ls", *dirs, *gpt_oss, "--format", "json")[1])
+    assert [entry["excused"] for entry in listed] == [{"grouped_mm": REASON}]
     code, out, _ = run(capsys, "verify", str(scratch_project.goldens))
     assert code == 0 and out == f"{path}: ok; excused grouped_mm: {REASON}\nverified 1 golden(s): 0 bad\n"
 

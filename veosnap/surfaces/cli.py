@@ -19,7 +19,7 @@ from typing import Callable, Iterator, Sequence
 from .. import __version__
 from ..candidates import backends, guard
 from ..candidates.layouts import registry as layouts
-from ..errors import VeosnapError
+from ..errors import GoldenError, VeosnapError
 from ..golden import limits, store
 from ..golden.key import DTYPE_NAMES, SCENARIOS, GoldenKey
 from ..golden.sketches import MODES
@@ -297,8 +297,6 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def _excused(path: Path, root: Path) -> dict[str, str]:
     """The variants a golden was recorded despite (`record --excuse`), from its manifest; a golden whose
     manifest cannot be read lists none here (`veosnap verify` says what is wrong with it)."""
-    from ..errors import GoldenError
-
     try:
         manifest = store.read_manifest(path, root)
     except GoldenError:
