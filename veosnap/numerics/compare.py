@@ -159,7 +159,8 @@ def compare_tensors(golden: Golden, produced: Mapping[str, torch.Tensor], tokens
     errors = row_errors([(name, cand, gold, token_mask, golden.manifest.tolerance[name].bound)
                          for _, name, cand, gold, token_mask in whole])
     for (at, name, cand, gold, token_mask), err in zip(whole, errors):
-        suspect = err.error == float("inf") or not bool(torch.isfinite(uncompared_rows(name, cand, token_mask)).all())
+        suspect = err.error == float("inf") or (
+            token_mask is not None and not bool(torch.isfinite(uncompared_rows(name, cand, token_mask)).all()))
         if suspect and _nonfinite(golden, name, cand, at, results):
             continue
         tol = golden.manifest.tolerance[name]

@@ -120,11 +120,13 @@ def _layout(name: str, t: torch.Tensor, token_mask: torch.Tensor | None) -> tupl
     return rows, token and token_mask.numel() == rows.shape[0]
 
 
-def _native_rows(name: str, tensor: torch.Tensor, token_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`rows_of` without the float64 copy (converting after the rows are chosen gives the same values)."""
-    rows, masked = _layout(name, tensor.detach().cpu(), token_mask)
-    index = torch.arange(rows.shape[0])
-    return (rows[token_mask], index[token_mask]) if masked else (rows, index)
+def _native_rows(name: str, tensor: torch.Tensor, token_mask: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`rows_of` without the float64 copy (converting after the rows are chosen gives the same values); the
+    original index of each row only when they are not 0, 1, ... (None)."""
+    t = tensor if tensor.device.type == "cpu" and not tensor.requires_grad else tensor.detach().cpu()
+    rows, masked = _layout(name, t, token_mask)
+    return (rows[token_mask], token_mask.nonzero()[:, 0]) if masked else (rows, None)
 
 
 CHUNK = 1 << 18  # float64 values per side converted at a time: 2 MiB, reused (fewer fresh pages than whole copies)
@@ -183,7 +185,11 @@ def _same_width(members: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, fl
     worst = order[torch.tensor(starts[:-1])]
     top = [starts[k] + j for k, n in enumerate(sizes) if n > 1 for j in range(min(WORST_ROWS, n))]
     top_rows = order[torch.tensor(top, dtype=torch.long)]
-    index = torch.cat([ix for _, _, ix, _ in members])
+    # Each row's index in its own tensor: its place in the tensor's stretch, unless its rows were chosen.
+    index = torch.arange(total) - torch.tensor(starts[:-1])[segment]
+    for (_, _, ix, _), a, b in zip(members, starts, starts[1:]):
+        if ix is not None:
+            index[a:b] = ix
     local = (worst - torch.tensor(starts[:-1])).tolist()
     # The worst rows' largest differences, recomputed from the tensors' own rows (the same float64 values).
     c_rows = torch.stack([c[row].to(f64) for (c, _, _, _), row in zip(members, local)])
