@@ -527,11 +527,12 @@ def compare_sketches(pairs: Sequence[tuple[GoldenSketch, CandidateSketch, float,
 
 
 def _to_device(tensors: dict, device: torch.device) -> dict:
-    """`tensors` on `device`, copied as one flat tensor per dtype (those already there stay as they are)."""
+    """`tensors` on `device` as float64, copied as one flat tensor per dtype (those already there stay as they
+    are)."""
     out = {key: t for key, t in tensors.items() if t.device == device}
     for dtype in dict.fromkeys(t.dtype for key, t in tensors.items() if key not in out):
         keys = [key for key, t in tensors.items() if t.dtype == dtype and key not in out]
-        flat = torch.cat([tensors[key].reshape(-1) for key in keys]).to(device)
+        flat = torch.cat([tensors[key].reshape(-1) for key in keys]).to(device).double()  # one conversion
         for key, part in zip(keys, flat.split([tensors[key].numel() for key in keys])):
             out[key] = part.view(tensors[key].shape)
     return out
