@@ -381,6 +381,8 @@ class CandidateSketch:
     counts: torch.Tensor  # (groups,) rows counted per group
     off_support: torch.Tensor | None  # (rows,) exact norms of rows outside the golden's support (0 inside)
     nonfinite: torch.Tensor | None = None  # (rows,) bool: rows with a NaN/Inf (padding too); None: none
+    golden: torch.Tensor | None = None  # the golden's sketch values on this device, float64, when a check put
+    # them there early (the comparison then copies nothing); None: they are copied when compared
 
     @property
     def nonfinite_rows(self) -> int:
@@ -519,7 +521,10 @@ def compare_sketches(pairs: Sequence[tuple[GoldenSketch, CandidateSketch, float,
     for device, members in on.items():
         mine = [pairs[i] for i in members]
         # The golden's side goes to the device in one copy per dtype (a blocking copy waits for the device).
-        golds = _to_device({j: golden.values for j, (golden, _, _, _) in enumerate(mine)}, device)
+        early = {j: c.golden for j, (_, c, _, _) in enumerate(mine)
+                 if c.golden is not None and c.golden.device == device}
+        golds = {**early, **_to_device({j: golden.values for j, (golden, _, _, _) in enumerate(mine) if j not in early},
+                                       device)}
         for i, row in zip(members, _figures(mine, golds, device).cpu().tolist()):  # the one transfer to the host
             host[i] = row
     return [_sketch_error(golden, candidate, bound, name, row)
