@@ -126,7 +126,8 @@ def measure(size: bench_scale.Size, dtype: str, work: Path, repeat: int) -> dict
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default="llama-17m,qwen3_moe-60m", help=f"comma list of {', '.join(bench_scale.SIZES)}")
+    parser.add_argument("--sizes", default="llama-17m,qwen3_moe-60m",
+                        help=f"comma list of {', '.join(bench_scale.SIZES)}")
     parser.add_argument("--dtypes", default="bfloat16")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--work", type=Path, default=Path("/tmp/veosnap-bench-compare"),
