@@ -383,6 +383,8 @@ class CandidateSketch:
     nonfinite: torch.Tensor | None = None  # (rows,) bool: rows with a NaN/Inf (padding too); None: none
     golden: torch.Tensor | None = None  # the golden's sketch values on this device, float64, when a check put
     # them there early (the comparison then copies nothing); None: they are copied when compared
+    norms: torch.Tensor | None = None  # (groups,) float64 |candidate - golden| per group, taken with `golden`
+    # as soon as the sketch was made (launched while the device still runs the step), or None
 
     @property
     def nonfinite_rows(self) -> int:
@@ -391,6 +393,14 @@ class CandidateSketch:
     @property
     def first_nonfinite_row(self) -> int:
         return int(_first_true(self.nonfinite)) if self.nonfinite_rows else -1
+
+
+def with_golden(sketch: CandidateSketch, golden: torch.Tensor) -> CandidateSketch:
+    """`sketch` carrying its golden's values (float64, on its device) and its group distances from them,
+    as `compare_sketch` takes them (the same operations on the same shapes: the same bits)."""
+    if tuple(golden.shape) != tuple(sketch.values.shape):
+        return sketch  # compared (and refused) as a shape mismatch, as before
+    return replace(sketch, golden=golden, norms=(sketch.values.double() - golden).norm(dim=-1))
 
 
 def _first_true(mask: torch.Tensor) -> torch.Tensor:
@@ -588,8 +598,8 @@ def _figures(pairs: Sequence[tuple[GoldenSketch, CandidateSketch, float, str]], 
         # As compare_sketch: the float64 difference, its row norms, over sqrt(rows) * tau. The norms are
         # taken tensor by tensor, on tensors shaped as compare_sketch's: a reduction's order depends on
         # its shape (on CUDA, on how many rows it reduces at once), and these must be its bits.
-        norms = torch.cat([(c.values.double() - golds[j].double()).norm(dim=-1) for j, (_, c, _, _) in
-                           enumerate(pairs)])
+        norms = torch.cat([c.norms if c.norms is not None and c.golden is golds[j] else
+                           (c.values.double() - golds[j].double()).norm(dim=-1) for j, (_, c, _, _) in enumerate(pairs)])
         errors = norms / (counts.clamp(min=1).double().sqrt() * scale)
         errors = torch.where(counts > 0, errors, torch.zeros((), dtype=errors.dtype, device=device))
         worst = _first_per_tensor(errors, seg, starts, n)

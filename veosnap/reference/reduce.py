@@ -21,7 +21,7 @@ A candidate's tensor of another shape or dtype than its golden's is not an excep
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -39,6 +39,7 @@ from ..numerics.sketch import (
     rowsketch,
     rowsketch_at,
     scatter_rows,
+    with_golden,
 )
 from .probes import host_copy
 
@@ -173,7 +174,7 @@ class CandidateReducer(Reducer):
                                      row_mask=self._mask_on(name, rows.sketch.values.device))
         golden = self._golden_on.get(name)
         if golden is not None and golden.device == sketch.values.device:
-            sketch = replace(sketch, golden=golden)
+            sketch = with_golden(sketch, golden)
         return sketch
 
 
