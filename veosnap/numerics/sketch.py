@@ -569,16 +569,24 @@ def _per_tensor_sum(values: torch.Tensor, starts: torch.Tensor, ends: torch.Tens
     return running[ends] - running[starts]
 
 
-def _first_per_tensor(key: torch.Tensor, seg: torch.Tensor, starts: torch.Tensor, n: int) -> torch.Tensor:
-    """Each tensor's argmax of `key` (its largest element, the first of equal ones), as an index into the
-    tensor's own elements; 0 for a tensor without elements. Max and min reductions: the same on every run."""
-    key = key.to(torch.float64)
-    big = torch.iinfo(torch.long).max
-    top = torch.full((n,), float("-inf"), dtype=key.dtype, device=key.device).scatter_reduce(0, seg, key, "amax")
-    local = torch.arange(key.numel(), device=key.device) - starts[seg]
-    first = torch.where(key == top[seg], local, torch.full_like(local, big))
-    first = torch.full((n,), big, dtype=torch.long, device=key.device).scatter_reduce(0, seg, first, "amin")
-    return torch.where(first == big, torch.zeros_like(first), first)
+def _argmax_per_tensor(key: torch.Tensor, seg: torch.Tensor, starts: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """Each tensor's `argmax` of `key` (laid end to end), as an index into its own elements: `key` padded
+    to one row per tensor and reduced with `argmax` itself (the largest, the first of equal ones, NaN
+    first, as for each tensor alone); 0 for a tensor without elements. No atomics: allowed, and the same,
+    under torch's deterministic mode."""
+    n, longest = len(sizes), max(sizes, default=0)
+    padded = torch.full((n, max(longest, 1)), float("-inf"), dtype=key.dtype, device=key.device)
+    padded[seg, torch.arange(key.numel(), device=key.device) - starts[seg]] = key
+    return padded.argmax(dim=1)
+
+
+def _first_true_per_tensor(mask: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Each tensor's first True (laid end to end), as an index into its own elements; 0 for none (as
+    `_first_true`): the count of its elements before its first True, from an integer scan."""
+    running = torch.cat([torch.zeros(1, dtype=torch.long, device=mask.device), mask.long().cumsum(0)])
+    before = running[1:] - torch.repeat_interleave(running[starts], ends - starts, output_size=mask.numel())
+    leading = _per_tensor_sum(before == 0, starts, ends)
+    return torch.where(_per_tensor_sum(mask, starts, ends) > 0, leading, torch.zeros_like(leading))
 
 
 def _figures(pairs: Sequence[tuple[GoldenSketch, CandidateSketch, float, str]], golds: dict[int, torch.Tensor],
@@ -602,7 +610,7 @@ def _figures(pairs: Sequence[tuple[GoldenSketch, CandidateSketch, float, str]], 
                            (c.values.double() - golds[j].double()).norm(dim=-1) for j, (_, c, _, _) in enumerate(pairs)])
         errors = norms / (counts.clamp(min=1).double().sqrt() * scale)
         errors = torch.where(counts > 0, errors, torch.zeros((), dtype=errors.dtype, device=device))
-        worst = _first_per_tensor(errors, seg, starts, n)
+        worst = _argmax_per_tensor(errors, seg, starts, sizes)
         at = (starts + worst).clamp(max=counts.numel() - 1)
         empty = torch.tensor([size == 0 for size in sizes], device=device)
         keep = lambda t: torch.where(empty, zeros, t.to(f64))  # noqa: E731 - a tensor without groups: zeros
@@ -613,8 +621,8 @@ def _figures(pairs: Sequence[tuple[GoldenSketch, CandidateSketch, float, str]], 
     if any(present):
         bad = torch.cat([m.to(device).reshape(-1) for m, p in zip(masks, present) if p])
         rows = [m.numel() if p else 0 for m, p in zip(masks, present)]
-        seg, starts, ends = _segments(rows, device)
-        first = _first_per_tensor(bad, seg, starts, n)
+        _, starts, ends = _segments(rows, device)
+        first = _first_true_per_tensor(bad, starts, ends)
         none = torch.tensor([not p for p in present], device=device)
         columns += [_per_tensor_sum(bad, starts, ends), torch.where(none, zeros - 1, first.to(f64))]
     else:
