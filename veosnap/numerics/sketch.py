@@ -558,7 +558,7 @@ def _segments(sizes: list[int], device: torch.device) -> tuple[torch.Tensor, tor
     one-past-last element (on `device`, made on the host and copied in one go: no sync)."""
     seg = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes, dtype=torch.long))
     ends = torch.tensor(sizes, dtype=torch.long).cumsum(0)
-    packed = torch.cat([seg, ends - torch.tensor(sizes, dtype=torch.long), ends]).to(device)
+    packed = torch.cat([seg, ends - torch.tensor(sizes, dtype=torch.long), ends]).to(device, non_blocking=True)
     return packed[:seg.numel()], packed[seg.numel():seg.numel() + len(sizes)], packed[seg.numel() + len(sizes):]
 
 
@@ -597,7 +597,9 @@ def _figures(pairs: Sequence[tuple[GoldenSketch, CandidateSketch, float, str]], 
     f64 = torch.float64
     sizes = [int(g.values.shape[0]) for g, _, _, _ in pairs]
     zeros = torch.zeros(n, dtype=f64, device=device)
-    params = torch.tensor([[g.tau if g.tau > 0 else 1.0, bound] for g, _, bound, _ in pairs], dtype=f64).to(device)
+    # Host-made tensors go over without waiting for the device (a blocking copy would sync the stream).
+    params = torch.tensor([[g.tau if g.tau > 0 else 1.0, bound] for g, _, bound, _ in pairs],
+                          dtype=f64).to(device, non_blocking=True)
     columns = [zeros] * 5 + [zeros]
     counts = torch.cat([c.counts.to(device) for _, c, _, _ in pairs])
     if counts.numel():
@@ -607,12 +609,13 @@ def _figures(pairs: Sequence[tuple[GoldenSketch, CandidateSketch, float, str]], 
         # taken tensor by tensor, on tensors shaped as compare_sketch's: a reduction's order depends on
         # its shape (on CUDA, on how many rows it reduces at once), and these must be its bits.
         norms = torch.cat([c.norms if c.norms is not None and c.golden is golds[j] else
-                           (c.values.double() - golds[j].double()).norm(dim=-1) for j, (_, c, _, _) in enumerate(pairs)])
+                           (c.values.double() - golds[j].double()).norm(dim=-1)
+                           for j, (_, c, _, _) in enumerate(pairs)])
         errors = norms / (counts.clamp(min=1).double().sqrt() * scale)
         errors = torch.where(counts > 0, errors, torch.zeros((), dtype=errors.dtype, device=device))
         worst = _argmax_per_tensor(errors, seg, starts, sizes)
         at = (starts + worst).clamp(max=counts.numel() - 1)
-        empty = torch.tensor([size == 0 for size in sizes], device=device)
+        empty = torch.tensor([size == 0 for size in sizes]).to(device, non_blocking=True)
         keep = lambda t: torch.where(empty, zeros, t.to(f64))  # noqa: E731 - a tensor without groups: zeros
         columns = [keep(errors[at]), keep(worst), _per_tensor_sum(errors > bound, starts, ends),
                    _per_tensor_sum(counts > 0, starts, ends), keep(counts[at]), _per_tensor_sum(counts, starts, ends)]
@@ -623,7 +626,7 @@ def _figures(pairs: Sequence[tuple[GoldenSketch, CandidateSketch, float, str]], 
         rows = [m.numel() if p else 0 for m, p in zip(masks, present)]
         _, starts, ends = _segments(rows, device)
         first = _first_true_per_tensor(bad, starts, ends)
-        none = torch.tensor([not p for p in present], device=device)
+        none = torch.tensor([not p for p in present]).to(device, non_blocking=True)
         columns += [_per_tensor_sum(bad, starts, ends), torch.where(none, zeros - 1, first.to(f64))]
     else:
         columns += [zeros, zeros - 1]
