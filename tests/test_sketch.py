@@ -448,3 +448,21 @@ def test_the_kernels_tile_and_column_split():
     few = launch_plan(64, 2374, 64, 2, config, programs_wanted=264)  # few rows: the columns are split more
     assert few.steps_per_program < 32 and 4 * few.parts >= 264
     assert launch_plan(1, 1 << 28, 16, 2, config).parts <= 65535  # the grid's limit
+
+
+def test_the_batched_compare_finds_each_tensors_worst_group_and_first_bad_row_as_it_alone_would():
+    """`compare_sketches` lays every tensor's groups end to end; each tensor's argmax (ties: the first;
+    NaN: the largest) and first non-finite row must be the ones it has alone, empty tensors included."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        sizes = torch.randint(0, 6, (int(torch.randint(1, 6, (), generator=gen)),), generator=gen).tolist()
+        errors = [torch.randint(0, 3, (n,), generator=gen).double() for n in sizes]
+        for e in errors:
+            if e.numel() and torch.rand((), generator=gen) < 0.3:
+                e[int(torch.randint(0, e.numel(), (), generator=gen))] = float("nan")
+        masks = [torch.rand(n, generator=gen) < 0.3 for n in sizes]
+        seg, starts, ends = sketch._segments(sizes, torch.device("cpu"))
+        worst = sketch._argmax_per_tensor(torch.cat(errors), seg, starts, sizes)
+        assert worst.tolist() == [int(e.argmax()) if e.numel() else 0 for e in errors]
+        first = sketch._first_true_per_tensor(torch.cat(masks), starts, ends)
+        assert first.tolist() == [int(sketch._first_true(m)) if m.numel() else 0 for m in masks]

@@ -163,8 +163,9 @@ def test_every_bug_the_exact_check_catches_is_caught_sketched_and_no_legitimate_
 @pytest.mark.parametrize("model", MODELS)
 def test_the_batched_compare_gives_the_per_tensor_compares_numbers(twins, model, dtype, monkeypatch):
     """A check compares all its sketched tensors in one batched pass with one host transfer
-    (`compare_sketches`); every figure of every tensor is the one `compare_sketch` gives for it alone, for
-    every legitimate backend and planted bug, against the exact and the sketch-forced golden."""
+    (`compare_sketches`), and all its whole tensors in one pass per row width (`row_errors`); every figure
+    of every tensor is the one `compare_sketch` or `row_error` gives for it alone, for every legitimate
+    backend and planted bug, against the exact and the sketch-forced golden."""
     from veosnap.numerics import compare as compare_module
     from veosnap.numerics.sketch import compare_sketch, compare_sketches
 
@@ -177,12 +178,25 @@ def test_the_batched_compare_gives_the_per_tensor_compares_numbers(twins, model,
         seen.append(len(pairs))
         return batched
 
+    from veosnap.numerics.metric import row_error, row_errors
+
+    whole = []
+
+    def both_whole(items):  # noqa: ANN001, ANN202
+        batched = row_errors(items)
+        alone = [row_error(name, cand, gold, mask, bound) for name, cand, gold, mask, bound in items]
+        assert batched == alone
+        whole.append(len(items))
+        return batched
+
     monkeypatch.setattr(compare_module, "compare_sketches", both)
+    monkeypatch.setattr(compare_module, "row_errors", both_whole)
     for spec in CANDIDATES:
         for mode in ("never", "always"):
             report = check(twins[mode], key(model, dtype), backends.resolve(spec))
             assert not report.error, (spec, report.error)
     assert seen and max(seen) >= 10 and min(seen) == 0  # the sketch-forced goldens' tensors; the exact: none
+    assert whole and max(whole) >= 20 and min(whole) >= 1  # every tensor of the exact goldens; the loss at least
 
 
 LEGIT_LAYOUTS = ("packed", "microbatch", "ddp", "fsdp2", "sp")

@@ -349,7 +349,8 @@ class Row:
         return self.plain_check_s - self.plain_build_s - self.first_fwd_bwd_s
 
 
-def run_size(size: Size, dtype: str, workdir: Path, profile_to: Path | None = None, serial: bool = True) -> Row:
+def run_size(size: Size, dtype: str, workdir: Path, profile_to: Path | None = None, serial: bool = True,
+             profile_stem: str = "profile") -> Row:
     row = Row(size.name, dtype)
     project = make_project(workdir, size)
     key = GoldenKey(project.hardware_class, size.name, "step", dtype)
@@ -402,7 +403,7 @@ def run_size(size: Size, dtype: str, workdir: Path, profile_to: Path | None = No
     row.sketch_gbps, row.copy_gbps = kernel_throughput(golden, dtype)
     if profile_to is not None:
         try:
-            profile_check(project, key, backend, row, profile_to)
+            profile_check(project, key, backend, row, profile_to, profile_stem)
         except Exception as exc:  # noqa: BLE001 - the profile must not lose the row's figures
             row.note += f"profile failed: {type(exc).__name__} {str(exc)[:120]}; "
     return row
@@ -485,10 +486,11 @@ def label_stages() -> None:
             setattr(owner, attribute, _labelled(label, getattr(owner, attribute)))
 
 
-def profile_check(project: Project, key: GoldenKey, backend, row: Row, out: Path) -> None:  # noqa: ANN001
-    """One more check (nothing timed, so no added sync) under torch.profiler: `out/profile.md` holds veosnap's
+def profile_check(project: Project, key: GoldenKey, backend, row: Row, out: Path,  # noqa: ANN001
+                  stem: str = "profile") -> None:
+    """One more check (nothing timed, so no added sync) under torch.profiler: `out/<stem>.md` holds veosnap's
     stages (calls, host ms, device ms), the top operators by host self time and by device self time; the
-    Chrome trace goes to `out/profile_trace.json.gz` when it is under 12 MiB compressed."""
+    Chrome trace goes to `out/<stem>_trace.json.gz` when it is under 12 MiB compressed."""
     import gzip
 
     from torch.profiler import ProfilerActivity, profile
@@ -521,12 +523,12 @@ def profile_check(project: Project, key: GoldenKey, backend, row: Row, out: Path
         lines += ["", "## Top operators by device self time", "", "```",
                   averages.table(sort_by=sort_device, row_limit=30, max_name_column_width=60), "```"]
     out.mkdir(parents=True, exist_ok=True)
-    (out / "profile.md").write_text("\n".join(lines) + "\n")
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     console.print("\n".join(lines[:len(stages) + 6]))
-    trace = out / "profile_trace.json"
+    trace = out / f"{stem}_trace.json"
     try:
         prof.export_chrome_trace(str(trace))
-        packed = out / "profile_trace.json.gz"
+        packed = out / f"{stem}_trace.json.gz"
         packed.write_bytes(gzip.compress(trace.read_bytes(), 6))
         if packed.stat().st_size > 12 * 2**20:
             packed.unlink()
@@ -703,9 +705,9 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=float("inf"),
                         help="start no new size after this many seconds (the table shows what finished)")
     parser.add_argument("--json", type=Path, help="write the rows here (default: $OUT/bench_scale.json if $OUT)")
-    parser.add_argument("--profile", nargs="?", const="last", metavar="SIZE:DTYPE",
+    parser.add_argument("--profile", nargs="?", const="last", metavar="SIZE:DTYPE[,SIZE:DTYPE]",
                         help="one more check of SIZE:DTYPE under torch.profiler, to $OUT/profile.md (default: the last "
-                             "size, bfloat16 if run)")
+                             "size, bfloat16 if run); several, comma-separated: $OUT/profile-SIZE-DTYPE.md each")
     parser.add_argument("--no-serial", action="store_true",
                         help="leave out the serial-decode check (the 'serial own' columns): one check less per size")
     args = parser.parse_args()
@@ -714,10 +716,10 @@ def main() -> None:
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     json_path = args.json or (out_dir / "bench_scale.json" if out_dir else None)
     instrument()
-    profile = None
+    profiles: list[tuple[str, ...]] = []
     if args.profile:
-        profile = (sizes[-1].name, "bfloat16" if "bfloat16" in dtypes else dtypes[-1]) if args.profile == "last" \
-            else tuple(args.profile.split(":"))
+        profiles = [(sizes[-1].name, "bfloat16" if "bfloat16" in dtypes else dtypes[-1])] if args.profile == "last" \
+            else [tuple(one.split(":")) for one in args.profile.split(",")]
     started = time.perf_counter()
     rows: list[Row] = []
     for size in sizes:
@@ -729,8 +731,9 @@ def main() -> None:
             with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
                 try:
                     where = (out_dir or Path(tempfile.gettempdir()) / "bench_scale_profile") \
-                        if profile == (size.name, dtype) else None
-                    row = run_size(size, dtype, Path(tmp), where, serial=not args.no_serial)
+                        if (size.name, dtype) in profiles else None
+                    stem = "profile" if len(profiles) == 1 else f"profile-{size.name}-{dtype}"
+                    row = run_size(size, dtype, Path(tmp), where, serial=not args.no_serial, profile_stem=stem)
                 except Exception as exc:  # noqa: BLE001 - one size failing must not lose the others' rows
                     row = Row(size.name, dtype, note=f"{type(exc).__name__}: {str(exc)[:200]}")
             rows.append(row)

@@ -20,7 +20,7 @@ import torch
 from ..golden import names
 from ..golden.codec import Golden
 from . import fmt
-from .metric import RowError, is_token_tensor, row_error
+from .metric import RowError, is_token_tensor, row_errors, uncompared_rows
 from .routes import RouteDiff, compare_routes
 from .sketch import CandidateSketch, SketchError, SketchProblem, compare_sketches
 
@@ -125,6 +125,7 @@ def compare_tensors(golden: Golden, produced: Mapping[str, torch.Tensor], tokens
     sketches = sketches or {}
     absent = absent or {}
     pending: list[tuple[int, str, CandidateSketch]] = []  # sketched tensors, compared together below
+    whole: list[tuple[int, str, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []  # likewise, whole ones
     for name in golden.compared_names():
         parsed = names.parse(name)
         if (isinstance(parsed, names.Grad) and not gradients) or name in absent or name in skip:
@@ -144,19 +145,28 @@ def compare_tensors(golden: Golden, produced: Mapping[str, torch.Tensor], tokens
         if problem:
             results.append(TensorResult(name, float("inf"), tol.bound, tol.noise, problem=problem))
             continue
-        bad = ~torch.isfinite(cand.double())
-        if bad.any():
-            first = tuple(int(i) for i in bad.nonzero()[0])
-            results.append(TensorResult(name, float("inf"), tol.bound, tol.noise, where=f"element {first}",
-                                        problem=f"{int(bad.sum())} non-finite value(s) (NaN/Inf), first at {first}"))
+        token_mask = None
+        if is_token_tensor(name):
+            token_mask = tokens.mask
+            if isinstance(parsed, names.Route) and same_routes is not None:
+                token_mask = token_mask & same_routes.get(parsed.layer, torch.ones_like(token_mask))
+        whole.append((len(results), name, cand, gold, token_mask))
+        results.append(None)
+    # Whole tensors: every row error in one pass per row width (`row_errors`: row_error's numbers). A
+    # candidate with a NaN/Inf is the tensor's problem instead, searched value by value only where there can
+    # be one: a tensor whose error came out infinite (a compared row with a non-finite value: finite values
+    # of float32 and narrower never give one), or with one in the rows not compared (a token tensor's padding).
+    errors = row_errors([(name, cand, gold, token_mask, golden.manifest.tolerance[name].bound)
+                         for _, name, cand, gold, token_mask in whole])
+    for (at, name, cand, gold, token_mask), err in zip(whole, errors):
+        suspect = err.error == float("inf") or (
+            token_mask is not None and not bool(torch.isfinite(uncompared_rows(name, cand, token_mask)).all()))
+        if suspect and _nonfinite(golden, name, cand, at, results):
             continue
-        token_mask = tokens.mask
-        if isinstance(parsed, names.Route) and same_routes is not None:
-            token_mask = token_mask & same_routes.get(parsed.layer, torch.ones_like(token_mask))
-        err = row_error(name, cand, gold, token_mask if is_token_tensor(name) else None, tol.bound)
-        results.append(TensorResult(name, err.error, tol.bound, tol.noise, where=_where(name, err, gold, tokens),
-                                    rows_over=err.rows_over, rows=err.rows,
-                                    worst_rows=tuple(_worst_row(name, row, e, tokens) for row, e in err.worst_rows)))
+        tol = golden.manifest.tolerance[name]
+        results[at] = TensorResult(name, err.error, tol.bound, tol.noise, where=_where(name, err, gold, tokens),
+                                   rows_over=err.rows_over, rows=err.rows,
+                                   worst_rows=tuple(_worst_row(name, row, e, tokens) for row, e in err.worst_rows))
     # One batched pass and one host transfer for every sketched tensor (a sync per tensor cost more on a
     # GPU than the arithmetic).
     errors = compare_sketches([(golden.sketches[name], cand, golden.manifest.tolerance[name].bound, name)
@@ -164,6 +174,18 @@ def compare_tensors(golden: Golden, produced: Mapping[str, torch.Tensor], tokens
     for (at, name, _), err in zip(pending, errors):
         results[at] = _sketched_result(golden, name, err, tokens)
     return results
+
+
+def _nonfinite(golden: Golden, name: str, cand: torch.Tensor, at: int, results: list) -> bool:
+    """Whether `cand` holds a NaN/Inf (then `results[at]` says where, as the tensor's problem)."""
+    bad = ~torch.isfinite(cand.double())
+    if not bad.any():
+        return False
+    tol = golden.manifest.tolerance[name]
+    first = tuple(int(i) for i in bad.nonzero()[0])
+    results[at] = TensorResult(name, float("inf"), tol.bound, tol.noise, where=f"element {first}",
+                               problem=f"{int(bad.sum())} non-finite value(s) (NaN/Inf), first at {first}")
+    return True
 
 
 def _problem(name: str, cand: torch.Tensor | None, gold: torch.Tensor) -> str:

@@ -11,6 +11,7 @@ on the batch's real tokens only.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -28,22 +29,9 @@ def is_token_tensor(name: str) -> bool:
 
 def rows_of(name: str, tensor: torch.Tensor, token_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """`tensor` as float64 rows, and the original row index of each (token tensors: real tokens only)."""
-    t = tensor.detach().to("cpu", torch.float64)
-    token = token_mask is not None and is_token_tensor(name)
-    if t.ndim == 0:
-        rows = t.reshape(1, 1)
-    elif t.ndim == 1:
-        rows = t.reshape(-1, 1)
-    elif token and t.ndim > 2 and t.numel() % token_mask.numel() == 0 and t.shape[0] * t.shape[1] == token_mask.numel():
-        # [rows, positions, ...]: one row per token, whatever a token's shape (DeepSeek-V4's layer outputs
-        # are [rows, positions, 4 residual streams, hidden])
-        rows = t.reshape(token_mask.numel(), -1)
-    else:
-        rows = t.reshape(-1, t.shape[-1])
+    rows, masked = _layout(name, tensor.detach().to("cpu", torch.float64), token_mask)
     index = torch.arange(rows.shape[0])
-    if token and token_mask.numel() == rows.shape[0]:
-        rows, index = rows[token_mask], index[token_mask]
-    return rows, index
+    return (rows[token_mask], index[token_mask]) if masked else (rows, index)
 
 
 @dataclass(frozen=True)
@@ -85,3 +73,135 @@ def row_error(name: str, candidate: torch.Tensor, golden: torch.Tensor, token_ma
         rows=int(errors.numel()),
         worst_rows=tuple((int(index[i]), float(errors[i])) for i in top),
     )
+
+
+def row_errors(items: Sequence[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None, float]]) -> list[RowError]:
+    """`row_error` of many tensors at once, (name, candidate, golden, token mask, bound) each: the same
+    numbers, to the bit (the same float64 operations on the same rows), from one pass per row width and
+    one read of every figure at the end, instead of some fifty small operations per tensor.
+
+    The rows of every tensor of one width are converted to float64 once, into one buffer per side; the
+    differences, row norms, errors and the count over each bound are computed for all of them at once.
+    What depends on a reduction's length is still taken per tensor on a slice of its own length (the RMS of
+    the golden's row norms), so its bits are `row_error`'s. Tensors are read on the host, as `row_error`
+    reads them."""
+    out: list[RowError | None] = [None] * len(items)
+    widths: dict[int, list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+    for i, (name, candidate, golden, token_mask, _) in enumerate(items):
+        c_rows, index = _native_rows(name, candidate, token_mask)
+        g_rows, _ = _native_rows(name, golden, token_mask)
+        if c_rows.shape[0] == 0:
+            out[i] = RowError(0.0, 0, 0, 0.0, 0.0, 0, 0)
+            continue
+        widths.setdefault(int(c_rows.shape[1]), []).append((i, c_rows, g_rows, index))
+    for members in widths.values():
+        for i, err in zip((m[0] for m in members), _same_width([(m[1], m[2], m[3], items[m[0]][4]) for m in members])):
+            out[i] = err
+    return out  # type: ignore[return-value]
+
+
+def uncompared_rows(name: str, tensor: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
+    """The rows of `tensor` its row error leaves out (a token tensor's padding), in its own dtype."""
+    rows, masked = _layout(name, tensor.detach().cpu(), token_mask)
+    return rows[~token_mask] if masked else rows[:0]
+
+
+def _layout(name: str, t: torch.Tensor, token_mask: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
+    """`t` as rows (see `rows_of`), and whether `token_mask` picks its rows (one entry per row)."""
+    token = token_mask is not None and is_token_tensor(name)
+    if t.ndim == 0:
+        rows = t.reshape(1, 1)
+    elif t.ndim == 1:
+        rows = t.reshape(-1, 1)
+    elif token and t.ndim > 2 and t.numel() % token_mask.numel() == 0 and t.shape[0] * t.shape[1] == token_mask.numel():
+        rows = t.reshape(token_mask.numel(), -1)
+    else:
+        rows = t.reshape(-1, t.shape[-1])
+    return rows, token and token_mask.numel() == rows.shape[0]
+
+
+def _native_rows(name: str, tensor: torch.Tensor, token_mask: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`rows_of` without the float64 copy (converting after the rows are chosen gives the same values); the
+    original index of each row only when they are not 0, 1, ... (None)."""
+    t = tensor if tensor.device.type == "cpu" and not tensor.requires_grad else tensor.detach().cpu()
+    rows, masked = _layout(name, t, token_mask)
+    return (rows[token_mask], token_mask.nonzero()[:, 0]) if masked else (rows, None)
+
+
+CHUNK = 1 << 18  # float64 values per side converted at a time: 2 MiB, reused (fewer fresh pages than whole copies)
+
+
+def _same_width(members: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]]) -> list[RowError]:
+    """`row_errors` of tensors whose rows have one width (none without rows).
+
+    The rows are streamed through two small reused float64 buffers, a chunk of rows at a time (a chunk
+    may hold rows of several tensors): a large tensor's float64 copies would cost more in fresh memory
+    than in arithmetic. A row's norm is the same whichever rows are reduced with it."""
+    f64 = torch.float64
+    sizes = [int(c.shape[0]) for c, _, _, _ in members]
+    total, width = sum(sizes), int(members[0][0].shape[1])
+    starts = [0]
+    for n in sizes:
+        starts.append(starts[-1] + n)
+    chunk = max(1, CHUNK // max(width, 1))
+    c_buf = torch.empty(min(chunk, total), width, dtype=f64)
+    g_buf = torch.empty_like(c_buf)
+    per_row = torch.empty(total, dtype=f64)  # |candidate row - golden row|
+    golden_norms = torch.empty(total, dtype=f64)
+    first = 0  # the first tensor with rows in this chunk
+    for lo in range(0, total, chunk):
+        hi = min(lo + chunk, total)
+        for k in range(first, len(members)):  # the pieces of this chunk's rows, tensor by tensor
+            a, b = max(lo, starts[k]), min(hi, starts[k + 1])
+            if a >= hi:
+                break
+            c, g, _, _ = members[k]
+            if (a, b) == (starts[k], starts[k + 1]):  # the whole tensor
+                c_buf[a - lo:b - lo].copy_(c)
+                g_buf[a - lo:b - lo].copy_(g)
+            else:
+                c_buf[a - lo:b - lo].copy_(c[a - starts[k]:b - starts[k]])
+                g_buf[a - lo:b - lo].copy_(g[a - starts[k]:b - starts[k]])
+            if b == starts[k + 1]:
+                first = k + 1
+        cv, gv = c_buf[:hi - lo], g_buf[:hi - lo]
+        golden_norms[lo:hi] = gv.norm(dim=1)
+        per_row[lo:hi] = cv.sub_(gv).norm(dim=1)
+    squares = golden_norms.pow(2)
+    # The golden's typical row norm, as row_error takes it: the mean over the tensor's own rows alone.
+    # (torch's sqrt, on a 0-d tensor, as there: it is not always the correctly rounded one).
+    typical = [squares[a:b].mean().sqrt().item() for a, b in zip(starts, starts[1:])]
+    scales = [t if t > 0 else 1.0 for t in typical]  # an all-zero golden: absolute error
+    segment = torch.repeat_interleave(torch.arange(len(members)), torch.tensor(sizes))
+    errors = per_row / torch.tensor(scales, dtype=f64)[segment]
+    errors = torch.where(torch.isfinite(errors), errors, torch.full_like(errors, float("inf")))
+    over = torch.bincount(segment[errors > torch.tensor([b for _, _, _, b in members], dtype=f64)[segment]],
+                          minlength=len(members))
+    # Within each tensor, its rows worst first, ties in row order (row_error's stable sort): a stable sort by
+    # error, then a stable sort by tensor, keeps that order within each tensor's stretch.
+    by_error = errors.sort(descending=True, stable=True).indices
+    order = by_error[segment[by_error].sort(stable=True).indices]
+    worst = order[torch.tensor(starts[:-1])]
+    top = [starts[k] + j for k, n in enumerate(sizes) if n > 1 for j in range(min(WORST_ROWS, n))]
+    top_rows = order[torch.tensor(top, dtype=torch.long)]
+    # Each row's index in its own tensor: its place in the tensor's stretch, unless its rows were chosen.
+    index = torch.arange(total) - torch.tensor(starts[:-1])[segment]
+    for (_, _, ix, _), a, b in zip(members, starts, starts[1:]):
+        if ix is not None:
+            index[a:b] = ix
+    local = (worst - torch.tensor(starts[:-1])).tolist()
+    # The worst rows' largest differences, recomputed from the tensors' own rows (the same float64 values).
+    c_rows = torch.stack([c[row].to(f64) for (c, _, _, _), row in zip(members, local)])
+    g_rows = torch.stack([g[row].to(f64) for (_, g, _, _), row in zip(members, local)])
+    column = (c_rows - g_rows).abs().nan_to_num(nan=float("inf")).argmax(dim=1, keepdim=True)
+    figures = torch.stack([errors[worst], index[worst].to(f64), column[:, 0].to(f64), g_rows.gather(1, column)[:, 0],
+                           c_rows.gather(1, column)[:, 0], over.to(f64)], dim=1).tolist()
+    ranked = list(zip(index[top_rows].tolist(), errors[top_rows].tolist()))
+    results, at = [], 0
+    for (error, row, col, g, c, n_over), n in zip(figures, sizes):
+        shown = min(WORST_ROWS, n) if n > 1 else 0
+        results.append(RowError(error=error, row=int(row), column=int(col), golden_value=g, candidate_value=c,
+                                rows_over=int(n_over), rows=n, worst_rows=tuple(ranked[at:at + shown])))
+        at += shown
+    return results

@@ -381,6 +381,10 @@ class CandidateSketch:
     counts: torch.Tensor  # (groups,) rows counted per group
     off_support: torch.Tensor | None  # (rows,) exact norms of rows outside the golden's support (0 inside)
     nonfinite: torch.Tensor | None = None  # (rows,) bool: rows with a NaN/Inf (padding too); None: none
+    golden: torch.Tensor | None = None  # the golden's sketch values on this device, float64, when a check put
+    # them there early (the comparison then copies nothing); None: they are copied when compared
+    norms: torch.Tensor | None = None  # (groups,) float64 |candidate - golden| per group, taken with `golden`
+    # as soon as the sketch was made (launched while the device still runs the step), or None
 
     @property
     def nonfinite_rows(self) -> int:
@@ -389,6 +393,14 @@ class CandidateSketch:
     @property
     def first_nonfinite_row(self) -> int:
         return int(_first_true(self.nonfinite)) if self.nonfinite_rows else -1
+
+
+def with_golden(sketch: CandidateSketch, golden: torch.Tensor) -> CandidateSketch:
+    """`sketch` carrying its golden's values (float64, on its device) and its group distances from them,
+    as `compare_sketch` takes them (the same operations on the same shapes: the same bits)."""
+    if tuple(golden.shape) != tuple(sketch.values.shape):
+        return sketch  # compared (and refused) as a shape mismatch, as before
+    return replace(sketch, golden=golden, norms=(sketch.values.double() - golden).norm(dim=-1))
 
 
 def _first_true(mask: torch.Tensor) -> torch.Tensor:
@@ -512,83 +524,118 @@ def compare_sketches(pairs: Sequence[tuple[GoldenSketch, CandidateSketch, float,
     # Per tensor, the figures the host needs, as float64 (integers below 2**53 are exact):
     # error, worst group, groups over the bound, groups compared, rows in the worst group, rows counted,
     # non-finite rows, first non-finite row, worst off-support error, its row, off-support rows over.
-    batches: dict[tuple, list[int]] = {}
-    for i, (golden, candidate, _, _) in enumerate(pairs):
-        key = (candidate.values.device, tuple(golden.values.shape), golden.values.dtype, candidate.values.dtype,
-               candidate.counts.dtype)
-        batches.setdefault(key, []).append(i)
+    on: dict[torch.device, list[int]] = {}
+    for i, (_, candidate, _, _) in enumerate(pairs):
+        on.setdefault(candidate.values.device, []).append(i)
     host: list[list[float]] = [[]] * len(pairs)
-    for device in dict.fromkeys(key[0] for key in batches):
-        mine = {key: members for key, members in batches.items() if key[0] == device}
+    for device, members in on.items():
+        mine = [pairs[i] for i in members]
         # The golden's side goes to the device in one copy per dtype (a blocking copy waits for the device).
-        golds = _to_device({key: torch.stack([pairs[i][0].values for i in members]) for key, members in mine.items()},
-                           device)
-        order = [i for members in mine.values() for i in members]
-        params = torch.tensor([[pairs[i][0].tau if pairs[i][0].tau > 0 else 1.0, pairs[i][2]] for i in order],
-                              dtype=torch.float64).to(device)
-        figures, at = [], 0
-        for key, members in mine.items():
-            chunk = params[at:at + len(members)]
-            figures.append(_batch_figures([pairs[i] for i in members], key[1], golds[key], chunk))
-            at += len(members)
-        for i, row in zip(order, torch.cat(figures).cpu().tolist()):  # the one transfer to the host
+        early = {j: c.golden for j, (_, c, _, _) in enumerate(mine)
+                 if c.golden is not None and c.golden.device == device}
+        golds = {**early, **_to_device({j: golden.values for j, (golden, _, _, _) in enumerate(mine) if j not in early},
+                                       device)}
+        for i, row in zip(members, _figures(mine, golds, device).cpu().tolist()):  # the one transfer to the host
             host[i] = row
     return [_sketch_error(golden, candidate, bound, name, row)
             for (golden, candidate, bound, name), row in zip(pairs, host)]
 
 
 def _to_device(tensors: dict, device: torch.device) -> dict:
-    """`tensors` on `device`, copied as one flat tensor per dtype."""
-    out = {}
-    for dtype in dict.fromkeys(t.dtype for t in tensors.values()):
-        keys = [key for key, t in tensors.items() if t.dtype == dtype]
-        flat = torch.cat([tensors[key].reshape(-1) for key in keys]).to(device)
+    """`tensors` on `device` as float64, copied as one flat tensor per dtype (those already there stay as they
+    are)."""
+    out = {key: t for key, t in tensors.items() if t.device == device}
+    for dtype in dict.fromkeys(t.dtype for key, t in tensors.items() if key not in out):
+        keys = [key for key, t in tensors.items() if t.dtype == dtype and key not in out]
+        flat = torch.cat([tensors[key].reshape(-1) for key in keys]).to(device).double()  # one conversion
         for key, part in zip(keys, flat.split([tensors[key].numel() for key in keys])):
             out[key] = part.view(tensors[key].shape)
     return out
 
 
-def _batch_figures(pairs: Sequence[tuple[GoldenSketch, CandidateSketch, float, str]], shape: tuple[int, ...],
-                   gold: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
-    """`compare_sketches`' figures (n, 11) of tensors whose sketches have one shape, on their device (no sync):
-    `gold` their golden sketches (n, G, k) and `params` each one's (scale, bound), both on that device."""
+def _segments(sizes: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For tensors of `sizes` elements laid end to end: each element's tensor, and each tensor's first and
+    one-past-last element (on `device`, made on the host and copied in one go: no sync)."""
+    seg = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes, dtype=torch.long))
+    ends = torch.tensor(sizes, dtype=torch.long).cumsum(0)
+    packed = torch.cat([seg, ends - torch.tensor(sizes, dtype=torch.long), ends]).to(device, non_blocking=True)
+    return packed[:seg.numel()], packed[seg.numel():seg.numel() + len(sizes)], packed[seg.numel() + len(sizes):]
+
+
+def _per_tensor_sum(values: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Float64 sums of 0/1 or integer `values` per tensor laid end to end: exact (integers below 2**53),
+    and from a scan, not atomics (the same on every run)."""
+    running = torch.cat([torch.zeros(1, dtype=torch.float64, device=values.device), values.to(torch.float64).cumsum(0)])
+    return running[ends] - running[starts]
+
+
+def _argmax_per_tensor(key: torch.Tensor, seg: torch.Tensor, starts: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """Each tensor's `argmax` of `key` (laid end to end), as an index into its own elements: `key` padded
+    to one row per tensor and reduced with `argmax` itself (the largest, the first of equal ones, NaN
+    first, as for each tensor alone); 0 for a tensor without elements. No atomics: allowed, and the same,
+    under torch's deterministic mode."""
+    n, longest = len(sizes), max(sizes, default=0)
+    padded = torch.full((n, max(longest, 1)), float("-inf"), dtype=key.dtype, device=key.device)
+    padded[seg, torch.arange(key.numel(), device=key.device) - starts[seg]] = key
+    return padded.argmax(dim=1)
+
+
+def _first_true_per_tensor(mask: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Each tensor's first True (laid end to end), as an index into its own elements; 0 for none (as
+    `_first_true`): the count of its elements before its first True, from an integer scan."""
+    running = torch.cat([torch.zeros(1, dtype=torch.long, device=mask.device), mask.long().cumsum(0)])
+    before = running[1:] - torch.repeat_interleave(running[starts], ends - starts, output_size=mask.numel())
+    leading = _per_tensor_sum(before == 0, starts, ends)
+    return torch.where(_per_tensor_sum(mask, starts, ends) > 0, leading, torch.zeros_like(leading))
+
+
+def _figures(pairs: Sequence[tuple[GoldenSketch, CandidateSketch, float, str]], golds: dict[int, torch.Tensor],
+             device: torch.device) -> torch.Tensor:
+    """`compare_sketches`' figures (n, 11) of tensors on one device, in one pass (no sync): each tensor's
+    groups laid end to end; `golds` their golden sketches on that device."""
     n = len(pairs)
     f64 = torch.float64
-    device = gold.device
+    sizes = [int(g.values.shape[0]) for g, _, _, _ in pairs]
     zeros = torch.zeros(n, dtype=f64, device=device)
-    counts = torch.stack([c.counts for _, c, _, _ in pairs])  # (n, G)
-    counted = counts.sum(1).to(f64)
-    scale, bound = params[:, 0:1], params[:, 1:2]
-    if shape[0]:
+    # Host-made tensors go over without waiting for the device (a blocking copy would sync the stream).
+    params = torch.tensor([[g.tau if g.tau > 0 else 1.0, bound] for g, _, bound, _ in pairs],
+                          dtype=f64).to(device, non_blocking=True)
+    columns = [zeros] * 5 + [zeros]
+    counts = torch.cat([c.counts.to(device) for _, c, _, _ in pairs])
+    if counts.numel():
+        seg, starts, ends = _segments(sizes, device)
+        scale, bound = params[:, 0][seg], params[:, 1][seg]
         # As compare_sketch: the float64 difference, its row norms, over sqrt(rows) * tau. The norms are
         # taken tensor by tensor, on tensors shaped as compare_sketch's: a reduction's order depends on
         # its shape (on CUDA, on how many rows it reduces at once), and these must be its bits.
-        norms = torch.stack([(c.values.double() - gold[j].double()).norm(dim=-1) for j, (_, c, _, _) in
-                             enumerate(pairs)])
+        norms = torch.cat([c.norms if c.norms is not None and c.golden is golds[j] else
+                           (c.values.double() - golds[j].double()).norm(dim=-1)
+                           for j, (_, c, _, _) in enumerate(pairs)])
         errors = norms / (counts.clamp(min=1).double().sqrt() * scale)
         errors = torch.where(counts > 0, errors, torch.zeros((), dtype=errors.dtype, device=device))
-        worst = errors.argmax(1, keepdim=True)
-        columns = [errors.gather(1, worst)[:, 0], worst[:, 0].to(f64), (errors > bound).sum(1).to(f64),
-                   (counts > 0).sum(1).to(f64), counts.gather(1, worst)[:, 0].to(f64), counted]
-    else:
-        columns = [zeros, zeros, zeros, zeros, zeros, counted]
+        worst = _argmax_per_tensor(errors, seg, starts, sizes)
+        at = (starts + worst).clamp(max=counts.numel() - 1)
+        empty = torch.tensor([size == 0 for size in sizes]).to(device, non_blocking=True)
+        keep = lambda t: torch.where(empty, zeros, t.to(f64))  # noqa: E731 - a tensor without groups: zeros
+        columns = [keep(errors[at]), keep(worst), _per_tensor_sum(errors > bound, starts, ends),
+                   _per_tensor_sum(counts > 0, starts, ends), keep(counts[at]), _per_tensor_sum(counts, starts, ends)]
     masks = [c.nonfinite for _, c, _, _ in pairs]
-    if all(m is not None for m in masks) and len({m.numel() for m in masks}) == 1 and masks[0].numel():
-        bad = torch.stack(masks).to(device)  # (n, rows): the common case, one shape, one pass
-        columns += [bad.sum(1).to(f64), _first_true(bad).to(f64)]
+    present = [m is not None and m.numel() > 0 for m in masks]
+    if any(present):
+        bad = torch.cat([m.to(device).reshape(-1) for m, p in zip(masks, present) if p])
+        rows = [m.numel() if p else 0 for m, p in zip(masks, present)]
+        _, starts, ends = _segments(rows, device)
+        first = _first_true_per_tensor(bad, starts, ends)
+        none = torch.tensor([not p for p in present]).to(device, non_blocking=True)
+        columns += [_per_tensor_sum(bad, starts, ends), torch.where(none, zeros - 1, first.to(f64))]
     else:
-        counted_bad, first_bad = [], []
-        for m in masks:
-            present = m is not None and m.numel() > 0
-            counted_bad.append(m.to(device).sum().to(f64) if present else zeros[0])
-            first_bad.append(_first_true(m.to(device)).to(f64) if present else zeros[0] - 1)
-        columns += [torch.stack(counted_bad), torch.stack(first_bad)]
+        columns += [zeros, zeros - 1]
     off_columns = [[zeros[0]] * n for _ in range(3)]
     for j, (_, candidate, _, _) in enumerate(pairs):
         if candidate.off_support is not None and candidate.off_support.numel():
-            off = candidate.off_support.double() / scale[j, 0]
+            off = candidate.off_support.double() / params[j, 0]
             row = off.argmax()
-            over = (off > bound[j, 0]).sum().to(f64)
+            over = (off > params[j, 1]).sum().to(f64)
             off_columns[0][j], off_columns[1][j], off_columns[2][j] = off[row], row.to(f64), over
     columns += [torch.stack(c) for c in off_columns]
     return torch.stack(columns, dim=1)

@@ -39,6 +39,7 @@ from ..numerics.sketch import (
     rowsketch,
     rowsketch_at,
     scatter_rows,
+    with_golden,
 )
 from .probes import host_copy
 
@@ -134,11 +135,17 @@ class CandidateReducer(Reducer):
     with the golden's specs. `check_dtype=False` for the float64 run, whose dtype differs on purpose."""
 
     def __init__(self, sketches: Mapping[str, GoldenSketch], token_mask: torch.Tensor,
-                 check_dtype: bool = True) -> None:
+                 check_dtype: bool = True, device: torch.device | None = None) -> None:
         self.sketches = dict(sketches)
         self.token_mask = token_mask.reshape(-1).cpu().bool()
         self.check_dtype = check_dtype
         self._masks: dict[torch.device, torch.Tensor] = {}  # the token mask on each device it was asked for
+        # A check: the golden's sketches go to its device now, before the candidate runs (a GPU is idle then;
+        # no sync), as the float64 the comparison reads, so the comparison copies nothing.
+        self._golden_on: dict[str, torch.Tensor] = {}
+        if device is not None:
+            self._golden_on = {name: gold.values.to(device, non_blocking=True).double()
+                               for name, gold in self.sketches.items()}
 
     def _mask_on(self, name: str, device: torch.device) -> torch.Tensor | None:
         """`row_mask(name)` on `device`, copied there once per check (a blocking copy waits for the device)."""
@@ -163,8 +170,12 @@ class CandidateReducer(Reducer):
         if rows.sketch.values.shape[0] != gold.spec.rows:
             found = rows.sketch.values.shape[0]
             return SketchProblem(f"{found} rows but golden {gold.spec.rows} (shape {gold.spec.shape})")
-        return candidate_from_rows(rows.sketch, gold, dtype=rows.dtype, name=name,
-                                   row_mask=self._mask_on(name, rows.sketch.values.device))
+        sketch = candidate_from_rows(rows.sketch, gold, dtype=rows.dtype, name=name,
+                                     row_mask=self._mask_on(name, rows.sketch.values.device))
+        golden = self._golden_on.get(name)
+        if golden is not None and golden.device == sketch.values.device:
+            sketch = with_golden(sketch, golden)
+        return sketch
 
 
 def assemble_rows(pieces: list[Rows | SketchProblem], rows: int) -> Rows | SketchProblem:

@@ -115,7 +115,7 @@ class _Runner:
         self.shards = layout.shard(ctx, setup)
         self.total = ctx.batch.predictions
         # The golden's sketched tensors are reduced with its specs; everything else is kept whole.
-        self.reducer: Reducer = CandidateReducer(ctx.golden.sketches, ctx.batch.token_mask) \
+        self.reducer: Reducer = CandidateReducer(ctx.golden.sketches, ctx.batch.token_mask, device=ctx.device) \
             if ctx.golden.sketches else WHOLE
         # Each pass's model call, and the golden position of each of its output token slots (-1: none).
         self.calls: list[dict | None] = []
