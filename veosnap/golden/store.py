@@ -151,8 +151,8 @@ def _remove_stale_temps(path: Path) -> None:
             continue  # another writer removed it first, or it is not ours to touch
 
 
-def read_file(path: Path, cap: int = MAX_COMPRESSED) -> bytes:
-    """A regular file's bytes, at most `cap` + 1 of them; anything else is refused without blocking.
+def _open_regular(path: Path) -> int:
+    """A read-only descriptor of `path` when it is a regular file; anything else is refused without blocking.
 
     Opened with O_NONBLOCK (a FIFO without a writer does not hang the open) and checked with fstat on
     the open descriptor, so what is read is what was checked.
@@ -167,9 +167,22 @@ def read_file(path: Path, cap: int = MAX_COMPRESSED) -> bytes:
         cause = not_regular(stat.S_IFSOCK) if exc.errno == errno.ENXIO else f"cannot read ({exc.strerror or exc})"
         raise GoldenError(path, cause) from None
     try:
+        mode = os.fstat(fd).st_mode
+    except OSError as exc:
+        os.close(fd)
+        raise GoldenError(path, f"cannot read ({exc.strerror or exc})") from None
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise GoldenError(path, not_regular(mode))
+    return fd
+
+
+def read_file(path: Path, cap: int = MAX_COMPRESSED) -> bytes:
+    """A regular file's bytes, at most `cap` + 1 of them; anything else is refused without blocking
+    (`_open_regular`)."""
+    fd = _open_regular(path)
+    try:
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise GoldenError(path, not_regular(info.st_mode))
         if info.st_size > cap:
             raise GoldenError(path, f"file is over the {cap} byte cap")
         chunks, size = [], 0
@@ -242,14 +255,7 @@ def read_manifest(path: Path, root: Path | None = None) -> Manifest:
     why = problem(path, root)
     if why:
         raise GoldenError(path, why)
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
-    except OSError as exc:
-        raise GoldenError(path, f"cannot read ({exc.strerror or exc})") from None
-    with os.fdopen(fd, "rb") as fh:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise GoldenError(path, not_regular(info.st_mode))
+    with os.fdopen(_open_regular(path), "rb") as fh:
         manifest = codec_read_manifest(fh, path)
     expected = key_of(path, root)
     if expected is not None and manifest.key != expected:
