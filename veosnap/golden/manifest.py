@@ -15,7 +15,6 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from ..errors import GoldenError, VeosnapError
-from ..numerics import fmt
 from . import names
 from .key import GoldenKey
 from .sketches import SketchPlan
@@ -136,10 +135,6 @@ class Excuse:
     reason: str
     tensor: str  # its worst tensor over the bound when recorded (a route name: its routing differed)
     ratio: float | None = None  # that tensor's error/bound ratio then (None: not finite, or a routing difference)
-
-    def figures(self) -> str:
-        """What the variant failed by when the golden was recorded: its worst tensor and ratio."""
-        return f"{self.tensor} {fmt.times(self.ratio)}" if self.ratio is not None else self.tensor
 
 
 @dataclass

@@ -20,6 +20,7 @@ from ..golden.manifest import Approval, Excuse, json_object
 from ..numerics import fmt
 from ..numerics.compare import TensorResult
 from ..reference.coverage import routes_not_captured
+from ..runs.check import excuse_figures
 from ..runs.diff import DiffReport, FieldChange, GoldenDiff, TrailChange
 from ..runs.matrix import Cell, Matrix
 from ..runs.verdict import CheckReport, drift_text
@@ -401,7 +402,7 @@ class GoldenView:
 
 def excuse_line(variant: str, excuse: Excuse) -> str:
     """A variant the golden was recorded despite (`record --excuse`), with its reason and figures then."""
-    return f"{variant} fails it, known at record time: {excuse.reason} (then: {excuse.figures()}; its checks " \
+    return f"{variant} fails it, known at record time: {excuse.reason} (then: {excuse_figures(excuse)}; its checks " \
            "still fail)"
 
 

@@ -31,6 +31,8 @@ from ..golden import names
 from ..golden.background import PendingGolden, errors_after
 from ..golden.codec import Golden
 from ..golden.key import GoldenKey
+from ..golden.manifest import Excuse
+from ..numerics import fmt
 from ..numerics.compare import TensorResult, compare_route_sets, compare_tensors, same_route_tokens, structure_changes
 from ..reference import coverage, hardware, limits, models, scenarios
 from ..reference.capture import Capture
@@ -284,8 +286,13 @@ def excused_notes(golden: Golden, spec: str) -> list[str]:
     for variant, excuse in sorted(golden.manifest.excused.items()):
         if variant in parts:
             notes.append(f"{variant} fails this golden, known at record time: {excuse.reason} (then: "
-                         f"{excuse.figures()})")
+                         f"{excuse_figures(excuse)})")
     return notes
+
+
+def excuse_figures(excuse: Excuse) -> str:
+    """What the excused variant failed by when the golden was recorded: its worst tensor and ratio."""
+    return f"{excuse.tensor} {fmt.times(excuse.ratio)}" if excuse.ratio is not None else excuse.tensor
 
 
 def _report(golden: Golden, fields: dict[str, str], **outcome: str) -> CheckReport:
