@@ -182,8 +182,8 @@ def test_the_batched_compare_gives_the_per_tensor_compares_numbers(twins, model,
 
     whole = []
 
-    def both_whole(items):  # noqa: ANN001, ANN202
-        batched = row_errors(items)
+    def both_whole(items, device=None):  # noqa: ANN001, ANN202
+        batched = row_errors(items, device=device)
         alone = [row_error(name, cand, gold, mask, bound) for name, cand, gold, mask, bound in items]
         assert batched == alone
         whole.append(len(items))
@@ -197,6 +197,42 @@ def test_the_batched_compare_gives_the_per_tensor_compares_numbers(twins, model,
             assert not report.error, (spec, report.error)
     assert seen and max(seen) >= 10 and min(seen) == 0  # the sketch-forced goldens' tensors; the exact: none
     assert whole and max(whole) >= 20 and min(whole) >= 1  # every tensor of the exact goldens; the loss at least
+
+
+def _close(a: float, b: float) -> bool:
+    return a == b or abs(a - b) <= 1e-12 * max(abs(a), abs(b))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="whole tensors compared on a CUDA device against the host: "
+                    "on the CPU both are one code path (the test above asserts its bits)")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("model", MODELS)
+def test_whole_tensors_compared_on_the_gpu_give_the_hosts_figures_and_verdicts(twins, model, dtype, monkeypatch):
+    """On a GPU a check compares its whole tensors on the device (`row_errors(device=)`): a float64 norm may
+    sum in another order there, so each figure is the host's within 1e-12 relative (not to the bit), and
+    every verdict (within the bound or not, rows over it, how many rows) is the host's."""
+    from veosnap.numerics import compare as compare_module
+    from veosnap.numerics.metric import row_errors
+
+    devices = []
+
+    def device_and_host(items, device=None):  # noqa: ANN001, ANN202
+        on_device = row_errors(items, device=device)
+        host = row_errors([(name, cand.cpu(), gold.cpu(), mask, bound) for name, cand, gold, mask, bound in items])
+        for (name, _, _, _, bound), d, h in zip(items, on_device, host):
+            assert (d.rows, d.rows_over, d.error <= bound) == (h.rows, h.rows_over, h.error <= bound), name
+            for a, b in ((d.error, h.error), (d.golden_value, h.golden_value), (d.candidate_value, h.candidate_value)):
+                assert _close(a, b), (name, a, b)
+            assert all(_close(a, b) for (_, a), (_, b) in zip(d.worst_rows, h.worst_rows)), name
+        devices.append(torch.device(device).type if device is not None else "cpu")
+        return on_device
+
+    monkeypatch.setattr(compare_module, "row_errors", device_and_host)
+    for spec in CANDIDATES:
+        for mode in ("never", "always"):
+            report = check(twins[mode], key(model, dtype), backends.resolve(spec))
+            assert not report.error, (spec, report.error)
+    assert devices and set(devices) == {"cuda"}
 
 
 LEGIT_LAYOUTS = ("packed", "microbatch", "ddp", "fsdp2", "sp")

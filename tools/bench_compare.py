@@ -78,7 +78,8 @@ def measure(size: bench_scale.Size, dtype: str, work: Path, repeat: int) -> dict
 
     def once() -> None:
         with one_thread():  # as a check judges
-            check_module.compare(golden, batch, result.capture, result.replayed, backend="b", layout="single")
+            check_module.compare(golden, batch, result.capture, result.replayed, device=result.device,
+                                 golden_on=result.golden_on, backend="b", layout="single")
         if torch.cuda.is_available():
             torch.cuda.synchronize()
 
@@ -116,6 +117,13 @@ def measure(size: bench_scale.Size, dtype: str, work: Path, repeat: int) -> dict
     with profile(activities=activities) as prof:
         once()
     ops = Counter({e.key: e.count for e in prof.key_averages() if e.key.startswith("aten::")})
+    if os.environ.get("BENCH_COMPARE_CPROFILE"):  # where the host time goes, by Python function
+        import cProfile
+        import pstats
+
+        stats = cProfile.Profile()
+        stats.runcall(once)
+        pstats.Stats(stats).sort_stats("tottime").print_stats(25)
     whole = sum(1 for n in golden.compared_names() if n not in golden.sketches)
     return {"size": size.name, "dtype": dtype, "passed": report.passed, "tensors": len(golden.compared_names()),
             "sketched": len(golden.sketches), "whole": whole, "compare_ms": statistics.median(times) * 1e3,

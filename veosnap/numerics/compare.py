@@ -109,17 +109,31 @@ def same_route_tokens(golden: Golden, experts: Mapping[int, torch.Tensor]) -> di
             if layer in gold and chosen.shape == gold[layer].shape}
 
 
+def whole_on_device(golden: Golden, device: torch.device | str | None) -> dict[str, torch.Tensor]:
+    """The golden's whole compared tensors copied to `device` for `compare_tensors(golden_on=)`, to be called
+    before the candidate runs (the copies overlap nothing else then); none for the host, which compares them
+    where they are."""
+    if device is None or torch.device(device).type == "cpu":
+        return {}
+    return {name: golden.tensors[name].to(device, non_blocking=True) for name in golden.compared_names()
+            if name not in golden.sketches and name in golden.tensors}
+
+
 def compare_tensors(golden: Golden, produced: Mapping[str, torch.Tensor], tokens: Tokens, *, gradients: bool = True,
                     same_routes: Mapping[int, torch.Tensor] | None = None,
                     sketches: Mapping[str, CandidateSketch | SketchProblem] | None = None,
                     absent: Mapping[str, str] | None = None,
-                    skip: set[str] | frozenset[str] = frozenset()) -> list[TensorResult]:
+                    skip: set[str] | frozenset[str] = frozenset(),
+                    device: torch.device | str | None = None,
+                    golden_on: Mapping[str, torch.Tensor] | None = None) -> list[TensorResult]:
     """Every toleranced tensor of the golden (but those in `skip`) against `produced` (whole) or `sketches`
     (the candidate's tensors the golden holds as sketches, reduced with their spec), by row error.
 
     `gradients=False`: a forward-only candidate, whose gradients are not compared (the report says so).
     `same_routes`: per MoE layer, the tokens whose route weights are comparable (see `same_route_tokens`).
     `absent`: tensors the candidate says it does not produce, and why (not compared; the report says so).
+    `device`: where whole tensors are compared (`row_errors`; None: the host), `golden_on` the golden's whole
+    tensors already there (`whole_on_device`).
     """
     results: list[TensorResult | None] = []
     sketches = sketches or {}
@@ -156,8 +170,9 @@ def compare_tensors(golden: Golden, produced: Mapping[str, torch.Tensor], tokens
     # candidate with a NaN/Inf is the tensor's problem instead, searched value by value only where there can
     # be one: a tensor whose error came out infinite (a compared row with a non-finite value: finite values
     # of float32 and narrower never give one), or with one in the rows not compared (a token tensor's padding).
-    errors = row_errors([(name, cand, gold, token_mask, golden.manifest.tolerance[name].bound)
-                         for _, name, cand, gold, token_mask in whole])
+    golden_on = golden_on or {}
+    errors = row_errors([(name, cand, golden_on.get(name, gold), token_mask, golden.manifest.tolerance[name].bound)
+                         for _, name, cand, gold, token_mask in whole], device=device)
     for (at, name, cand, gold, token_mask), err in zip(whole, errors):
         suspect = err.error == float("inf") or (
             token_mask is not None and not bool(torch.isfinite(uncompared_rows(name, cand, token_mask)).all()))

@@ -75,7 +75,8 @@ def row_error(name: str, candidate: torch.Tensor, golden: torch.Tensor, token_ma
     )
 
 
-def row_errors(items: Sequence[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None, float]]) -> list[RowError]:
+def row_errors(items: Sequence[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None, float]],
+               device: torch.device | str | None = None) -> list[RowError]:
     """`row_error` of many tensors at once, (name, candidate, golden, token mask, bound) each: the same
     numbers, to the bit (the same float64 operations on the same rows), from one pass per row width and
     one read of every figure at the end, instead of some fifty small operations per tensor.
@@ -83,13 +84,20 @@ def row_errors(items: Sequence[tuple[str, torch.Tensor, torch.Tensor, torch.Tens
     The rows of every tensor of one width are converted to float64 once, into one buffer per side; the
     differences, row norms, errors and the count over each bound are computed for all of them at once.
     What depends on a reduction's length is still taken per tensor on a slice of its own length (the RMS of
-    the golden's row norms), so its bits are `row_error`'s. Tensors are read on the host, as `row_error`
-    reads them."""
+    the golden's row norms), so its bits are `row_error`'s.
+
+    `device`: where the arithmetic runs (None: the host, as `row_error`). Tensors elsewhere are copied there
+    (a check passes its golden's tensors already there); nothing is read back before the one transfer of all
+    figures, so on a GPU the host only launches kernels. On CUDA a float64 reduction may differ from the
+    host's in its last bits (a norm's summation order): the figures agree to about 1e-15 relative, not to
+    the bit (tests/test_sketched_goldens.py measures it on a GPU)."""
+    device = torch.device("cpu") if device is None else torch.device(device)
     out: list[RowError | None] = [None] * len(items)
-    widths: dict[int, list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+    widths: dict[int, list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]]] = {}
+    picked: dict[int, torch.Tensor] = {}  # the rows a token mask picks, on `device`, once per mask
     for i, (name, candidate, golden, token_mask, _) in enumerate(items):
-        c_rows, index = _native_rows(name, candidate, token_mask)
-        g_rows, _ = _native_rows(name, golden, token_mask)
+        c_rows, index = _native_rows(name, candidate, token_mask, device, picked)
+        g_rows, _ = _native_rows(name, golden, token_mask, device, picked)
         if c_rows.shape[0] == 0:
             out[i] = RowError(0.0, 0, 0, 0.0, 0.0, 0, 0)
             continue
@@ -120,35 +128,45 @@ def _layout(name: str, t: torch.Tensor, token_mask: torch.Tensor | None) -> tupl
     return rows, token and token_mask.numel() == rows.shape[0]
 
 
-def _native_rows(name: str, tensor: torch.Tensor, token_mask: torch.Tensor | None
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`rows_of` without the float64 copy (converting after the rows are chosen gives the same values); the
-    original index of each row only when they are not 0, 1, ... (None)."""
-    t = tensor if tensor.device.type == "cpu" and not tensor.requires_grad else tensor.detach().cpu()
+def _native_rows(name: str, tensor: torch.Tensor, token_mask: torch.Tensor | None, device: torch.device,
+                 picked: dict[int, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`rows_of` on `device` without the float64 copy (converting after the rows are chosen gives the same
+    values); the original index of each row (on the host) only when they are not 0, 1, ... (None). The
+    token mask is read on the host (it is the golden batch's), so choosing rows never waits for a device."""
+    t = tensor.detach()
+    if t.device != device:
+        t = t.to(device, non_blocking=True)
     rows, masked = _layout(name, t, token_mask)
-    return (rows[token_mask], token_mask.nonzero()[:, 0]) if masked else (rows, None)
+    if not masked:
+        return rows, None
+    index = token_mask.nonzero()[:, 0]
+    if id(token_mask) not in picked:
+        picked[id(token_mask)] = index.to(device, non_blocking=True)
+    return rows.index_select(0, picked[id(token_mask)]), index
 
 
 CHUNK = 1 << 18  # float64 values per side converted at a time: 2 MiB, reused (fewer fresh pages than whole copies)
 
 
-def _same_width(members: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]]) -> list[RowError]:
-    """`row_errors` of tensors whose rows have one width (none without rows).
+def _same_width(members: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, float]]) -> list[RowError]:
+    """`row_errors` of tensors whose rows have one width (none without rows), on their rows' device.
 
     The rows are streamed through two small reused float64 buffers, a chunk of rows at a time (a chunk
     may hold rows of several tensors): a large tensor's float64 copies would cost more in fresh memory
-    than in arithmetic. A row's norm is the same whichever rows are reduced with it."""
+    than in arithmetic. A row's norm is the same whichever rows are reduced with it. Every offset is known
+    on the host, so nothing is read back until the figures, in one transfer."""
     f64 = torch.float64
+    device = members[0][0].device
     sizes = [int(c.shape[0]) for c, _, _, _ in members]
     total, width = sum(sizes), int(members[0][0].shape[1])
     starts = [0]
     for n in sizes:
         starts.append(starts[-1] + n)
     chunk = max(1, CHUNK // max(width, 1))
-    c_buf = torch.empty(min(chunk, total), width, dtype=f64)
+    c_buf = torch.empty(min(chunk, total), width, dtype=f64, device=device)
     g_buf = torch.empty_like(c_buf)
-    per_row = torch.empty(total, dtype=f64)  # |candidate row - golden row|
-    golden_norms = torch.empty(total, dtype=f64)
+    per_row = torch.empty(total, dtype=f64, device=device)  # |candidate row - golden row|
+    golden_norms = torch.empty(total, dtype=f64, device=device)
     first = 0  # the first tensor with rows in this chunk
     for lo in range(0, total, chunk):
         hi = min(lo + chunk, total)
@@ -169,39 +187,48 @@ def _same_width(members: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, fl
         golden_norms[lo:hi] = gv.norm(dim=1)
         per_row[lo:hi] = cv.sub_(gv).norm(dim=1)
     squares = golden_norms.pow(2)
-    # The golden's typical row norm, as row_error takes it: the mean over the tensor's own rows alone.
+    # The golden's typical row norm, as row_error takes it: the mean over the tensor's own rows alone
     # (torch's sqrt, on a 0-d tensor, as there: it is not always the correctly rounded one).
-    typical = [squares[a:b].mean().sqrt().item() for a, b in zip(starts, starts[1:])]
-    scales = [t if t > 0 else 1.0 for t in typical]  # an all-zero golden: absolute error
-    segment = torch.repeat_interleave(torch.arange(len(members)), torch.tensor(sizes))
-    errors = per_row / torch.tensor(scales, dtype=f64)[segment]
+    typical = torch.stack([squares[a:b].mean().sqrt() for a, b in zip(starts, starts[1:])])
+    scales = torch.where(typical > 0, typical, torch.ones_like(typical))  # an all-zero golden: absolute error
+    on = {"device": device, "non_blocking": True}
+    segment = torch.repeat_interleave(torch.arange(len(members), device=device), torch.tensor(sizes).to(**on),
+                                      output_size=total)  # made on the device: no host tensor per row
+    first_rows = torch.tensor(starts[:-1]).to(**on)
+    errors = per_row / scales[segment]
     errors = torch.where(torch.isfinite(errors), errors, torch.full_like(errors, float("inf")))
-    over = torch.bincount(segment[errors > torch.tensor([b for _, _, _, b in members], dtype=f64)[segment]],
-                          minlength=len(members))
+    # Rows over each tensor's bound: a running count read at the tensors' ends (integers: exact, and no
+    # atomics, which torch's deterministic mode refuses on CUDA).
+    over = (errors > torch.tensor([b for _, _, _, b in members], dtype=f64).to(**on)[segment]).long().cumsum(0)
+    over = torch.cat([over.new_zeros(1), over])
+    over = over[torch.tensor(starts[1:]).to(**on)] - over[first_rows]
     # Within each tensor, its rows worst first, ties in row order (row_error's stable sort): a stable sort by
     # error, then a stable sort by tensor, keeps that order within each tensor's stretch.
     by_error = errors.sort(descending=True, stable=True).indices
     order = by_error[segment[by_error].sort(stable=True).indices]
-    worst = order[torch.tensor(starts[:-1])]
+    worst = order[first_rows]
     top = [starts[k] + j for k, n in enumerate(sizes) if n > 1 for j in range(min(WORST_ROWS, n))]
-    top_rows = order[torch.tensor(top, dtype=torch.long)]
-    # Each row's index in its own tensor: its place in the tensor's stretch, unless its rows were chosen.
-    index = torch.arange(total) - torch.tensor(starts[:-1])[segment]
-    for (_, _, ix, _), a, b in zip(members, starts, starts[1:]):
-        if ix is not None:
-            index[a:b] = ix
-    local = (worst - torch.tensor(starts[:-1])).tolist()
+    top_rows = order[torch.tensor(top, dtype=torch.long).to(**on)]
+    local = worst - first_rows  # each worst row's place in its own tensor's rows
     # The worst rows' largest differences, recomputed from the tensors' own rows (the same float64 values).
-    c_rows = torch.stack([c[row].to(f64) for (c, _, _, _), row in zip(members, local)])
-    g_rows = torch.stack([g[row].to(f64) for (_, g, _, _), row in zip(members, local)])
+    c_rows = torch.cat([c.index_select(0, local[k:k + 1]).to(f64) for k, (c, _, _, _) in enumerate(members)])
+    g_rows = torch.cat([g.index_select(0, local[k:k + 1]).to(f64) for k, (_, g, _, _) in enumerate(members)])
     column = (c_rows - g_rows).abs().nan_to_num(nan=float("inf")).argmax(dim=1, keepdim=True)
-    figures = torch.stack([errors[worst], index[worst].to(f64), column[:, 0].to(f64), g_rows.gather(1, column)[:, 0],
-                           c_rows.gather(1, column)[:, 0], over.to(f64)], dim=1).tolist()
-    ranked = list(zip(index[top_rows].tolist(), errors[top_rows].tolist()))
+    figures = torch.stack([errors[worst], local.to(f64), column[:, 0].to(f64), g_rows.gather(1, column)[:, 0],
+                           c_rows.gather(1, column)[:, 0], over.to(f64)], dim=1)
+    ranked_at = (top_rows - first_rows[segment[top_rows]]).to(f64)
+    # The one read of the device: every figure of every tensor (row places are below 2**53: exact in float64).
+    read = torch.cat([figures.reshape(-1), ranked_at, errors[top_rows]]).tolist()
+    n_members, n_top = len(members), len(top)
+    rows6 = [read[6 * k:6 * k + 6] for k in range(n_members)]
+    ranked_local = read[6 * n_members:6 * n_members + n_top]
+    ranked_errors = read[6 * n_members + n_top:]
     results, at = [], 0
-    for (error, row, col, g, c, n_over), n in zip(figures, sizes):
+    for (error, row, col, g, c, n_over), n, (_, _, ix, _) in zip(rows6, sizes, members):
         shown = min(WORST_ROWS, n) if n > 1 else 0
-        results.append(RowError(error=error, row=int(row), column=int(col), golden_value=g, candidate_value=c,
-                                rows_over=int(n_over), rows=n, worst_rows=tuple(ranked[at:at + shown])))
+        place = (lambda r: int(ix[int(r)])) if ix is not None else (lambda r: int(r))  # noqa: E731
+        ranked = tuple((place(r), e) for r, e in zip(ranked_local[at:at + shown], ranked_errors[at:at + shown]))
+        results.append(RowError(error=error, row=place(row), column=int(col), golden_value=g, candidate_value=c,
+                                rows_over=int(n_over), rows=n, worst_rows=ranked))
         at += shown
     return results

@@ -136,8 +136,8 @@ def compare_routes(
         clear_flips=int(clear.sum()),
         near_tie_flips=int((differs & near_tie).sum()),
         first_flipped_token=int(flipped[0]) if flipped.numel() else None,
-        gained=tuple(int(n) for n in (candidate_hot & ~golden_hot).sum(dim=0)),
-        lost=tuple(int(n) for n in (golden_hot & ~candidate_hot).sum(dim=0)),
+        gained=tuple((candidate_hot & ~golden_hot).sum(dim=0).tolist()),  # one read, not one per expert
+        lost=tuple((golden_hot & ~candidate_hot).sum(dim=0).tolist()),
     )
 
 

@@ -187,7 +187,8 @@ def judge(golden: Golden, batch: Batch, result: LayoutResult, fields: dict[str, 
     """A layout's result against its golden (for `scenario`, when it is not the golden's own), with the notes
     its report must carry."""
     frozen = scenario.frozen if scenario is not None else ()
-    report = compare(golden, batch, result.capture, result.replayed, frozen=frozen, **fields)
+    report = compare(golden, batch, result.capture, result.replayed, frozen=frozen, device=result.device,
+                     golden_on=result.golden_on, **fields)
     if scenario is not None and scenario.name != golden.key.scenario:
         report.notes.append(f"scenario {scenario.name}: the {' and '.join(frozen) or 'same'} encoder frozen, checked "
                             f"against the {golden.key.scenario} golden without its gradients")
@@ -205,11 +206,13 @@ def judge(golden: Golden, batch: Batch, result: LayoutResult, fields: dict[str, 
 
 
 def compare(golden: Golden, batch: Batch, capture: Capture, replayed: Capture | None = None,
-            frozen: tuple[str, ...] = (), **report_fields: str) -> CheckReport:
+            frozen: tuple[str, ...] = (), device: torch.device | None = None,
+            golden_on: dict[str, torch.Tensor] | None = None, **report_fields: str) -> CheckReport:
     """Routes first; then every tensor. With `replayed` (the candidate re-run on the golden's routes),
     tensors downstream of routing are judged from the replayed run so a kernel error is never mistaken
     for a routing flip, or the other way round. The gradients of the `frozen` encoders' parameters are not
-    compared, and a candidate that produced one fails on it."""
+    compared, and a candidate that produced one fails on it. Whole tensors are compared on `device` (the
+    candidate's; None: the host), `golden_on` the golden's tensors already there."""
     tokens = batch.tokens()
     unreadable = _unreadable(capture.absent)
     routes = compare_route_sets(golden, capture.experts(), tokens, unreadable)
@@ -219,7 +222,7 @@ def compare(golden: Golden, batch: Batch, capture: Capture, replayed: Capture | 
     skip = frozen_gradients(golden.compared_names(), frozen)
     tensors = compare_tensors(golden, produced, tokens, gradients=source.backward,
                               same_routes=same_route_tokens(golden, source.experts()), sketches=source.sketches,
-                              absent=absent, skip=skip)
+                              absent=absent, skip=skip, device=device, golden_on=golden_on)
     tensors += frozen_gradients_produced(golden, produced, frozen)
     # Parameters the golden holds as sketches are not in `tensors` on either side: a missing or extra
     # one still fails, as the tensor comparison's "missing from the candidate". A frozen encoder's

@@ -26,6 +26,7 @@ from torch import nn
 
 from ...errors import Unsupported
 from ...golden import names
+from ...numerics.compare import whole_on_device
 from ...numerics.routes import flips
 from ...reference import train
 from ...reference.capture import Capture, Part, auxiliary_loss, forward_backward, reduce_gradients
@@ -45,6 +46,10 @@ class LayoutResult:
     replayed: Capture | None = None  # the run forced onto the golden's routes, when routes differed
     notes: list[str] = field(default_factory=list)
     forward_only: str = ""  # why gradients were not checked ('' when they were)
+    # Where the comparison runs (the candidate's device), and the golden's whole tensors already copied there
+    # (before the candidate ran: a GPU is idle then), so comparing copies only the candidate's.
+    device: torch.device | None = None
+    golden_on: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class LayoutError(RuntimeError):
@@ -81,6 +86,7 @@ def run(layout: Layout, backend: Backend, ctx: LayoutContext) -> LayoutResult | 
         runner = _Runner(layout, ctx, setup, candidate, where)
         result = runner.train() if ctx.hyper is not None else runner.step()
     if result is not None:
+        result.device, result.golden_on = ctx.device, runner.golden_on
         result.forward_only = candidate.forward_only
         result.notes.extend(candidate.notes)
     return result
@@ -117,6 +123,8 @@ class _Runner:
         # The golden's sketched tensors are reduced with its specs; everything else is kept whole.
         self.reducer: Reducer = CandidateReducer(ctx.golden.sketches, ctx.batch.token_mask, device=ctx.device) \
             if ctx.golden.sketches else WHOLE
+        # In-process only: a torchrun worker's result is compared by the parent, on the host.
+        self.golden_on = whole_on_device(ctx.golden, ctx.device) if ctx.world == 1 else {}
         # Each pass's model call, and the golden position of each of its output token slots (-1: none).
         self.calls: list[dict | None] = []
         self.positions: list[torch.Tensor] = []
