@@ -155,6 +155,23 @@ def test_a_check_first_waits_for_the_decode_after_the_model_is_built(tmp_path, c
     assert events[0] == "build" and "wait" in events
 
 
+def test_the_decode_starts_after_the_checks_setup_and_before_the_model_is_built(tmp_path, capsys, monkeypatch):
+    # Started with the head, its Python parse took the GIL from the setup (the limits' skeleton thread).
+    from veosnap.golden.background import _Decode
+    from veosnap.reference import coverage, models
+
+    root, _ = copy_golden(tmp_path, "qwen3_moe")
+    events: list[str] = []
+    build, start, require = models.build, _Decode.start, coverage.require
+    monkeypatch.setattr(models, "build", lambda *a, **k: events.append("build") or build(*a, **k))
+    monkeypatch.setattr(_Decode, "start", lambda self: events.append("start") or start(self))
+    monkeypatch.setattr(coverage, "require", lambda *a, **k: events.append("setup") or require(*a, **k))
+    code = main(["check", "--goldens", str(root), "--hardware-class", CLASS, "--model", "qwen3_moe",
+                 "--dtype", "float32"])
+    assert code == 0, capsys.readouterr()
+    assert events[:3] == ["setup", "start", "build"]
+
+
 @pytest.mark.parametrize("edit", ["missing", "extra", "extra_route"])
 def test_a_tensor_set_the_reader_refuses_is_refused_with_its_error_at_once(tmp_path, edit):
     # Hashes consistent, names wrong: the head's name checks send it to the reader before coverage or any

@@ -53,7 +53,13 @@ class _Decode:
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, args=(data, root), name=f"veosnap-decode {path.name}",
                                        daemon=True)
-        self.thread.start()
+        self.started = False
+
+    def start(self) -> None:
+        """Start the decode (once); `result` starts one not started yet."""
+        if not self.started:
+            self.started = True
+            self.thread.start()
 
     def _run(self, data: bytes, root: Path | None) -> None:
         try:
@@ -62,6 +68,7 @@ class _Decode:
             self.error = exc
 
     def result(self) -> Golden:
+        self.start()
         self.thread.join()
         if isinstance(self.error, GoldenError):
             raise self.advise(self.error) from None
@@ -84,8 +91,12 @@ class PendingGolden(Golden):
         self.manifest, self.path = manifest, path
         self._inputs, self._stored, self._decode = inputs, stored, decode
 
+    def start(self) -> None:
+        """Start decoding the tensors on the thread, now (the first use of them starts it otherwise)."""
+        self._decode.start()
+
     def result(self) -> Golden:
-        """The decoded golden (waits for the thread); raises its `GoldenError`."""
+        """The decoded golden (waits for the thread, started if it was not); raises its `GoldenError`."""
         return self._decode.result()
 
     @property
@@ -122,10 +133,13 @@ def errors_after(golden: Golden) -> Iterator[None]:
 
 
 def read(path: Path, root: Path | None = None,
-         advise: Callable[[GoldenError], GoldenError] = lambda exc: exc) -> Golden:
+         advise: Callable[[GoldenError], GoldenError] = lambda exc: exc, start: bool = True) -> Golden:
     """The golden at `path` as `store.read` gives it, decoded on a thread: a `PendingGolden` when its
     head is sound, else the decoded golden (or the reader's error). `advise` maps the reader's errors
-    (the caller's fix added), here and from the thread alike."""
+    (the caller's fix added), here and from the thread alike. `start=False`: the thread starts at
+    `PendingGolden.start()` or the first use of the tensors (a check starts it once its own setup is done:
+    the decode's Python parse would otherwise take the GIL from that setup, and the decode has the whole
+    model build to run in)."""
     path = Path(path)
     try:
         data = store.load(path, root)
@@ -136,7 +150,10 @@ def read(path: Path, root: Path | None = None,
     if head is None:
         return decode.result()
     manifest, inputs, stored = head
-    return PendingGolden(manifest, path, inputs, stored, decode)
+    pending = PendingGolden(manifest, path, inputs, stored, decode)
+    if start:
+        pending.start()
+    return pending
 
 
 Head = tuple[Manifest, dict[str, torch.Tensor], frozenset[str]]  # the manifest, the inputs, the stored names

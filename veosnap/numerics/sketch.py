@@ -342,6 +342,8 @@ def scatter_rows(parts: Sequence[tuple[RowSketch, torch.Tensor]], rows: int) -> 
     """Per-row sketches of a whole tensor of `rows` rows from parts that cover some of its rows (each
     with the global row index of each of its rows); rows no part covers are zero (padding)."""
     first = parts[0][0]
+    if len(parts) == 1 and _in_order(parts[0][1], rows):  # one pass over the whole batch: nothing to move
+        return first
     values = torch.zeros((rows, first.values.shape[1]), dtype=first.values.dtype, device=first.values.device)
     sumsq = torch.zeros((rows,), dtype=first.sumsq.dtype, device=first.sumsq.device)
     for part, positions in parts:
@@ -349,6 +351,14 @@ def scatter_rows(parts: Sequence[tuple[RowSketch, torch.Tensor]], rows: int) -> 
         values[index] = part.values.to(values.device)
         sumsq[index] = part.sumsq.to(values.device)
     return RowSketch(values, sumsq)
+
+
+def _in_order(positions: torch.Tensor | None, rows: int) -> bool:
+    """Whether `positions` (on the host) are 0, 1, ..., rows - 1: each row at its own place."""
+    if positions is None:
+        return False
+    flat = positions.reshape(-1)
+    return flat.device.type == "cpu" and flat.numel() == rows and bool(torch.equal(flat, torch.arange(rows)))
 
 
 def zero_rows(spec: SketchSpec, dtype: torch.dtype, device: torch.device | str = "cpu") -> RowSketch:

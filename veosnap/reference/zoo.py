@@ -346,7 +346,7 @@ def load_golden(project: Project, key: GoldenKey, background: bool = False) -> G
             "refresh", key, "--force", "--reason", "<why>")))
 
     if background:
-        return golden_background.read(path, project.goldens, advise)
+        return golden_background.read(path, project.goldens, advise, start=False)
     try:
         return store.read(path, root=project.goldens)
     except GoldenError as exc:

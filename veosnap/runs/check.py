@@ -75,7 +75,8 @@ def check_layouts(project: Project, key: GoldenKey, backend: Backend, layouts: S
     # (its errors, if any, come where the limits ask for it, after the golden's own).
     limits.prefetch_skeleton(config)
     # The golden's manifest and batch are read now; its other tensors are decoded on a thread while the
-    # model is built and the candidate runs (golden.background): the first use of them waits for it.
+    # model is built and the candidate runs (golden.background, started after the setup below): the first
+    # use of them waits for it.
     with one_thread():  # a golden's tensors are small: a thread pool would cost more than the work
         golden, toy = load_checked(project, key, cross_class, gold, background=True)
     with errors_after(golden):  # a golden still decoding: its own error, if any, comes first
@@ -94,6 +95,10 @@ def _check_loaded(project: Project, key: GoldenKey, backend: Backend, chosen: li
                         recording=False)
     coverage.require(golden, toy)
     family = models.modeling_module(toy)
+    if isinstance(golden, PendingGolden):
+        # Decode its tensors now, while the model is built: started earlier, the decode's Python parse took
+        # the GIL from the setup above (the skeleton thread the limits wait for).
+        golden.start()
     reports: dict[int, CheckReport] = {}
     spawned: list[int] = []
     for index, (spec, layout) in enumerate(chosen):

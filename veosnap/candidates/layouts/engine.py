@@ -317,6 +317,8 @@ def _scatter(ctx: LayoutContext, name: names.TensorName, values: list[torch.Tens
     kept = positions >= 0  # slots a layout or an adapted batch added (padding) stand for no golden position
     rows, positions = rows[kept], positions[kept]
     covered = _covered(ctx, name, positions)
+    if len(values) == 1 and bool(covered.all()) and torch.equal(positions, torch.arange(covered.numel())):
+        return rows  # one pass over the whole batch, in order: already the golden's layout
     out = torch.zeros(ctx.batch.rows * ctx.batch.width, *rows.shape[1:], dtype=rows.dtype)
     gold = ctx.golden.tensors.get(str(name))
     if gold is not None and gold.numel() == out.numel():  # padding nobody computed: the golden's own values
