@@ -21,7 +21,7 @@ A candidate's tensor of another shape or dtype than its golden's is not an excep
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -146,6 +146,13 @@ class CandidateReducer(Reducer):
         if device is not None:
             self._golden_on = {name: gold.values.to(device, non_blocking=True).double()
                                for name, gold in self.sketches.items()}
+            # Likewise the token mask and each support: copied in `finish`, each was a blocking copy that
+            # waited for the backward still running on the device.
+            device = torch.device(device)
+            self._masks[device] = self.token_mask.to(device, non_blocking=True)
+            self.sketches = {name: gold if gold.support is None else
+                             replace(gold, support=gold.support.to(device, non_blocking=True))
+                             for name, gold in self.sketches.items()}
 
     def _mask_on(self, name: str, device: torch.device) -> torch.Tensor | None:
         """`row_mask(name)` on `device`, copied there once per check (a blocking copy waits for the device)."""
