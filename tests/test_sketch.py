@@ -466,3 +466,16 @@ def test_the_batched_compare_finds_each_tensors_worst_group_and_first_bad_row_as
         assert worst.tolist() == [int(e.argmax()) if e.numel() else 0 for e in errors]
         first = sketch._first_true_per_tensor(torch.cat(masks), starts, ends)
         assert first.tolist() == [int(sketch._first_true(m)) if m.numel() else 0 for m in masks]
+
+
+def test_a_candidates_nonfinite_rows_are_isfinites():
+    # The flags come from `x * 0` sums (fewer launches than isfinite on CUDA): the same rows, large values included.
+    from veosnap.numerics.sketch import RowSketch, _nonfinite_rows
+
+    for dtype in (torch.float32, torch.float64):
+        inf, nan = float("inf"), float("nan")
+        values = torch.tensor([[1, 2], [inf, 0], [nan, 1], [3e38, 3e38], [-0.0, -5], [1, 1], [-inf, 1]], dtype=dtype)
+        sumsq = torch.tensor([1, 1, 1, 1, 1, inf, 1], dtype=dtype)
+        expected = ~(torch.isfinite(sumsq) & torch.isfinite(values).all(dim=1))
+        assert torch.equal(_nonfinite_rows(RowSketch(values, sumsq)), expected)
+        assert expected.tolist() == [False, True, True, False, False, True, True]

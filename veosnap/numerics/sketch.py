@@ -427,6 +427,13 @@ def sketch_candidate(x: torch.Tensor, golden: GoldenSketch, *, row_mask: torch.T
     return candidate_from_rows(rs, golden, row_mask=row_mask, name=name, dtype=x.dtype)
 
 
+def _nonfinite_rows(rs: RowSketch) -> torch.Tensor:
+    """[rows] bool: the rows with a NaN/Inf in their sketch or sum of squares. `x * 0` is 0 (or -0) for a
+    finite x and NaN otherwise, and sums of zeros stay zero: the same flags as `isfinite` (a composite of
+    four kernels on CUDA, ~0.15 ms of host time a call there) from three reductions' worth of launches."""
+    return (rs.values * 0).sum(dim=1).add_(rs.sumsq * 0) != 0
+
+
 def candidate_from_rows(rs: RowSketch, golden: GoldenSketch, *, dtype: torch.dtype,
                         row_mask: torch.Tensor | None = None, name: str = "tensor") -> CandidateSketch:
     """`sketch_candidate` from the tensor's per-row sketches (every row, in order); `dtype` is the
@@ -436,7 +443,7 @@ def candidate_from_rows(rs: RowSketch, golden: GoldenSketch, *, dtype: torch.dty
     _check_mask(row_mask, spec, name)
     # Non-finite values anywhere fail, padding included, as they do for a whole tensor.
     # Counted on the host only when compared (one transfer for every tensor): no sync here.
-    bad = ~(torch.isfinite(rs.sumsq) & torch.isfinite(rs.values).all(dim=1))
+    bad = _nonfinite_rows(rs)
     support = None if golden.support is None else golden.support.to(rs.values.device)
     values, _, counts = _groups(rs, spec, row_mask, support, storage_dtype(dtype), sumsq=False)
     off = None
