@@ -299,3 +299,14 @@ def test_plan_says_whether_a_command_fits():
     assert done.returncode == 0 and "\nfits: " in done.stdout, done.stdout[-600:]
     done = subprocess.run([*plan, "--dtype", "bfloat16"], capture_output=True, text=True, cwd=ROOT)
     assert "DOES NOT FIT" in done.stdout, done.stdout[-600:]  # both dtypes: 2 records of 175-245 s, as on the H200
+
+
+def test_liger_is_timed_as_its_fused_moe_only_where_liger_replaces_the_experts():
+    from veosnap.reference.zoo import Project
+
+    project = Project.resolve(goldens=ROOT / "goldens", configs=ROOT / "toy_configs", testdata=ROOT / "testdata",
+                              hardware_class="cuda-sm90")
+    pairs = frozenset({("gpt_oss-real", "bfloat16"), ("mixtral-real", "bfloat16")})
+    units = gpu_real.plan_units(project, ["gpt_oss-real", "mixtral-real"], ["bfloat16"], ["liger"], [], have=pairs)
+    seconds = {u.model: u.est_s for u in units}
+    assert seconds["mixtral-real"] > gpu_real.LIGER_MOE_S > seconds["gpt_oss-real"]  # gpt-oss keeps HF's experts

@@ -91,6 +91,10 @@ STEP_S_PER_BKT = {"float32": 0.09, "bfloat16": 0.012}  # one candidate step, TF3
 COMPILE_S = 50.0  # an inductor compile (qwen3-real: 49-53 s; qwen3_moe-real-small after it: 12-13 s)
 FLEX_S = 35.0  # flex_attention's own compiles: 4-6 s on qwen3-real, 13-33 s more than a cached check at real widths
 LIGER_MOE_S = 135.0  # liger on a MoE model (qwen3_moe-real-small 131-135 s; mixtral-real's passed 4+ min)
+# The families whose experts liger 0.8.5 replaces with its fused MoE (`LigerExperts`, autotuned Triton GEMMs: the
+# 135 s above); on the others (gpt_oss: its clamped SwiGLU experts stay HF's) liger is norms, RoPE and the loss.
+LIGER_FUSED_MOE_TYPES = frozenset({"mixtral", "qwen3_moe", "qwen3_next", "qwen3_5_moe", "qwen3_vl_moe", "deepseek_v2",
+                                   "deepseek_v3", "deepseek_v4", "glm4v_moe", "hunyuan_v1_moe"})
 PROCESS_START_S = 12.0  # a spawned worker importing torch and transformers
 
 
@@ -137,12 +141,14 @@ def plan_units(project: Project, models: list[str], dtypes: list[str], specs: li
 
     sizes = {m: estimate(project, m) for m in models}
     for m, e in sizes.items():
-        e["moe"] = bool(find_moe_layers(vmodels.skeleton(load_config(project.configs, m))))
+        toy = load_config(project.configs, m)
+        e["moe"] = bool(find_moe_layers(vmodels.skeleton(toy)))
+        e["liger_moe"] = e["moe"] and vmodels.hf_config(toy).get_text_config().model_type in LIGER_FUSED_MOE_TYPES
     units = []
     for model in sorted(models, key=lambda m: (sizes[m]["parameters"], m)):
         e = sizes[model]
         b, kt = e["parameters"] / 1e9, e["rows"] * e["width"] / 1000
-        moe = e.get("moe", True)
+        liger_moe = e.get("liger_moe", True)
         for dtype in [d for d in dtypes if (model, d) not in exclude]:
             record_s = record_seconds(model, dtype, b, kt)
             if (model, dtype) not in have:
@@ -152,7 +158,7 @@ def plan_units(project: Project, models: list[str], dtypes: list[str], specs: li
                                      + (["compile"] if model in compile_models else [])):
                 build = (CACHED_BUILD_S_PER_B if cached and i else BUILD_S_PER_B) * b
                 step = CHECK_FIXED_S + STEP_S_PER_BKT[dtype] * b * kt + {
-                    "compile": COMPILE_S, "flex_attention": FLEX_S, "liger": LIGER_MOE_S if moe else 0.0}.get(spec, 0.0)
+                    "compile": COMPILE_S, "flex_attention": FLEX_S, "liger": LIGER_MOE_S if liger_moe else 0.0}.get(spec, 0.0)
                 gib = planned_gib(e, "check", dtype)
                 if "batched_mm" in spec.split("+"):  # it copies each chosen expert's weights per token
                     toy = load_config(project.configs, model)
@@ -630,6 +636,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--excuse", action="append", default=[], metavar="MODEL/DTYPE:VARIANT=REASON",
                         help="record this golden although the fragility check's VARIANT fails it, for REASON (as "
                              "`veosnap record --excuse`; e.g. gpt_oss-real/bfloat16:grouped_mm=...)")
+    parser.add_argument("--have", action="append", default=[], metavar="MODEL/DTYPE",
+                        help="--plan only: count this golden as there already (one an earlier command of the same "
+                             "session records), so the plan has its checks and no record")
     parser.add_argument("--rerecord", action="store_true",
                         help="record every golden again (default: the goldens of this class already in goldens/ "
                              "are kept and only checked)")
@@ -655,6 +664,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.plan:
         capacity = args.capacity_gib or 0.92 * 139.8
         have = frozenset() if args.rerecord else existing(project, models, dtypes)
+        have |= frozenset(tuple(pair.split("/", 1)) for pair in args.have)
         units, too_large = fitting(plan_units(project, models, dtypes, specs, compile_models, cache, have, exclude,
                                               excuses), capacity)
         plan = simulate(units, workers, capacity, args.budget_s, have)
