@@ -4,7 +4,8 @@ legitimate backend, several worker processes sharing the GPU.
     python tools/gpu_real.py --out DIR [--jobs 4] [--record-jobs 2] [--budget-s 400] [--stop-s 500]
                              [--dtype D]... [--model M]... [--backends B,C] [--no-compile] [--rerecord]
                              [--excuse MODEL/DTYPE:VARIANT=REASON]...
-    python tools/gpu_real.py --plan [--jobs 4] ...   # no GPU needed: the estimated schedule, what fits
+    python tools/gpu_real.py --plan [--jobs 4] [--have MODEL/DTYPE]... ...   # no GPU: the estimated schedule,
+                                                                              # and whether it fits --stop-s
 
 Work comes in units: `record (model, dtype)` and `check (model, dtype, backend)`, the checks after their
 golden's record. A golden of this class already in goldens/ is kept and only checked (`--rerecord`
@@ -16,15 +17,17 @@ as `veosnap record --excuse`: written with the excuse in its manifest, the varia
 Records run on `--record-jobs` workers that run nothing else, so they stay pristine (as `veosnap record`
 requires; a touched process would record in a fresh child and judge again); the other backends run on the
 remaining workers. Units are taken smallest model first (a time budget
-leaves out the largest), a (model, dtype)'s units one at a time, so each worker draws a model's weights
-once and keeps them for its next build (`--no-weight-cache`), and a unit starts only when its memory
+leaves out the largest), records first (a record a free worker could take keeps its memory from new checks),
+a (model, dtype)'s units one at a time and on the worker that built it last (each worker is its own pool), so
+each worker draws a model's weights once and keeps them for its next build (`--no-weight-cache`), and a unit
+starts only when its memory
 estimate (`tools/realshape_memory.py`: record or check GiB, plus batched_mm's copies of the experts) fits
 beside those running, within `--capacity-gib` (default: 92% of the GPU); a check that cannot fit at all
 is a skip with the reason. Each worker takes cores / jobs threads. After `--budget-s` seconds nothing new
 starts; at `--stop-s` the units still running are abandoned (their workers killed) and what is done is
 written, so the command ends within the device call.
 
-Back under DIR (at most 8 files): `real.json` (every unit: seconds, memory, margins, the matrix),
+Back under DIR (at most 8 files): `real.json` (every unit: start, end, seconds, memory, margins; the matrix),
 `real.txt` (the goldens' table, the matrix, the worst ratio per backend: docs/gpu.md's table),
 `goldens-real-<class>-N.tar` (at most 15 MiB each; unpack into goldens/), and `details.tar` with the whole
 report of each failing or erroring check. Without CUDA (and without --plan) it says so and exits 0.
@@ -157,8 +160,8 @@ def plan_units(project: Project, models: list[str], dtypes: list[str], specs: li
             for i, spec in enumerate([s for s in specs if s not in RECORD_JUDGES]
                                      + (["compile"] if model in compile_models else [])):
                 build = (CACHED_BUILD_S_PER_B if cached and i else BUILD_S_PER_B) * b
-                step = CHECK_FIXED_S + STEP_S_PER_BKT[dtype] * b * kt + {
-                    "compile": COMPILE_S, "flex_attention": FLEX_S, "liger": LIGER_MOE_S if liger_moe else 0.0}.get(spec, 0.0)
+                extra = {"compile": COMPILE_S, "flex_attention": FLEX_S, "liger": LIGER_MOE_S if liger_moe else 0.0}
+                step = CHECK_FIXED_S + STEP_S_PER_BKT[dtype] * b * kt + extra.get(spec, 0.0)
                 gib = planned_gib(e, "check", dtype)
                 if "batched_mm" in spec.split("+"):  # it copies each chosen expert's weights per token
                     toy = load_config(project.configs, model)
@@ -175,9 +178,10 @@ def next_unit(pending: list[Unit], recorded: set[tuple[str, str]], running: list
     and nothing starts beside it (nor after it is next in line, until the GPU has drained).
 
     Records first: the first record a free record worker could take keeps its room, so a check starts only
-    where it leaves room for that record too (a record that fits starts before a check that would not). Without it, checks of other goldens kept starting beside
-    a waiting record, and the records (every check of their golden waits for them) started late: on the H200
-    (2026-12-01c) mixtral-real float32's waited for gpt_oss-real's checks and was abandoned at --stop-s."""
+    where it leaves room for that record too (a record that fits starts before a check that would not).
+    Without it, checks of other goldens kept starting beside a waiting record, and the records (every check
+    of their golden waits for them) started late: on the H200 (2026-12-01c) mixtral-real float32's waited for
+    gpt_oss-real's checks and was abandoned at --stop-s."""
     used = sum(u.gib for u in running)
     if any(u.alone for u in running):
         return None
