@@ -4,7 +4,8 @@ legitimate backend, several worker processes sharing the GPU.
     python tools/gpu_real.py --out DIR [--jobs 4] [--record-jobs 2] [--budget-s 400] [--stop-s 500]
                              [--dtype D]... [--model M]... [--backends B,C] [--no-compile] [--rerecord]
                              [--excuse MODEL/DTYPE:VARIANT=REASON]...
-    python tools/gpu_real.py --plan [--jobs 4] ...   # no GPU needed: the estimated schedule, what fits
+    python tools/gpu_real.py --plan [--jobs 4] [--have MODEL/DTYPE]... ...   # no GPU: the estimated schedule,
+                                                                              # and whether it fits --stop-s
 
 Work comes in units: `record (model, dtype)` and `check (model, dtype, backend)`, the checks after their
 golden's record. A golden of this class already in goldens/ is kept and only checked (`--rerecord`
@@ -16,15 +17,17 @@ as `veosnap record --excuse`: written with the excuse in its manifest, the varia
 Records run on `--record-jobs` workers that run nothing else, so they stay pristine (as `veosnap record`
 requires; a touched process would record in a fresh child and judge again); the other backends run on the
 remaining workers. Units are taken smallest model first (a time budget
-leaves out the largest), a (model, dtype)'s units one at a time, so each worker draws a model's weights
-once and keeps them for its next build (`--no-weight-cache`), and a unit starts only when its memory
+leaves out the largest), records first (a record a free worker could take keeps its memory from new checks),
+a (model, dtype)'s units one at a time and on the worker that built it last (each worker is its own pool), so
+each worker draws a model's weights once and keeps them for its next build (`--no-weight-cache`), and a unit
+starts only when its memory
 estimate (`tools/realshape_memory.py`: record or check GiB, plus batched_mm's copies of the experts) fits
 beside those running, within `--capacity-gib` (default: 92% of the GPU); a check that cannot fit at all
 is a skip with the reason. Each worker takes cores / jobs threads. After `--budget-s` seconds nothing new
 starts; at `--stop-s` the units still running are abandoned (their workers killed) and what is done is
 written, so the command ends within the device call.
 
-Back under DIR (at most 8 files): `real.json` (every unit: seconds, memory, margins, the matrix),
+Back under DIR (at most 8 files): `real.json` (every unit: start, end, seconds, memory, margins; the matrix),
 `real.txt` (the goldens' table, the matrix, the worst ratio per backend: docs/gpu.md's table),
 `goldens-real-<class>-N.tar` (at most 15 MiB each; unpack into goldens/), and `details.tar` with the whole
 report of each failing or erroring check. Without CUDA (and without --plan) it says so and exits 0.
@@ -59,20 +62,42 @@ COMPILE_MODELS = ["qwen3-real", "qwen3_moe-real-small"]  # the smallest dense an
 RECORD_JUDGES = ("eager", "sdpa", "grouped_mm", "batched_mm")  # `record.VARIANTS`, run by the record units
 MAX_FILES = 8
 
-# Time model for --plan, fitted to the H200 run of this script (2026-12-01, docs/results/h200-2026-12-01b,
-# 4 workers sharing the GPU): B is billions of parameters, Bkt B x thousand batch positions. A record unit
-# (reference, float64 twin, the judges) took 9.2 + 20.4 B + 0.84 Bkt s: within 20% of all 7 measured
-# records but qwen3-real's (9.8 s measured, 13 s modelled), e.g. llama-real 44-53 s, mixtral-real 79 s.
+# Time model for --plan. Measured first: tools/gpu_real.py on the H200 (docs/results/h200-2026-12-01b and
+# h200-2026-12-01c; 4 workers sharing the GPU, 2 of them recording). A record unit (reference, float64 twin, the
+# judges) in seconds, the larger where measured twice (gpt_oss-real bfloat16: 83 s, then 100 s):
+H200_RECORD_S = {
+    ("qwen2-real", "bfloat16"): 15.1, ("qwen2-real", "float32"): 17.2,
+    ("qwen3-real", "bfloat16"): 10.1, ("qwen3-real", "float32"): 9.5,
+    ("qwen3_moe-real-small", "bfloat16"): 14.5, ("qwen3_moe-real-small", "float32"): 16.6,
+    ("llama-real", "bfloat16"): 43.9, ("llama-real", "float32"): 53.3,
+    ("qwen3_moe-real", "bfloat16"): 53.8, ("qwen3_moe-real", "float32"): 67.9,
+    ("gpt_oss-real", "bfloat16"): 99.7, ("gpt_oss-real", "float32"): 114.6,
+    ("mixtral-real", "bfloat16"): 78.7,
+    ("deepseek_v3-real", "bfloat16"): 174.7,
+}
+# A record not measured in its dtype but in the other: the sibling's seconds x this. Measured float32 over
+# bfloat16: 0.94-1.26 within one command, 1.38 across two (gpt_oss-real, 83 s and 115 s).
+SIBLING_RECORD_FACTOR = 1.4
+# Neither measured: B is billions of parameters, Bkt B x thousand batch positions. The upper envelope of the
+# measured records (deepseek_v3-real 175 s for 4.0 B, gpt_oss-real 115 s for 2.8 B; mixtral-real 79 s for 3.2 B
+# is below it). The first fit (9.2 + 20.4 B + 0.84 Bkt, to the small models of 2026-12-01b) gave deepseek_v3-real
+# 99 s: its float32 record was abandoned (docs/gpu.md).
 RECORD_FIXED_S = 9.2
-RECORD_S_PER_B = 20.4
+RECORD_S_PER_B = 41.0
 RECORD_S_PER_BKT = 0.84
-BUILD_S_PER_B = 10.5  # a check's first build in a worker: drawing the weights (mixtral-real 34.5 s, llama 14-17)
+# A check's first build in a worker: drawing the weights (measured 11.5-15.6 s per billion parameters: llama-real
+# 17 s, qwen3_moe-real 27 s, gpt_oss-real 38 s, mixtral-real 42 s, deepseek_v3-real 63 s; 10.5 before 2026-12-01c).
+BUILD_S_PER_B = 16.0
 CACHED_BUILD_S_PER_B = 1.5  # the same weights from this worker's cache (llama-real checks 2.3-6 s)
 CHECK_FIXED_S = 1.0  # reading the golden, comparing
 STEP_S_PER_BKT = {"float32": 0.09, "bfloat16": 0.012}  # one candidate step, TF32 off
 COMPILE_S = 50.0  # an inductor compile (qwen3-real: 49-53 s; qwen3_moe-real-small after it: 12-13 s)
-FLEX_S = 6.0  # flex_attention's own compile (qwen3-real 3.5-5.9 s against 0.5-1.1 s for SDPA)
+FLEX_S = 35.0  # flex_attention's own compiles: 4-6 s on qwen3-real, 13-33 s more than a cached check at real widths
 LIGER_MOE_S = 135.0  # liger on a MoE model (qwen3_moe-real-small 131-135 s; mixtral-real's passed 4+ min)
+# The families whose experts liger 0.8.5 replaces with its fused MoE (`LigerExperts`, autotuned Triton GEMMs: the
+# 135 s above); on the others (gpt_oss: its clamped SwiGLU experts stay HF's) liger is norms, RoPE and the loss.
+LIGER_FUSED_MOE_TYPES = frozenset({"mixtral", "qwen3_moe", "qwen3_next", "qwen3_5_moe", "qwen3_vl_moe", "deepseek_v2",
+                                   "deepseek_v3", "deepseek_v4", "glm4v_moe", "hunyuan_v1_moe"})
 PROCESS_START_S = 12.0  # a spawned worker importing torch and transformers
 
 
@@ -92,6 +117,18 @@ class Unit:
         return f"{self.kind} {self.model} {self.dtype}" + (f" {self.backend}" if self.backend else "")
 
 
+def record_seconds(model: str, dtype: str, b: float, kt: float) -> float:
+    """A record unit's estimate: measured on the H200, else its other dtype's measure x
+    SIBLING_RECORD_FACTOR, else the envelope of the measured ones (`b` billions of parameters, `kt` thousand
+    batch positions)."""
+    if (model, dtype) in H200_RECORD_S:
+        return H200_RECORD_S[(model, dtype)]
+    sibling = [s for (m, d), s in H200_RECORD_S.items() if m == model and d != dtype]
+    if sibling:
+        return max(sibling) * SIBLING_RECORD_FACTOR
+    return RECORD_FIXED_S + RECORD_S_PER_B * b + RECORD_S_PER_BKT * b * kt
+
+
 def plan_units(project: Project, models: list[str], dtypes: list[str], specs: list[str],
                compile_models: list[str], cached: bool = True, have: frozenset = frozenset(),
                exclude: frozenset = frozenset(), excuses: dict | None = None) -> list[Unit]:
@@ -107,22 +144,24 @@ def plan_units(project: Project, models: list[str], dtypes: list[str], specs: li
 
     sizes = {m: estimate(project, m) for m in models}
     for m, e in sizes.items():
-        e["moe"] = bool(find_moe_layers(vmodels.skeleton(load_config(project.configs, m))))
+        toy = load_config(project.configs, m)
+        e["moe"] = bool(find_moe_layers(vmodels.skeleton(toy)))
+        e["liger_moe"] = e["moe"] and vmodels.hf_config(toy).get_text_config().model_type in LIGER_FUSED_MOE_TYPES
     units = []
     for model in sorted(models, key=lambda m: (sizes[m]["parameters"], m)):
         e = sizes[model]
         b, kt = e["parameters"] / 1e9, e["rows"] * e["width"] / 1000
-        moe = e.get("moe", True)
+        liger_moe = e.get("liger_moe", True)
         for dtype in [d for d in dtypes if (model, d) not in exclude]:
-            record_s = RECORD_FIXED_S + RECORD_S_PER_B * b + RECORD_S_PER_BKT * b * kt
+            record_s = record_seconds(model, dtype, b, kt)
             if (model, dtype) not in have:
                 units.append(Unit("record", model, dtype, gib=planned_gib(e, "record", dtype), est_s=record_s,
                                   excuses=tuple(sorted((excuses or {}).get((model, dtype), {}).items()))))
             for i, spec in enumerate([s for s in specs if s not in RECORD_JUDGES]
                                      + (["compile"] if model in compile_models else [])):
                 build = (CACHED_BUILD_S_PER_B if cached and i else BUILD_S_PER_B) * b
-                step = CHECK_FIXED_S + STEP_S_PER_BKT[dtype] * b * kt + {
-                    "compile": COMPILE_S, "flex_attention": FLEX_S, "liger": LIGER_MOE_S if moe else 0.0}.get(spec, 0.0)
+                extra = {"compile": COMPILE_S, "flex_attention": FLEX_S, "liger": LIGER_MOE_S if liger_moe else 0.0}
+                step = CHECK_FIXED_S + STEP_S_PER_BKT[dtype] * b * kt + extra.get(spec, 0.0)
                 gib = planned_gib(e, "check", dtype)
                 if "batched_mm" in spec.split("+"):  # it copies each chosen expert's weights per token
                     toy = load_config(project.configs, model)
@@ -136,10 +175,19 @@ def next_unit(pending: list[Unit], recorded: set[tuple[str, str]], running: list
     """The first pending unit that may start now: a worker of its kind `free`, its golden recorded (checks),
     no other unit of its (model, dtype) running (one worker draws its weights, the next reuses them), and
     its memory fitting. A unit larger than the whole capacity starts alone; so does a unit marked `alone`,
-    and nothing starts beside it (nor after it is next in line, until the GPU has drained)."""
+    and nothing starts beside it (nor after it is next in line, until the GPU has drained).
+
+    Records first: the first record a free record worker could take keeps its room, so a check starts only
+    where it leaves room for that record too (a record that fits starts before a check that would not).
+    Without it, checks of other goldens kept starting beside a waiting record, and the records (every check
+    of their golden waits for them) started late: on the H200 (2026-12-01c) mixtral-real float32's waited for
+    gpt_oss-real's checks and was abandoned at --stop-s."""
     used = sum(u.gib for u in running)
     if any(u.alone for u in running):
         return None
+    # the memory of the first record a free worker could take (now, or once the memory allows)
+    waiting = next((u.gib for u in pending if u.kind == "record" and "record" in free and not u.alone
+                    and (u.model, u.dtype) not in busy and running), 0.0)
     for unit in pending:
         pair = (unit.model, unit.dtype)
         if unit.kind not in free:
@@ -150,7 +198,7 @@ def next_unit(pending: list[Unit], recorded: set[tuple[str, str]], running: list
             continue
         if unit.alone:
             return None if running else unit
-        if used + unit.gib <= capacity_gib or not running:
+        if used + unit.gib + (waiting if unit.kind == "check" else 0.0) <= capacity_gib or not running:
             return unit
     return None
 
@@ -337,8 +385,12 @@ def run(project: Project, units: list[Unit], workers: dict[str, int], capacity_g
         stop_s: float = math.inf, weight_cache: bool = True, on_done=None, work=None,  # noqa: ANN001
         have: frozenset = frozenset()) -> dict:
     """Run `units` on worker processes (`workers`: how many take records, how many checks) within the
-    memory capacity and time budget. Returns every unit's outcome and what was not reached.
+    memory capacity and time budget. Returns every unit's outcome (with its start and end, seconds from the
+    start) and what was not reached.
 
+    Each worker is its own one-process pool, and a check goes to the worker that built its (model, dtype)
+    last where that one is free: a shared pool handed a golden's next check to whichever worker was idle,
+    which drew the weights again (mixtral-real's second check took 41 s instead of 5 on the H200).
     A unit that ran out of GPU memory while another unit ran beside it is taken again once, alone (the
     estimates are of allocated memory; another worker's allocator may hold more). `work(project, unit)` is
     what a worker runs (`run_unit`; tests pass a stand-in)."""
@@ -347,13 +399,24 @@ def run(project: Project, units: list[Unit], workers: dict[str, int], capacity_g
     threads = max(1, (os.cpu_count() or 1) // sum(workers.values()))
     context = multiprocessing.get_context("spawn")  # CUDA cannot be forked
 
-    def pool(kind: str) -> ProcessPoolExecutor:
-        return ProcessPoolExecutor(workers[kind], mp_context=context, initializer=_worker_init,
-                                   initargs=(threads, weight_cache))
+    def pool() -> ProcessPoolExecutor:
+        return ProcessPoolExecutor(1, mp_context=context, initializer=_worker_init, initargs=(threads, weight_cache))
 
-    pools = {kind: pool(kind) for kind, n in workers.items() if n}
+    slots = [{"kind": kind, "pool": pool(), "last": None} for kind, n in workers.items() for _ in range(n)]
     pending, running, recorded, failed, results = list(units), {}, set(have), set(), []
+    where: dict = {}  # future -> its slot
+    began: dict = {}  # future -> its start, s
     shared: dict = {}  # future -> whether another unit ran beside it at some time
+
+    def idle(kind: str) -> list[dict]:
+        return [w for w in slots if w["kind"] == kind and w not in where.values()]
+
+    def slot_for(unit: Unit) -> dict:
+        free = idle(unit.kind)
+        own = [w for w in free if w["last"] == (unit.model, unit.dtype)]  # it holds these weights
+        spent = [w for w in free if w["last"] is None or not any((u.model, u.dtype) == w["last"] for u in pending)]
+        return (own or spent or free)[0]  # else one whose weights no pending unit needs, else any
+
     while pending or running:
         for unit in [u for u in pending if u.kind == "check" and (u.model, u.dtype) in failed]:
             pending.remove(unit)
@@ -361,15 +424,18 @@ def run(project: Project, units: list[Unit], workers: dict[str, int], capacity_g
         now = list(running.values())
         unit = None if time.perf_counter() - start > budget_s else next_unit(
             pending, recorded, now, capacity_gib, {(u.model, u.dtype) for u in now},
-            tuple(k for k in _free(workers, now) if k in pools))
+            tuple(k for k in ("record", "check") if idle(k)))
         if unit is not None:
             pending.remove(unit)
             for other in running:
                 shared[other] = True
-            future = pools[unit.kind].submit(work, project, unit)
+            slot = slot_for(unit)
+            future = slot["pool"].submit(work, project, unit)
+            slot["last"] = (unit.model, unit.dtype)
+            where[future], began[future] = slot, time.perf_counter() - start
             shared[future] = bool(running)
             running[future] = unit
-            print(f"{time.perf_counter() - start:6.0f} s  start {unit.label} ({unit.gib:.0f} GiB est."
+            print(f"{began[future]:6.0f} s  start {unit.label} ({unit.gib:.0f} GiB est."
                   f"{', alone' if unit.alone else ''})", flush=True)
             continue
         if not running:
@@ -378,30 +444,25 @@ def run(project: Project, units: list[Unit], workers: dict[str, int], capacity_g
         done, _ = wait(list(running), timeout=left, return_when=FIRST_COMPLETED)
         if not done:  # past --stop-s: abandon what still runs, so the command ends with its results written
             for future, u in running.items():
-                results.append({"unit": u, "status": f"abandoned at --stop-s {stop_s:g}"})
+                results.append({"unit": u, "status": f"abandoned at --stop-s {stop_s:g}",
+                                "start_s": round(began[future], 1)})
             running.clear()
-            for executor in pools.values():
-                for process in list(getattr(executor, "_processes", {}).values()):
+            for slot in slots:
+                for process in list(getattr(slot["pool"], "_processes", {}).values()):
                     process.kill()
-                executor.shutdown(wait=False, cancel_futures=True)
+                slot["pool"].shutdown(wait=False, cancel_futures=True)
             return {"results": results, "not_reached": [u.label for u in pending],
                     "seconds": time.perf_counter() - start}
         for future in done:
             unit = running.pop(future, None)
-            if unit is None:  # a unit of a pool that broke, already reported
-                continue
+            slot = where.pop(future)
+            times = {"start_s": round(began.pop(future), 1), "end_s": round(time.perf_counter() - start, 1)}
             try:
                 out = future.result()
-            except BrokenProcessPool as exc:  # a worker died (a CUDA fault, the OOM killer): its pool goes too
+            except BrokenProcessPool as exc:  # its worker died (a CUDA fault, the OOM killer): a fresh one
                 out = {"status": f"worker died: {exc}"}
-                for other, u in list(running.items()):
-                    if u.kind == unit.kind:
-                        results.append({"unit": u, "status": "worker died (another unit's)"})
-                        running.pop(other)
-                        if u.kind == "record":
-                            failed.add((u.model, u.dtype))
-                pools[unit.kind].shutdown(wait=False, cancel_futures=True)
-                pools[unit.kind] = pool(unit.kind)
+                slot["pool"].shutdown(wait=False, cancel_futures=True)
+                slot["pool"], slot["last"] = pool(), None
             except Exception as exc:  # noqa: BLE001
                 out = {"status": f"{type(exc).__name__}: {exc}".splitlines()[0][:400]}
             if out_of_memory(out) and shared.pop(future, False) and not unit.alone:
@@ -411,11 +472,11 @@ def run(project: Project, units: list[Unit], workers: dict[str, int], capacity_g
                 continue
             if unit.kind == "record":
                 (recorded if out.get("written") else failed).add((unit.model, unit.dtype))
-            results.append({"unit": unit, **out})
+            results.append({"unit": unit, **out, **times})
             if on_done:
                 on_done(results[-1], time.perf_counter() - start)
-    for executor in pools.values():
-        executor.shutdown(wait=True)
+    for slot in slots:
+        slot["pool"].shutdown(wait=True)
     return {"results": results, "not_reached": [u.label for u in pending], "seconds": time.perf_counter() - start}
 
 
@@ -579,6 +640,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--excuse", action="append", default=[], metavar="MODEL/DTYPE:VARIANT=REASON",
                         help="record this golden although the fragility check's VARIANT fails it, for REASON (as "
                              "`veosnap record --excuse`; e.g. gpt_oss-real/bfloat16:grouped_mm=...)")
+    parser.add_argument("--have", action="append", default=[], metavar="MODEL/DTYPE",
+                        help="--plan only: count this golden as there already (one an earlier command of the same "
+                             "session records), so the plan has its checks and no record")
     parser.add_argument("--rerecord", action="store_true",
                         help="record every golden again (default: the goldens of this class already in goldens/ "
                              "are kept and only checked)")
@@ -604,6 +668,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.plan:
         capacity = args.capacity_gib or 0.92 * 139.8
         have = frozenset() if args.rerecord else existing(project, models, dtypes)
+        have |= frozenset(tuple(pair.split("/", 1)) for pair in args.have)
         units, too_large = fitting(plan_units(project, models, dtypes, specs, compile_models, cache, have, exclude,
                                               excuses), capacity)
         plan = simulate(units, workers, capacity, args.budget_s, have)
@@ -618,6 +683,9 @@ def main(argv: list[str] | None = None) -> int:
               f"the estimate ends at {plan['end_s']:.0f} s; not reached within --budget-s {args.budget_s:g}: "
               f"{len(plan['not_reached'])} ({', '.join(plan['not_reached'][:12])}"
               f"{' ...' if len(plan['not_reached']) > 12 else ''})")
+        fits = not plan["not_reached"] and plan["end_s"] <= args.stop_s
+        print(f"{'fits' if fits else 'DOES NOT FIT'}: the estimate ends at {plan['end_s']:.0f} s, --stop-s "
+              f"{args.stop_s:g}, {len(plan['not_reached'])} not reached")
         return 0
     # Set before the workers start (they inherit it): freed blocks go back to the GPU instead of staying
     # reserved in fragments, so workers sharing the GPU see what the others no longer use.

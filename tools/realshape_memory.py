@@ -41,16 +41,17 @@ ATTENTION_TRANSIENT = 2  # scores and masked scores, alive while one layer's sof
 H200_GIB = 139.8  # what torch reports as the H200's total memory
 CPU_BUDGET_GIB = 12.0  # what a recording may take on the 24 GiB, 2-core CI machine shared with others
 
-# Peak GPU memory allocated (GiB) on the H200 by tools/gpu_real.py, 2026-12-01 (docs/results/h200-2026-12-01b):
-# a record (the same in both dtypes: its float64 twin dominates) and the largest check of each dtype.
+# Peak GPU memory allocated (GiB) on the H200 by tools/gpu_real.py, 2026-12-01 (docs/results/h200-2026-12-01b
+# and -01c): a record (the same in both dtypes: its float64 twin dominates) and the largest check of each dtype.
 H200_MEASURED_GIB = {
     "qwen2-real": {"record": 49.0, "bfloat16": 21.2, "float32": 24.6},
     "qwen3-real": {"record": 7.7, "bfloat16": 3.1, "float32": 3.9},
     "qwen3_moe-real-small": {"record": 7.1, "bfloat16": 1.9, "float32": 3.6},
     "llama-real": {"record": 72.1, "bfloat16": 29.7, "float32": 36.1},
-    "qwen3_moe-real": {"record": 81.1, "bfloat16": 32.0},
+    "qwen3_moe-real": {"record": 81.1, "bfloat16": 32.0, "float32": 40.6},
     "mixtral-real": {"record": 63.9, "bfloat16": 21.0},
-    "gpt_oss-real": {"record": 62.9},
+    "gpt_oss-real": {"record": 62.9, "bfloat16": 18.6, "float32": 27.4},
+    "deepseek_v3-real": {"record": 75.4, "bfloat16": 24.4},
 }
 # What a worker's caching allocator holds beyond its peak allocation. Without expandable segments the
 # llama-real record held 133.8 GiB for a 72 GiB peak (another worker's check ran out of memory beside it);
