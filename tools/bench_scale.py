@@ -29,6 +29,11 @@ with `--sketch auto` and checks a candidate against it, and prints one table:
     plain check         the same check with nothing timed but the build (no syncs added): what a user waits
     e2e own/f+b         (plain check - build - cand f+b) / cand f+b: everything veosnap adds, end to end, as a
                         user sees it (no phase split; includes `rest` and the noise of cand f+b)
+    e2e first           (--first-check) the same for one more plain check run before the timed one: the first check
+                        of this size in the process (for the first size: of the process, as a `veosnap check` run
+                        from the shell; the candidate alone has run before it), so its first-use costs (CUDA's lazy
+                        loading of each kernel at its first launch, first pinned allocations) fall there and not in
+                        the timed check's phases
     cand first f+b      the candidate's first step alone, its allocator holding only the weights (its activations'
                         and gradients' first allocation), but also the libraries' first calls in the process (cuDNN's
                         plan search: 2.8 s for llama-hd128 on the H200), which a check after it does not pay: not a
@@ -328,6 +333,8 @@ class Row:
     serial_phases: dict = field(default_factory=dict)
     plain_check_s: float = 0.0  # the same check with only the build timed (no syncs added)
     plain_build_s: float = 0.0
+    first_check_s: float = 0.0  # --first-check: a plain check before the timed one (the first of this size)
+    first_build_s: float = 0.0
     peak_check: int = 0
     peak_candidate: int = 0
     sketch_gbps: float = 0.0
@@ -343,9 +350,13 @@ class Row:
     def e2e_own_s(self) -> float:
         return self.plain_check_s - self.plain_build_s - self.fwd_bwd_s
 
+    @property
+    def e2e_first_s(self) -> float:
+        return self.first_check_s - self.first_build_s - self.fwd_bwd_s
+
 
 def run_size(size: Size, dtype: str, workdir: Path, profile_to: Path | None = None, serial: bool = True,
-             profile_stem: str = "profile") -> Row:
+             profile_stem: str = "profile", first_check: bool = False) -> Row:
     row = Row(size.name, dtype)
     project = make_project(workdir, size)
     key = GoldenKey(project.hardware_class, size.name, "step", dtype)
@@ -378,9 +389,14 @@ def run_size(size: Size, dtype: str, workdir: Path, profile_to: Path | None = No
     if not row.candidate:
         return row
 
-    # No warm-up check: the record just ran the same sketch kernels (compiled) and the candidate alone
-    # warmed cuBLAS, so this check is what a user's second check in CI costs. Then the same check with
-    # the golden decoded before anything else (serially, as before the decode thread): what it saves.
+    # No warm-up check unless `first_check`: the record ran the sketch kernels (compiled) and the candidate
+    # alone warmed cuBLAS, but the compare's kernels run for the first time in this check (CUDA loads each
+    # kernel at its first launch), so without it the first size's timed phases carry those first-use costs.
+    # Then the same check with the golden decoded before anything else (serially, as before the decode
+    # thread): what it saves.
+    if first_check:
+        _, first, row.first_check_s, _ = one_check(project, key, backend, only={"build"})
+        row.first_build_s = first.get("build")
     report, phases, row.check_s, row.peak_check = one_check(project, key, backend)
     row.passed = report.passed
     if not report.passed:
@@ -646,7 +662,7 @@ def fmt_s(s: float) -> str:
 
 COLUMNS = ("size", "dtype", "params", "tokens", "golden", "sketched", "record", "build", "candidate", "cand f+b",
            "eager f+b", "check", "own", "load/head/wait", "setup (config/limits/coverage/versions)", "reduce (grads)",
-           "routes/assemble", "compare", "report", "rest", "own/f+b", "plain check", "e2e own/f+b", "cand first f+b",
+           "routes/assemble", "compare", "report", "rest", "own/f+b", "plain check", "e2e own/f+b", "e2e first", "cand first f+b",
            "own/eager",
            "decode off path (dec/parse)", "serial own (dec/parse)", "serial/f+b",
            "peak check/cand", "sketch/copy GB/s", "note")
@@ -670,6 +686,7 @@ def cells(r: Row) -> list[str]:
             fmt_s(p["compare"]), fmt_s(p["report"]), ("-" if r.rest_s < 0 else "") + fmt_s(abs(r.rest_s)),
             f"{r.ratio:.2f}", fmt_s(r.plain_check_s) if r.plain_check_s else "",
             f"{r.e2e_own_s / r.fwd_bwd_s:.2f}" if r.plain_check_s and r.fwd_bwd_s else "",
+            f"{r.e2e_first_s / r.fwd_bwd_s:.2f}" if r.first_check_s and r.fwd_bwd_s else "",
             fmt_s(r.first_fwd_bwd_s),
             f"{r.own_s / r.eager_s:.2f}" if r.eager_s else "",
             f"{ms(p['bg:decompress'])}/{ms(p['bg:parse'])} ms",
@@ -705,6 +722,9 @@ def main() -> None:
                              "size, bfloat16 if run); several, comma-separated: $OUT/profile-SIZE-DTYPE.md each")
     parser.add_argument("--no-serial", action="store_true",
                         help="leave out the serial-decode check (the 'serial own' columns): one check less per size")
+    parser.add_argument("--first-check", action="store_true",
+                        help="one more plain check before the timed one (the 'e2e first' column): the timed phases "
+                             "then leave out the process's first-use costs, which that column shows")
     args = parser.parse_args()
     sizes = [SIZES[name] for name in args.sizes.split(",")]
     dtypes = args.dtypes.split(",")
@@ -728,7 +748,8 @@ def main() -> None:
                     where = (out_dir or Path(tempfile.gettempdir()) / "bench_scale_profile") \
                         if (size.name, dtype) in profiles else None
                     stem = "profile" if len(profiles) == 1 else f"profile-{size.name}-{dtype}"
-                    row = run_size(size, dtype, Path(tmp), where, serial=not args.no_serial, profile_stem=stem)
+                    row = run_size(size, dtype, Path(tmp), where, serial=not args.no_serial, profile_stem=stem,
+                                   first_check=args.first_check)
                 except Exception as exc:  # noqa: BLE001 - one size failing must not lose the others' rows
                     row = Row(size.name, dtype, note=f"{type(exc).__name__}: {str(exc)[:200]}")
             rows.append(row)
