@@ -479,3 +479,45 @@ def test_a_candidates_nonfinite_rows_are_isfinites():
         expected = ~(torch.isfinite(sumsq) & torch.isfinite(values).all(dim=1))
         assert torch.equal(_nonfinite_rows(RowSketch(values, sumsq)), expected)
         assert expected.tolist() == [False, True, True, False, False, True, True]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int64 if t.dtype == torch.float64 else torch.int32)
+
+
+def test_a_candidates_groups_are_the_general_paths_bits_with_reused_counts_and_one_row_groups():
+    """A check reduces each sketched tensor with `candidate_from_rows`, passing the counts of an earlier tensor
+    of the same spec, mask and support (they do not depend on values), and groups of one row skip the
+    pairwise sum. Both give the general path's bits: the masked rows zeroed, padded, summed pairwise per
+    group; signed zeros and NaNs included."""
+    torch.manual_seed(0)
+    mask = torch.rand(37) > 0.3
+    for group, row_mask, support_limit in ((1, None, None), (1, mask, None), (3, None, None), (3, mask, None),
+                                           (1, None, 20), (2, None, 20)):
+        spec = SketchSpec(seed=5, width=8, group=group, shape=(37, 16))
+        rows = sketch.RowSketch(torch.randn(37, 8), torch.rand(37))
+        sparse = torch.zeros(37, dtype=torch.bool)
+        sparse[::3] = True
+        if support_limit is not None:  # an embedding-like gradient: only some rows non-zero
+            rows = sketch.RowSketch(rows.values * sparse[:, None], rows.sumsq * sparse)
+        golden = sketch.golden_from_rows(rows, spec, dtype=torch.float32, row_mask=row_mask,
+                                         support_limit=support_limit)
+        candidate = sketch.RowSketch(rows.values.clone(), rows.sumsq.clone())
+        candidate.values[1, 0], candidate.values[2, 1], candidate.values[3] = -0.0, float("nan"), -0.0
+        first = sketch.candidate_from_rows(candidate, golden, dtype=torch.bfloat16, row_mask=row_mask)
+        again = sketch.candidate_from_rows(candidate, golden, dtype=torch.bfloat16, row_mask=row_mask,
+                                           counts=first.counts)
+        # the general path, written out
+        values, counts = candidate.values, torch.ones(37, dtype=torch.int64)
+        if golden.support is not None:
+            values, counts = values.index_select(0, golden.support), torch.ones(golden.spec.support, dtype=torch.int64)
+        elif row_mask is not None:
+            values, counts = torch.where(row_mask[:, None], values, torch.zeros(())), row_mask.to(torch.int64)
+        g, m = golden.spec.groups, golden.spec.group
+        values = torch.nn.functional.pad(values, (0, 0, 0, g * m - values.shape[0]))
+        counts = torch.nn.functional.pad(counts, (0, g * m - counts.shape[0]))
+        expected = sketch.pairwise_sum(values.view(g, m, 8), 1).to(sketch.storage_dtype(torch.bfloat16))
+        for made in (first, again):
+            assert torch.equal(_bits(made.values), _bits(expected)), (group, row_mask is not None, support_limit)
+            assert torch.equal(made.counts, counts.view(g, m).sum(1))
+        assert again.counts is first.counts  # reused, not recomputed

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -88,20 +89,22 @@ class SketchSpec:
         if problems:
             raise VeosnapError(f"sketch spec: {'; '.join(problems)}")
 
-    @property
+    # Cached (the spec is frozen; not fields, so neither equality nor the manifest sees them): a check reads
+    # them several times per tensor, and each was a `row_layout` over the shape.
+    @cached_property
     def rows(self) -> int:
         return row_layout(self.shape)[0]
 
-    @property
+    @cached_property
     def columns(self) -> int:
         return row_layout(self.shape)[1]
 
-    @property
+    @cached_property
     def sketched_rows(self) -> int:
         """Rows that enter the sketch: the support's, or all."""
         return self.rows if self.support is None else self.support
 
-    @property
+    @cached_property
     def groups(self) -> int:
         return -(-self.sketched_rows // self.group)
 

@@ -225,31 +225,42 @@ def rowsketch_torch(x2d: torch.Tensor, width: int, seed: int, *, row_offset: int
 
 
 def _groups(rs: RowSketch, spec: SketchSpec, row_mask: torch.Tensor | None, support: torch.Tensor | None,
-            out_dtype: torch.dtype, sumsq: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+            out_dtype: torch.dtype, sumsq: bool = True, counts: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Per-row sketches to per-group ones: (values (G, k) in `out_dtype`, sum of squares (G,),
     counted rows (G,)). Golden and candidate both come through here: same input, same bits. Without
-    `sumsq` (a candidate, whose group sums of squares nothing reads) that part is None and not computed."""
+    `sumsq` (a candidate, whose group sums of squares nothing reads) that part is None and not computed.
+    `counts`: the counted rows per group when the caller has them (they depend on the spec, the mask and
+    the support only, not on the values: a check's reducer reuses them across tensors)."""
     values, sq = rs.values, rs.sumsq if sumsq else None
+    device = values.device
     if support is not None:
         values = values.index_select(0, support)
         sq = sq.index_select(0, support) if sq is not None else None
-        counts = torch.ones(support.shape[0], dtype=torch.int64, device=values.device)
+        rows = None if counts is not None else torch.ones(support.shape[0], dtype=torch.int64, device=device)
     elif row_mask is not None:
-        keep = row_mask.reshape(-1).to(device=values.device, dtype=torch.bool)
-        values = torch.where(keep[:, None], values, torch.zeros((), dtype=values.dtype, device=values.device))
+        keep = row_mask.reshape(-1)
+        if keep.device != device or keep.dtype != torch.bool:
+            keep = keep.to(device=device, dtype=torch.bool)
+        zero = torch.zeros((), dtype=values.dtype, device=device)
+        values = torch.where(keep[:, None], values, zero)
         if sq is not None:
-            sq = torch.where(keep, sq, torch.zeros((), dtype=sq.dtype, device=sq.device))
-        counts = keep.to(torch.int64)
+            sq = torch.where(keep, sq, zero if sq.dtype == values.dtype else torch.zeros((), dtype=sq.dtype,
+                                                                                          device=device))
+        rows = None if counts is not None else keep.to(torch.int64)
     else:
-        counts = torch.ones(values.shape[0], dtype=torch.int64, device=values.device)
+        rows = None if counts is not None else torch.ones(values.shape[0], dtype=torch.int64, device=device)
     m = spec.group
     pad = spec.groups * m - values.shape[0]
+    if m == 1 and not pad:  # one row a group (most tensors): the pairwise sum of one row is that row
+        return values if values.dtype == out_dtype else values.to(out_dtype), sq, counts if counts is not None else rows
     if pad:
-        values, counts = F.pad(values, (0, 0, 0, pad)), F.pad(counts, (0, pad))
+        values = F.pad(values, (0, 0, 0, pad))
         sq = F.pad(sq, (0, pad)) if sq is not None else None
+        rows = F.pad(rows, (0, pad)) if rows is not None else None
     grouped = pairwise_sum(values.view(spec.groups, m, spec.width), 1).to(out_dtype)
     grouped_sq = pairwise_sum(sq.view(spec.groups, m), 1) if sq is not None else None
-    return grouped, grouped_sq, counts.view(spec.groups, m).sum(1)
+    return grouped, grouped_sq, counts if counts is not None else rows.view(spec.groups, m).sum(1)
 
 
 # --- what a golden stores ----------------------------------------------------------------------------
@@ -435,17 +446,21 @@ def _nonfinite_rows(rs: RowSketch) -> torch.Tensor:
 
 
 def candidate_from_rows(rs: RowSketch, golden: GoldenSketch, *, dtype: torch.dtype,
-                        row_mask: torch.Tensor | None = None, name: str = "tensor") -> CandidateSketch:
+                        row_mask: torch.Tensor | None = None, name: str = "tensor",
+                        counts: torch.Tensor | None = None) -> CandidateSketch:
     """`sketch_candidate` from the tensor's per-row sketches (every row, in order); `dtype` is the
-    tensor's own. Stays on the sketches' device."""
+    tensor's own. Stays on the sketches' device. `counts`: the rows counted per group, when known (the
+    `counts` of an earlier candidate of the same spec, mask and support: they do not depend on values)."""
     spec = golden.spec
     _check_rows(rs, spec, name)
     _check_mask(row_mask, spec, name)
     # Non-finite values anywhere fail, padding included, as they do for a whole tensor.
     # Counted on the host only when compared (one transfer for every tensor): no sync here.
     bad = _nonfinite_rows(rs)
-    support = None if golden.support is None else golden.support.to(rs.values.device)
-    values, _, counts = _groups(rs, spec, row_mask, support, storage_dtype(dtype), sumsq=False)
+    support = golden.support
+    if support is not None and support.device != rs.values.device:
+        support = support.to(rs.values.device)
+    values, _, counts = _groups(rs, spec, row_mask, support, storage_dtype(dtype), sumsq=False, counts=counts)
     off = None
     if support is not None:
         off = rs.sumsq.index_fill(0, support, 0).clamp(min=0).sqrt()

@@ -140,6 +140,9 @@ class CandidateReducer(Reducer):
         self.token_mask = token_mask.reshape(-1).cpu().bool()
         self.check_dtype = check_dtype
         self._masks: dict[torch.device, torch.Tensor] = {}  # the token mask on each device it was asked for
+        # Rows counted per group depend on the spec's grouping, the mask and the support, not on the values:
+        # made once per kind of tensor and device (a few kernel launches fewer for each tensor), read only.
+        self._counts: dict[tuple, torch.Tensor] = {}
         # A check: the golden's sketches go to its device now, before the candidate runs (a GPU is idle then;
         # no sync), as the float64 the comparison reads, so the comparison copies nothing.
         self._golden_on: dict[str, torch.Tensor] = {}
@@ -177,8 +180,13 @@ class CandidateReducer(Reducer):
         if rows.sketch.values.shape[0] != gold.spec.rows:
             found = rows.sketch.values.shape[0]
             return SketchProblem(f"{found} rows but golden {gold.spec.rows} (shape {gold.spec.shape})")
-        sketch = candidate_from_rows(rows.sketch, gold, dtype=rows.dtype, name=name,
-                                     row_mask=self._mask_on(name, rows.sketch.values.device))
+        device = rows.sketch.values.device
+        mask = self._mask_on(name, device)
+        spec = gold.spec
+        kind = (spec.rows, spec.group, spec.groups, spec.support, mask is not None, device)
+        sketch = candidate_from_rows(rows.sketch, gold, dtype=rows.dtype, name=name, row_mask=mask,
+                                     counts=self._counts.get(kind))
+        self._counts.setdefault(kind, sketch.counts)
         golden = self._golden_on.get(name)
         if golden is not None and golden.device == sketch.values.device:
             sketch = with_golden(sketch, golden)

@@ -1,0 +1,131 @@
+"""A check's per-tensor reduce (`CandidateReducer.finish`) and its report alone: host ms and operator counts.
+
+One `veosnap check` of the size's candidate is run (the golden recorded into `--work` first, reused when
+there); every `finish` call's inputs and the check's report are kept. Then, with no model in the timed
+part: every kept `finish` again (median of `--repeat` rounds over all of them, per call), and the report's
+text and JSON renderings (as `veosnap check` writes them), each once more under torch.profiler, whose
+`aten::` operators are counted per call. On a GPU each `aten::` op is at least one kernel launch's host
+time (~5-20 us there), so the count is the figure that carries over from this CPU.
+
+    python tools/bench_finish.py --sizes llama-17m,qwen3_moe-60m --dtypes bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_compare  # noqa: E402
+import bench_scale  # noqa: E402  (puts the repository first on sys.path)
+
+import veosnap.runs.check as check_module  # noqa: E402
+from veosnap.candidates import backends  # noqa: E402
+from veosnap.golden import store  # noqa: E402
+from veosnap.golden.key import GoldenKey  # noqa: E402
+from veosnap.reference.reduce import CandidateReducer  # noqa: E402
+from veosnap.render import json as render_json  # noqa: E402
+from veosnap.render import text as render_text  # noqa: E402
+from veosnap.runs.record import build_golden, encode_checked  # noqa: E402
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _ops(fn) -> Counter:  # noqa: ANN001
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return Counter({e.key: e.count for e in prof.key_averages() if e.key.startswith("aten::")})
+
+
+def _median_ms(fn, repeat: int) -> float:  # noqa: ANN001
+    times = []
+    for _ in range(repeat):
+        _sync()
+        start = time.perf_counter()
+        fn()
+        _sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def measure(size: bench_scale.Size, dtype: str, work: Path, repeat: int) -> dict:
+    project = bench_compare.project_for(size, work)
+    key = GoldenKey(project.hardware_class, size.name, "step", dtype)
+    path = store.path_for(project.goldens, key)
+    if not path.exists():
+        store.write_bytes(encode_checked(build_golden(project, key, allow_near_ties=True, sketch="auto"), path),
+                          path, project.goldens)
+    kept: list[tuple] = []
+    finish = CandidateReducer.finish
+
+    def keep(self, name, rows):  # noqa: ANN001, ANN202
+        if self.check_dtype:  # the check's own reducer, not the float64 noise run's
+            kept.append((self, name, rows))
+        return finish(self, name, rows)
+
+    CandidateReducer.finish = keep
+    try:
+        report = None
+        for spec in size.candidate:
+            try:
+                report = check_module.check(project, key, backends.resolve(spec))
+                break
+            except Exception:  # noqa: BLE001 - the next candidate of the size
+                continue
+    finally:
+        CandidateReducer.finish = finish
+
+    def finishes() -> None:
+        for reducer, name, rows in kept:
+            finish(reducer, name, rows)
+
+    def reports() -> None:
+        render_text.checks([report])
+        render_json.checks([report])
+
+    finishes(), reports()
+    finish_ops, report_ops = _ops(finishes), _ops(reports)
+    calls = max(1, len(kept))
+    return {"size": size.name, "dtype": dtype, "passed": report.passed, "finish_calls": len(kept),
+            "finish_ms_per_call": _median_ms(finishes, repeat) / calls,
+            "finish_ops_per_call": sum(finish_ops.values()) / calls,
+            "finish_top": [(k, round(v / calls, 1)) for k, v in finish_ops.most_common(8)],
+            "report_ms": _median_ms(reports, repeat), "report_ops": sum(report_ops.values()),
+            "tensors": len(report.tensors)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="llama-17m,qwen3_moe-60m",
+                        help=f"comma list of {', '.join(bench_scale.SIZES)}")
+    parser.add_argument("--dtypes", default="bfloat16")
+    parser.add_argument("--repeat", type=int, default=15)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/veosnap-bench-compare"),
+                        help="scratch folder for the projects and goldens (reused; shared with bench_compare)")
+    args = parser.parse_args()
+    rows = [measure(bench_scale.SIZES[s], d, args.work, args.repeat)
+            for s in args.sizes.split(",") for d in args.dtypes.split(",")]
+    print("| size | dtype | finish calls | finish ms/call (median) | aten ops/call | report ms (median) | "
+          "report aten ops | tensors | passed |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['size']} | {r['dtype']} | {r['finish_calls']} | {r['finish_ms_per_call']:.3f} | "
+              f"{r['finish_ops_per_call']:.1f} | {r['report_ms']:.1f} | {r['report_ops']} | {r['tensors']} | "
+              f"{r['passed']} |")
+    for r in rows:
+        print(f"{r['size']} {r['dtype']} finish ops per call: {r['finish_top']}")
+
+
+if __name__ == "__main__":
+    main()
