@@ -56,7 +56,8 @@ def start_hanging_ddp_check(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
     private.mkdir()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
            "TMPDIR": str(private)}
-    proc = subprocess.Popen([sys.executable, "-m", "veosnap", "check", "--goldens", str(REPO / "goldens"),
+    # -X faulthandler: a parent that does not end is made to print every thread's stack (`ended`).
+    proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "veosnap", "check", "--goldens", str(REPO / "goldens"),
                              "--configs", str(REPO / "toy_configs"), "--testdata", str(REPO / "testdata"),
                              "--hardware-class", CLASS, "--model", "llama", "--dtype", "float32",
                              "--layout", f"{FAULTS}:ddp_hang", "--timeout", "600"],
@@ -66,12 +67,24 @@ def start_hanging_ddp_check(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
     return proc, private
 
 
+def ended(proc: subprocess.Popen) -> str:
+    """The stopped parent's stderr once it has ended; if it has not within the deadline, the test fails with
+    where each of its threads was (SIGABRT makes faulthandler print them), not a bare timeout."""
+    try:
+        return proc.communicate(timeout=DEADLINE_S)[1].decode(errors="replace")
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        _, err = proc.communicate(timeout=DEADLINE_S)
+        raise AssertionError(f"the parent still ran {DEADLINE_S} s after it was stopped; its threads:\n"
+                             f"{err.decode(errors='replace')[-6000:]}") from None
+
+
 @gpus_for(2)  # two ddp ranks: NCCL, one GPU each, on a CUDA machine
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_item11_stopping_a_multi_process_check_ends_torchrun_its_ranks_and_its_temp_directory(tmp_path, sig):
     proc, private = start_hanging_ddp_check(tmp_path)
     proc.send_signal(sig)
-    _, err = proc.communicate(timeout=DEADLINE_S)
+    err = ended(proc)
     assert proc.returncode == 128 + sig, err
     wait_for(lambda: not processes_mentioning(str(private)), "torchrun and its ranks to end")
     assert list(private.glob("veosnap-layouts-*")) == list(private.glob("torchelastic_*")) == []
