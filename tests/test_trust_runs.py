@@ -51,6 +51,13 @@ def wait_for(condition, what: str):  # noqa: ANN001, ANN201
     raise AssertionError(f"still waiting after {DEADLINE_S} s for {what}")
 
 
+def as_if_in_a_terminal() -> None:
+    """The check gets Ctrl-C as a terminal's foreground command does. A test run started in the background
+    by a non-interactive shell (`pytest ... &`, as a CI script may) ignores SIGINT, every child inherits that,
+    and Python then installs no KeyboardInterrupt handler: the check would rightly ignore the SIGINT sent."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start_hanging_ddp_check(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
     private = tmp_path / "tmp"
     private.mkdir()
@@ -61,7 +68,7 @@ def start_hanging_ddp_check(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
                              "--configs", str(REPO / "toy_configs"), "--testdata", str(REPO / "testdata"),
                              "--hardware-class", CLASS, "--model", "llama", "--dtype", "float32",
                              "--layout", f"{FAULTS}:ddp_hang", "--timeout", "600"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=as_if_in_a_terminal)
     # Both ranks are up once the worker module runs in two processes besides torchrun.
     wait_for(lambda: len(processes_mentioning(f"{private}/veosnap-layouts-")) >= 3, "torchrun and its two ranks")
     return proc, private
