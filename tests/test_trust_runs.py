@@ -51,11 +51,11 @@ def wait_for(condition, what: str):  # noqa: ANN001, ANN201
     raise AssertionError(f"still waiting after {DEADLINE_S} s for {what}")
 
 
-def as_if_in_a_terminal() -> None:
-    """The check gets Ctrl-C as a terminal's foreground command does. A test run started in the background
-    by a non-interactive shell (`pytest ... &`, as a CI script may) ignores SIGINT, every child inherits that,
-    and Python then installs no KeyboardInterrupt handler: the check would rightly ignore the SIGINT sent."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+# `veosnap check`, getting Ctrl-C as a terminal's foreground command does. A test run started in the background
+# by a non-interactive shell (`pytest ... &`, as a CI script may) ignores SIGINT, every child inherits that, and
+# Python then installs no KeyboardInterrupt handler: the check would rightly ignore the SIGINT sent to it.
+AS_IF_IN_A_TERMINAL = ("import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                       "runpy.run_module('veosnap', run_name='__main__', alter_sys=True)")
 
 
 def start_hanging_ddp_check(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
@@ -64,11 +64,11 @@ def start_hanging_ddp_check(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
            "TMPDIR": str(private)}
     # -X faulthandler: a parent that does not end is made to print every thread's stack (`ended`).
-    proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "veosnap", "check", "--goldens", str(REPO / "goldens"),
+    proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-c", AS_IF_IN_A_TERMINAL, "check", "--goldens", str(REPO / "goldens"),
                              "--configs", str(REPO / "toy_configs"), "--testdata", str(REPO / "testdata"),
                              "--hardware-class", CLASS, "--model", "llama", "--dtype", "float32",
                              "--layout", f"{FAULTS}:ddp_hang", "--timeout", "600"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=as_if_in_a_terminal)
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     # Both ranks are up once the worker module runs in two processes besides torchrun.
     wait_for(lambda: len(processes_mentioning(f"{private}/veosnap-layouts-")) >= 3, "torchrun and its two ranks")
     return proc, private
