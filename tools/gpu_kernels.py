@@ -4,6 +4,12 @@ float32 reproductions, in one unattended command.
     python3 tools/gpu_kernels.py --out $OUT                  # everything, within --budget seconds (420)
     python3 tools/gpu_kernels.py --out DIR --backends fa4,quack --models llama,qwen3_moe --jobs 2
     python3 tools/gpu_kernels.py --out DIR --backends liger,liger@ieee --dtypes float32 --no-repro
+    python3 tools/gpu_kernels.py --plan --backends fa4,quack --models llama-real --jobs 2   # no GPU: fits?
+    python3 tools/gpu_kernels.py --no-liger-autotune ...     # LIGER_FUSED_MOE_AUTOTUNE=0 (the table says so)
+
+`--plan` prints, for the cuda-sm90 goldens, the schedule the run would follow if every cell took its estimated
+seconds (the measured H200 figures: see "the time model" below), the memory of the cells running at once, and
+`fits` or `DOES NOT FIT` (exit 1). docs/gpu.md has the commands it was used to split.
 
 What it runs (all of it under the budget; cells it cannot reach in time are listed as not run):
 
