@@ -646,6 +646,15 @@ def main(argv: list[str] | None = None) -> int:
         if scratch is not None:
             projects.append(scratch)
     groups, not_applicable = plan(projects, labels, models, dtypes)
+    estimate = None
+    try:  # the --plan estimate of this very run, beside what it measures (results.json), to refit the time model
+        sizes = {c["model"]: model_size(project_from(c["dirs"]), c["model"]) for cs in groups.values() for c in cs}
+        capacity = (0.92 * torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available()
+                    else args.capacity_gib)
+        estimate = estimate_plan(groups, sizes, args.jobs, args.budget, capacity, not liger_autotune_off())
+        print_plan(estimate, args.jobs, args.budget, capacity, not liger_autotune_off())
+    except Exception as exc:  # noqa: BLE001 - an estimate is no reason not to run
+        print(f"no estimate: {type(exc).__name__}: {exc}"[:300], flush=True)
     print(f"{sum(len(c) for c in groups.values())} cells to run on {project.hardware_class} goldens in "
           f"{project.goldens}; {len(not_applicable)} not applicable", flush=True)
     repros = [] if args.no_repro else [(w, e) for w in ("liger", "fla") for e in ({}, IEEE)]
@@ -658,7 +667,9 @@ def main(argv: list[str] | None = None) -> int:
                 "not autotuned (the autotune does not fit the time budget)")
         text, md = f"{text}\n{said}", f"{md}\n\n{said}"
         env["LIGER_FUSED_MOE_AUTOTUNE"] = "0"
-    (args.out / "results.json").write_text(json.dumps({"env": env, "cells": rows}, indent=1, default=str))
+    planned = [{k: r[k] for k in ("worker", "model", "dtype", "start", "end", "gib")} for r in (estimate or {}).get("rows", [])]
+    (args.out / "results.json").write_text(json.dumps({"env": env, "cells": rows, "plan": planned}, indent=1,
+                                                      default=str))
     (args.out / "repro.json").write_text(json.dumps(repro, indent=1))
     (args.out / "table.md").write_text(md + "\n")
     print("\n" + text)
