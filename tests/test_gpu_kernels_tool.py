@@ -86,3 +86,63 @@ def test_plan_keeps_only_the_models_and_dtypes_asked_for() -> None:
     assert {(c["model"], c["dtype"]) for c in cells["liger"]} == {("mixtral", "float32"), ("llama", "float32")}
     assert {c["model"] for c in cells["liger@ieee"]} == {"mixtral"}  # llama has no experts: n/a
     assert {(c["model"], c["dtype"], c["backend"]) for c in not_applicable} == {("llama", "float32", "liger@ieee")}
+
+
+REAL_SMALL = "qwen2-real,qwen3-real,qwen3_moe-real-small,llama-real,qwen3_moe-real,gpt_oss-real"
+REAL_ALL = REAL_SMALL + ",mixtral-real,deepseek_v3-real"
+
+
+def test_plan_says_fits_for_a_command_that_fits_and_refuses_one_that_does_not(
+        capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    tool = load_tool()
+    monkeypatch.delenv("LIGER_FUSED_MOE_AUTOTUNE", raising=False)
+    attention = "fa4,flash_attention_4,quack,fa4+quack"
+    assert tool.main(["--plan", "--backends", attention, "--models", REAL_SMALL, "--dtypes", "bfloat16",
+                      "--jobs", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "\nfits\n" in out
+    assert "| quack | qwen3_moe-real bfloat16 |" in out
+    assert "| quack | qwen2-real" not in out  # dense: no experts
+    assert "not run, 3 golden(s): quack: dense model (no experts)" in out
+
+    assert tool.main(["--plan", "--backends", "fa4", "--models", "llama-real", "--jobs", "1"]) == 0
+    assert "fa4: 16-bit kernels: the backend declines float32" in capsys.readouterr().out
+
+    # every real golden with four workers at once: deepseek_v3-real is cut at the deadline, and the
+    # workers' memory adds up past the H200
+    assert tool.main(["--plan", "--backends", attention, "--models", REAL_ALL, "--jobs", "4"]) == 1
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" in out and "past the deadline" in out and "GiB at once" in out
+
+
+def test_liger_autotune_dominates_its_moe_cells_unless_switched_off(capsys: pytest.CaptureFixture,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    tool = load_tool()
+    monkeypatch.delenv("LIGER_FUSED_MOE_AUTOTUNE", raising=False)
+    assert not tool.liger_autotune_off()
+    moe = "qwen3_moe-real,mixtral-real,deepseek_v3-real"
+    assert tool.main(["--plan", "--backends", "liger", "--models", moe, "--dtypes", "bfloat16", "--jobs", "1"]) == 1
+    assert "DOES NOT FIT" in capsys.readouterr().out
+
+    assert tool.main(["--plan", "--no-liger-autotune", "--backends", "liger", "--models",
+                      "qwen3_moe-real-small,mixtral-real", "--dtypes", "bfloat16", "--jobs", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "autotune off (LIGER_FUSED_MOE_AUTOTUNE=0)" in out and "\nfits\n" in out
+    assert tool.liger_autotune_off()  # what the workers it starts inherit
+
+
+def test_cell_seconds_counts_builds_per_layout_and_the_libraries_first_costs() -> None:
+    tool = load_tool()
+    moe = dict(b=2.0, kt=8.0, model_type="qwen3_moe", gib={"bfloat16": 40.0, "float32": 50.0})
+    gpt_oss = dict(moe, model_type="gpt_oss")
+    cell = dict(backend="liger", model="qwen3_moe-real", dtype="bfloat16", layouts=["single", "packed"], width=2048)
+    tuned = tool.cell_seconds(cell, moe, first=True, autotune=True)
+    fixed = tool.cell_seconds(cell, moe, first=True, autotune=False)
+    assert tuned - fixed == tool.REAL_AUTOTUNE_S - tool.FIXED_CONFIG_S
+    # gpt_oss: liger keeps HF's experts (no autotune), and packed declines before building (one build)
+    assert tool.cell_seconds(cell, gpt_oss, first=True, autotune=True) < fixed / 1.5
+    ieee = tool.cell_seconds(dict(cell, backend="liger@ieee", dtype="float32"), moe, first=True, autotune=True)
+    assert ieee > tuned + tool.REAL_AUTOTUNE_S  # IEEE dots tune longer (288 s against 119 s on the toy)
+    fa4 = dict(cell, backend="fa4")
+    assert tool.cell_seconds(fa4, moe, first=True, autotune=True) > tool.cell_seconds(fa4, moe, first=False,
+                                                                                      autotune=True, new_shape=False)

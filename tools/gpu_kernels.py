@@ -4,6 +4,12 @@ float32 reproductions, in one unattended command.
     python3 tools/gpu_kernels.py --out $OUT                  # everything, within --budget seconds (420)
     python3 tools/gpu_kernels.py --out DIR --backends fa4,quack --models llama,qwen3_moe --jobs 2
     python3 tools/gpu_kernels.py --out DIR --backends liger,liger@ieee --dtypes float32 --no-repro
+    python3 tools/gpu_kernels.py --plan --backends fa4,quack --models llama-real --jobs 2   # no GPU: fits?
+    python3 tools/gpu_kernels.py --no-liger-autotune ...     # LIGER_FUSED_MOE_AUTOTUNE=0 (the table says so)
+
+`--plan` prints, for the cuda-sm90 goldens, the schedule the run would follow if every cell took its estimated
+seconds (the measured H200 figures: see "the time model" below), the memory of the cells running at once, and
+`fits` or `DOES NOT FIT` (exit 1). docs/gpu.md has the commands it was used to split.
 
 What it runs (all of it under the budget; cells it cannot reach in time are listed as not run):
 
@@ -52,6 +58,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))  # realshape_memory and gpu_real, for --plan
 
 BACKENDS = ["eager", "fa4", "flash_attention_4", "fla", "quack", "liger", "fa4+quack", "liger@ieee", "fla@ieee"]
 SIXTEEN_BIT = {"fa4", "flash_attention_4", "quack", "fa4+quack"}  # backends whose kernels decline float32
@@ -192,6 +199,140 @@ def scratch_linear_attention(project, scratch: Path) -> tuple[object, dict] | No
         outcome = record(local, "qwen3_5", dtype)
         print(f"recorded a scratch golden {outcome.key} (no linear-attention golden in {project.goldens})", flush=True)
     return local, dirs
+
+
+# --- the time model (--plan) -----------------------------------------------------------------------
+# A cell is one backend against one golden, in each layout that runs (packed declines NO_PACKING families
+# before building). Every layout builds the model afresh: a worker here has no weight cache. Build and step
+# are tools/gpu_real.py's measured H200 model (first build 16 s per billion parameters; one step 0.012 s
+# (bfloat16) / 0.09 s (float32) per billion parameters x thousand positions; 1 s fixed per check).
+# The libraries' first-call costs, per worker process:
+LIB_FIRST_S = {  # import and first JIT compile of the library (fa4's first call per shape: about 2.5 s per
+    # kernel, measured by tools/repro_fa4.py on the H200; forward, backward, postprocess and preprocess)
+    "fa4": 10.0, "flash_attention_4": 10.0, "quack": 10.0, "fa4+quack": 20.0, "fla": 20.0, "liger": 5.0,
+    "eager": 0.0,
+}
+NEW_SHAPE_S = {"fa4": 10.0, "flash_attention_4": 10.0, "quack": 10.0, "fa4+quack": 20.0}  # a later golden's shapes
+# liger's fused MoE (`LigerExperts`, on LIGER_FUSED_MOE_TYPES): Triton autotunes every GEMM once per process,
+# (H, I) and dtype (its autotune key is H_dim, I_dim; M, the token count, is not in it, so `packed` reuses what
+# `single` tuned). Measured on the H200: the toy qwen3_moe 119 s (Triton's default dots) and 288 s (IEEE dots,
+# fresh cache); qwen3_moe-real-small 131-135 s (tools/gpu_real.py, both dtypes); mixtral-real still running after
+# 240 s (a lower bound: 360 s assumed). Real shapes not measured: REAL_AUTOTUNE_S.
+LIGER_AUTOTUNE_S = {"qwen3_moe-real-small": 135.0, "mixtral-real": 360.0}
+TOY_AUTOTUNE_S = 119.0
+IEEE_AUTOTUNE_FACTOR = 288.0 / 119.0
+REAL_AUTOTUNE_S = 300.0
+# With LIGER_FUSED_MOE_AUTOTUNE=0 (liger's own switch: one fixed configuration per kernel) only the compiles
+# remain: 5 kernels of a few seconds each. Not measured yet.
+FIXED_CONFIG_S = 25.0
+DEADLINE_MARGIN_S = 25.0  # the runner starts nothing after --budget minus this (see main)
+
+
+def liger_autotune_off(environ: MutableMapping[str, str] = os.environ) -> bool:
+    """Whether liger's fused-MoE autotuning is switched off (as liger-kernel 0.8.5 reads it at import)."""
+    return environ.get("LIGER_FUSED_MOE_AUTOTUNE", "1").lower() in ("0", "false", "no")
+
+
+def model_size(project, model: str) -> dict:
+    """Parameters, rows and width of a model's golden batch, counted on the meta device
+    (tools/realshape_memory.py), with the check's planned GPU memory per dtype and the family."""
+    from realshape_memory import estimate, planned_gib
+
+    from veosnap.reference.zoo import load_config
+
+    e = estimate(project, model)
+    text = text_config(load_config(project.configs, model).config)
+    return dict(b=e["parameters"] / 1e9, kt=e["rows"] * e["width"] / 1000, model_type=text.get("model_type"),
+                gib={d: planned_gib(e, "check", d) for d in ("bfloat16", "float32")})
+
+
+def cell_seconds(cell: dict, size: dict, first: bool, autotune: bool, new_shape: bool = True) -> float:
+    """A cell's estimated seconds on the H200: a build and a step per layout that runs, and the library's
+    first-call costs (`first`: the worker's first cell; `new_shape`: shapes this worker has not compiled)."""
+    import gpu_real
+
+    from veosnap.candidates.layouts.packed import NO_PACKING
+
+    label = cell["backend"]
+    spec = label.split("@")[0]
+    runs = [layout for layout in cell["layouts"] if not (layout == "packed" and size["model_type"] in NO_PACKING)]
+    per_layout = (gpu_real.CHECK_FIXED_S + gpu_real.BUILD_S_PER_B * size["b"]
+                  + gpu_real.STEP_S_PER_BKT[cell["dtype"]] * size["b"] * size["kt"])
+    seconds = len(runs) * per_layout + (LIB_FIRST_S.get(spec, 0.0) if first else 0.0)
+    seconds += NEW_SHAPE_S.get(spec, 0.0) if new_shape and not first else 0.0
+    if spec.split("+")[0] == "liger" and size["model_type"] in gpu_real.LIGER_FUSED_MOE_TYPES and runs:
+        if not autotune:
+            seconds += FIXED_CONFIG_S
+        else:
+            tune = LIGER_AUTOTUNE_S.get(cell["model"], REAL_AUTOTUNE_S if cell["width"] > TOY_WIDTH
+                                        else TOY_AUTOTUNE_S)
+            seconds += tune * (IEEE_AUTOTUNE_FACTOR if label.endswith("@ieee") else 1.0)
+    return seconds
+
+
+def estimate_plan(groups: dict[str, list[dict]], sizes: dict[str, dict], jobs: int, budget: float,
+                  capacity_gib: float, autotune: bool) -> dict:
+    """The schedule the runner would follow if every cell took its estimate: one worker per backend label,
+    `jobs` at once, each running its cells in order, none started after the deadline (`budget` minus the
+    margin). It also sums the planned memory of the cells running at once: the runner does not wait for
+    memory, so a plan whose peak is over `capacity_gib` does not fit either."""
+    import gpu_real
+
+    deadline = budget - DEADLINE_MARGIN_S
+    queue = [(label, cells) for label, cells in groups.items() if cells]
+    workers: list[dict] = []  # each: label, cells left, clock
+    rows, not_reached, intervals = [], [], []
+    clock = 0.0
+    while queue or workers:
+        while queue and len(workers) < jobs and clock < deadline:
+            label, cells = queue.pop(0)
+            workers.append(dict(label=label, cells=list(cells), clock=clock + gpu_real.PROCESS_START_S, seen=set()))
+        if not workers:
+            not_reached += [c for _, cells in queue for c in cells]
+            break
+        worker = min(workers, key=lambda w: w["clock"])
+        if not worker["cells"] or worker["clock"] >= deadline:
+            not_reached += worker["cells"]
+            workers.remove(worker)
+            clock = max(clock, worker["clock"])
+            continue
+        cell = worker["cells"].pop(0)
+        size = sizes[cell["model"]]
+        shape = (cell["model"], cell["dtype"])
+        seconds = cell_seconds(cell, size, first=not worker["seen"], autotune=autotune,
+                               new_shape=shape not in worker["seen"])
+        worker["seen"].add(shape)
+        start, end = worker["clock"], worker["clock"] + seconds
+        worker["clock"] = end
+        gib = 0.0 if size["b"] < 0.01 else size["gib"][cell["dtype"]]
+        rows.append(dict(worker=worker["label"], model=cell["model"], dtype=cell["dtype"], start=start, end=end,
+                         gib=gib))
+        intervals.append((start, end, gib))
+    end_s = max([r["end"] for r in rows], default=0.0)
+    peak = max([sum(g for s, e, g in intervals if s <= t < e) for t, _, _ in intervals], default=0.0)
+    late = [r for r in rows if r["end"] > deadline]
+    fits = not not_reached and not late and peak <= capacity_gib
+    return dict(rows=rows, not_reached=not_reached, late=late, end_s=end_s, peak_gib=peak, fits=fits,
+                deadline=deadline)
+
+
+def print_plan(plan: dict, jobs: int, budget: float, capacity_gib: float, autotune: bool) -> None:
+    print("| worker | golden | start s | end s | GiB (est.) |\n|---|---|---|---|---|")
+    for r in plan["rows"]:
+        late = " (past the deadline: killed)" if r["end"] > plan["deadline"] else ""
+        print(f"| {r['worker']} | {r['model']} {r['dtype']} | {r['start']:.0f} | {r['end']:.0f}{late} | {r['gib']:.0f} |")
+    missing = [f"{c['backend']} {c['model']} {c['dtype']}" for c in plan["not_reached"]]
+    print(f"\n{len(plan['rows']) + len(missing)} cells on {jobs} workers, liger's fused-MoE autotune "
+          f"{'on' if autotune else 'off (LIGER_FUSED_MOE_AUTOTUNE=0)'}: the estimate ends at {plan['end_s']:.0f} s "
+          f"(cells start until {plan['deadline']:.0f} s = --budget {budget:g} - {DEADLINE_MARGIN_S:g}); peak "
+          f"{plan['peak_gib']:.0f} GiB of {capacity_gib:.0f}; not reached: {len(missing)}"
+          + (f" ({', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''})" if missing else ""))
+    why = []
+    if missing or plan["late"]:
+        why.append(f"{len(missing)} not started, {len(plan['late'])} cut at the deadline")
+    if plan["peak_gib"] > capacity_gib:
+        why.append(f"{plan['peak_gib']:.0f} GiB at once (fewer --jobs, or split the models)")
+    print("fits" if plan["fits"] else f"DOES NOT FIT: {'; '.join(why)}")
 
 
 # --- one worker: one backend's cells, in this process --------------------------------------------------
@@ -430,12 +571,35 @@ def explain(r: dict) -> str:
     return ""
 
 
-def main() -> None:
+def show_plan(args: argparse.Namespace, labels: list[str], models: list[str] | None,
+              dtypes: list[str] | None) -> int:
+    """--plan: the cells, their estimated schedule on the H200, and `fits` or `DOES NOT FIT` (exit 1)."""
+    from veosnap.reference.zoo import Project
+
+    dirs = {"goldens": args.goldens, "configs": args.configs}
+    project = Project.resolve(**{k: v for k, v in dirs.items() if v}, hardware_class="cuda-sm90")
+    groups, skipped = plan([(project, dirs)], labels, models, dtypes)
+    sizes = {c["model"]: model_size(project, c["model"]) for cells in groups.values() for c in cells}
+    autotune = not liger_autotune_off()
+    estimate = estimate_plan(groups, sizes, args.jobs, args.budget, args.capacity_gib, autotune)
+    print_plan(estimate, args.jobs, args.budget, args.capacity_gib, autotune)
+    reasons: dict[str, int] = {}
+    for c in skipped:
+        if c["layout"] in ("single", "*"):
+            reasons[f"{c['backend']}: {c['reason']}"] = reasons.get(f"{c['backend']}: {c['reason']}", 0) + 1
+    for reason, count in sorted(reasons.items()):
+        print(f"not run, {count} golden(s): {reason}")
+    if any(label.split("@")[0] == "fla" for label in labels):
+        print("not planned: fla's scratch Qwen3.5 goldens (recorded at run time, where no golden has linear attention)")
+    return 0 if estimate["fits"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
     read_pythonpath_pth_files()  # before any library is imported, here and (through the env) in workers
     if len(sys.argv) > 1 and sys.argv[1] == "_worker":
         _, _, label, cells_file, results_file, deadline = sys.argv
         worker(label, Path(cells_file), Path(results_file), float(deadline))
-        return
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-kernels-out")))
     parser.add_argument("--budget", type=float, default=420.0, help="seconds for the whole run (default 420)")
@@ -446,7 +610,21 @@ def main() -> None:
     parser.add_argument("--no-repro", action="store_true", help="skip the float32 reproductions")
     parser.add_argument("--goldens", default="", help="goldens directory (default: ./goldens)")
     parser.add_argument("--configs", default="", help="model configs directory (default: ./toy_configs)")
-    args = parser.parse_args()
+    parser.add_argument("--plan", action="store_true",
+                        help="print the estimated schedule for the cuda-sm90 goldens and whether it fits; run nothing")
+    parser.add_argument("--capacity-gib", type=float, default=0.92 * 139.8,
+                        help="--plan: GPU memory the cells running at once may share (default: 92%% of an H200)")
+    parser.add_argument("--no-liger-autotune", action="store_true",
+                        help="set LIGER_FUSED_MOE_AUTOTUNE=0 for the workers: liger's fused MoE runs one fixed "
+                             "configuration per kernel instead of autotuning (the table says so)")
+    args = parser.parse_args(argv)
+    if args.no_liger_autotune:
+        os.environ["LIGER_FUSED_MOE_AUTOTUNE"] = "0"
+    labels = [b.strip() for b in args.backends.split(",") if b.strip()]
+    models = [m for m in args.models.split(",") if m] or None
+    dtypes = [d for d in args.dtypes.split(",") if d] or None
+    if args.plan:
+        return show_plan(args, labels, models, dtypes)
     start = time.time()
     args.out.mkdir(parents=True, exist_ok=True)
 
@@ -459,7 +637,6 @@ def main() -> None:
     dirs = {"goldens": args.goldens, "configs": args.configs}
     project = project_from(dirs)
     projects = [(project, dirs)]
-    labels = [b.strip() for b in args.backends.split(",") if b.strip()]
     if any("fla" in label for label in labels) and not args.models:
         try:
             scratch = scratch_linear_attention(project, Path(tempfile.mkdtemp(prefix="gpu_kernels_scratch_")))
@@ -468,8 +645,16 @@ def main() -> None:
             scratch = None
         if scratch is not None:
             projects.append(scratch)
-    groups, not_applicable = plan(projects, labels, [m for m in args.models.split(",") if m] or None,
-                                  [d for d in args.dtypes.split(",") if d] or None)
+    groups, not_applicable = plan(projects, labels, models, dtypes)
+    estimate = None
+    try:  # the --plan estimate of this very run, beside what it measures (results.json), to refit the time model
+        sizes = {c["model"]: model_size(project_from(c["dirs"]), c["model"]) for cs in groups.values() for c in cs}
+        capacity = (0.92 * torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available()
+                    else args.capacity_gib)
+        estimate = estimate_plan(groups, sizes, args.jobs, args.budget, capacity, not liger_autotune_off())
+        print_plan(estimate, args.jobs, args.budget, capacity, not liger_autotune_off())
+    except Exception as exc:  # noqa: BLE001 - an estimate is no reason not to run
+        print(f"no estimate: {type(exc).__name__}: {exc}"[:300], flush=True)
     print(f"{sum(len(c) for c in groups.values())} cells to run on {project.hardware_class} goldens in "
           f"{project.goldens}; {len(not_applicable)} not applicable", flush=True)
     repros = [] if args.no_repro else [(w, e) for w in ("liger", "fla") for e in ({}, IEEE)]
@@ -477,7 +662,14 @@ def main() -> None:
     results, repro = runner.run(groups, repros)
     rows = results + not_applicable
     text, md = table(rows)
-    (args.out / "results.json").write_text(json.dumps({"env": env, "cells": rows}, indent=1, default=str))
+    if liger_autotune_off():
+        said = ("liger ran with LIGER_FUSED_MOE_AUTOTUNE=0: its fused MoE used one fixed configuration per kernel, "
+                "not autotuned (the autotune does not fit the time budget)")
+        text, md = f"{text}\n{said}", f"{md}\n\n{said}"
+        env["LIGER_FUSED_MOE_AUTOTUNE"] = "0"
+    planned = [{k: r[k] for k in ("worker", "model", "dtype", "start", "end", "gib")} for r in (estimate or {}).get("rows", [])]
+    (args.out / "results.json").write_text(json.dumps({"env": env, "cells": rows, "plan": planned}, indent=1,
+                                                      default=str))
     (args.out / "repro.json").write_text(json.dumps(repro, indent=1))
     (args.out / "table.md").write_text(md + "\n")
     print("\n" + text)
@@ -493,7 +685,8 @@ def main() -> None:
         counts[r["status"]] = counts.get(r["status"], 0) + 1
     print(f"{len(rows)} cells: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) +
           f" in {time.time() - start:.0f} s; results in {args.out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
