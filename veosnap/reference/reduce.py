@@ -138,6 +138,13 @@ class RecordReducer(Reducer):
                                 support_limit=self.plan.choice(name).support_limit, name=name)
 
 
+# A float64 norm over the last dimension (`width` values) on CUDA: each output is reduced by one row of
+# threads whose width is min(width, 32) lanes once 16 or more outputs share a block (512 threads), and is wider
+# (up to `width`) for fewer outputs: a tensor of fewer than 16 groups, alone, would add its values in
+# another order than in a stack. From 16 groups on (or at widths of 32 or less) the order is the same.
+_SAME_NORM_GROUPS = 16
+
+
 class CandidateReducer(Reducer):
     """A check's (and the float64 noise run's): the tensors its golden holds as sketches are reduced
     with the golden's specs. `check_dtype=False` for the float64 run, whose dtype differs on purpose."""
@@ -207,9 +214,10 @@ class CandidateReducer(Reducer):
         in one pass each instead of ~8-12 kernel launches a tensor. The same bits as `finish` of each: the
         flags are exact by construction (sums of zeros, or NaN), the mask, the padding, the pairwise group
         sums, the conversion and the difference are elementwise in the same order, and each group's norm is
-        a reduction over the same `width` values, which neither the CPU's nor CUDA's reduction splits
-        across outputs at these widths (the equality tests compare both paths). Anything else (a problem,
-        a support, a kind met once) goes through `finish` as before."""
+        a reduction over the same `width` values in the same order: the CPU reduces each output alone, and
+        CUDA does too from 16 outputs a tensor (`_SAME_NORM_GROUPS`; fewer: those tensors' norms are taken
+        one by one). The equality tests compare both paths. Anything else (a problem, a support, a kind met
+        once) goes through `finish` as before."""
         kinds: dict[tuple, list[int]] = {}
         for index, (name, rows) in enumerate(items):
             kind = self._plain_kind(name, rows)
@@ -263,8 +271,11 @@ class CandidateReducer(Reducer):
             if pad:
                 values = F.pad(values, (0, 0, 0, pad))
             grouped = pairwise_sum(values.view(len(batch), spec.groups, m, spec.width), 2).to(out_dtype)
-        golden = torch.stack([self._golden_on[name] for name, _ in batch])
-        norms = (grouped.double() - golden).norm(dim=-1).unbind(0)  # `with_golden` of each
+        if spec.groups >= _SAME_NORM_GROUPS or spec.width <= 32:
+            golden = torch.stack([self._golden_on[name] for name, _ in batch])
+            norms = (grouped.double() - golden).norm(dim=-1).unbind(0)  # `with_golden` of each
+        else:  # few groups: CUDA would reduce each tensor's norms alone with another thread layout (see above)
+            norms = [(grouped[i].double() - self._golden_on[name]).norm(dim=-1) for i, (name, _) in enumerate(batch)]
         kind = (spec.rows, spec.group, spec.groups, spec.support, mask is not None, device)
         counts = self._counts.get(kind)
         if counts is None:
