@@ -521,3 +521,78 @@ def test_a_candidates_groups_are_the_general_paths_bits_with_reused_counts_and_o
             assert torch.equal(_bits(made.values), _bits(expected)), (group, row_mask is not None, support_limit)
             assert torch.equal(made.counts, counts.view(g, m).sum(1))
         assert again.counts is first.counts  # reused, not recomputed
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA: its reductions' thread layout depends on the shape"))])
+def test_a_checks_gradients_finished_together_are_each_finished_alone(device):
+    """`CandidateReducer.finish_all` (a step's gradients) stacks the plain tensors of one kind and makes their
+    non-finite flags, stored values and group distances in one pass each: every figure is `finish`'s of each
+    tensor alone, bit for bit (NaN, Inf and signed zeros planted), and what is not plain (a problem, a support,
+    wider groups, a kind met once, another dtype) goes through `finish` as before, in the items' order."""
+    from veosnap.reference.reduce import CandidateReducer, Rows
+
+    torch.manual_seed(1)
+    specs = {f"grad.w{i}": SketchSpec(seed=i, width=8, group=1, shape=(6, 16)) for i in range(4)}
+    specs["grad.wide"] = SketchSpec(seed=9, width=8, group=2, shape=(6, 16))  # groups of two rows: alone
+    specs["grad.odd"] = SketchSpec(seed=7, width=8, group=1, shape=(5, 16))  # a kind met once
+    specs["grad.emb"] = SketchSpec(seed=8, width=8, group=1, shape=(6, 16))  # a support: alone
+    for i in range(2):  # groups of two rows (padded: 5 rows), together
+        specs[f"grad.g{i}"] = SketchSpec(seed=20 + i, width=8, group=2, shape=(5, 16))
+    for i in range(3):  # token tensors (the row mask), one row a group and sixteen rows a group (padded)
+        specs[f"layers.{i}.output"] = SketchSpec(seed=30 + i, width=8, group=1, shape=(2, 20, 16))
+        specs[f"layers.{i + 3}.output"] = SketchSpec(seed=40 + i, width=8, group=16, shape=(2, 20, 16))
+    for i in range(2):  # wide sketches: few groups (norms one by one on CUDA's account) and many
+        specs[f"grad.few{i}"] = SketchSpec(seed=50 + i, width=64, group=1, shape=(9, 128))
+        specs[f"grad.many{i}"] = SketchSpec(seed=60 + i, width=64, group=1, shape=(40, 128))
+    mask = torch.rand(40) > 0.3
+
+    def rows_of(spec: SketchSpec, dtype: torch.dtype) -> sketch.RowSketch:
+        acc = sketch.accumulation_dtype(dtype)
+        return sketch.RowSketch(torch.randn(spec.rows, spec.width, dtype=acc).to(device),
+                                torch.rand(spec.rows, dtype=acc).to(device))
+
+    for dtype in (torch.bfloat16, torch.float32):
+        goldens = {}
+        for name, spec in specs.items():
+            golden_rows = rows_of(spec, dtype)
+            if name == "grad.emb":
+                even = (torch.arange(6, device=device) % 2 == 0)
+                golden_rows = sketch.RowSketch(golden_rows.values * even[:, None], golden_rows.sumsq * even)
+            goldens[name] = sketch.golden_from_rows(golden_rows, spec, dtype=dtype,
+                                                    support_limit=3 if name == "grad.emb" else None,
+                                                    row_mask=mask if name.startswith("layers.") else None)
+        items = []
+        for name, spec in specs.items():
+            candidate = rows_of(spec, dtype)
+            if name in ("grad.w1", "grad.g1", "layers.1.output", "layers.5.output"):  # NaN, Inf, signed zeros
+                candidate.values[0, 0], candidate.sumsq[2], candidate.values[3] = float("nan"), float("inf"), -0.0
+                candidate.values[4] = -candidate.values[4].abs()
+            items.append((name, Rows(candidate, dtype)))
+        items.insert(2, ("grad.w9", sketch.SketchProblem("shape (1,) but golden (6, 16)")))
+        items.append(("grad.w3b", Rows(rows_of(specs["grad.w3"], torch.float16), torch.float16)))  # wrong dtype
+        goldens["grad.w3b"] = goldens["grad.w3"]
+        alone = CandidateReducer(goldens, mask, device=torch.device(device))
+        together = CandidateReducer(goldens, mask, device=torch.device(device))
+        expected = {name: alone.finish(name, rows) for name, rows in items}
+        made = together.finish_all(items)
+        assert list(made) == [name for name, _ in items]
+        for name, want in expected.items():
+            got = made[name]
+            if isinstance(want, sketch.SketchProblem):
+                assert got == want, name
+                continue
+            for field in ("values", "norms", "golden", "off_support"):
+                a, b = getattr(want, field), getattr(got, field)
+                assert (a is None) == (b is None), (name, field)
+                if a is not None:
+                    assert a.dtype == b.dtype and torch.equal(_bits(a), _bits(b)), (name, field, dtype)
+            assert torch.equal(want.counts, got.counts) and torch.equal(want.nonfinite, got.nonfinite), name
+        assert made["grad.w1"].nonfinite.tolist() == [True, False, True, False, False, False]
+        assert made["grad.w1"].norms.isnan().any()  # the NaN reaches the group distance as it does alone
+        # each kind met more than once was done together: their distances are views of one result
+        together_done = [*(f"grad.w{i}" for i in range(4)), "grad.g0", "grad.g1", "grad.many1",
+                         *(f"layers.{i}.output" for i in range(6))]
+        assert all(made[name].norms._base is not None for name in together_done)
+        assert all(made[name].norms._base is None for name in ("grad.wide", "grad.odd", "grad.emb", "grad.few0"))
+        assert made["grad.many0"].norms._base is not None

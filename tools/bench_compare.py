@@ -42,6 +42,33 @@ PARTS = [(check_module, "compare_route_sets"), (compare_module, "row_errors"), (
          (check_module, "structure_changes")]
 
 
+# Operators that make or name memory and launch nothing on a GPU (views, allocations).
+NO_LAUNCH = {"aten::as_strided", "aten::view", "aten::select", "aten::slice", "aten::unbind", "aten::empty",
+             "aten::empty_strided", "aten::expand", "aten::alias", "aten::detach", "aten::unsqueeze",
+             "aten::reshape", "aten::_reshape_alias", "aten::t", "aten::transpose", "aten::permute",
+             "aten::lift_fresh", "aten::resolve_conj", "aten::resolve_neg", "aten::empty_like", "aten::narrow",
+             "aten::squeeze", "aten::movedim", "aten::split", "aten::chunk", "aten::unflatten", "aten::flatten"}
+
+
+def part_counts(events) -> dict[str, tuple[int, int]]:  # noqa: ANN001
+    """Per `part.NAME` range (and `rest`: outside every part): (aten ops, launching ops: leaves that are
+    kernels on a GPU, not a view or an allocation)."""
+    counts: dict[str, list[int]] = {}
+    for e in events:
+        if not e.name.startswith("aten::"):
+            continue
+        part, up = "rest", e.cpu_parent
+        while up is not None:
+            if up.name.startswith("part."):
+                part = up.name.removeprefix("part.")
+                break
+            up = up.cpu_parent
+        c = counts.setdefault(part, [0, 0])
+        c[0] += 1
+        c[1] += not e.cpu_children and e.name not in NO_LAUNCH and e.name != "aten::_local_scalar_dense"
+    return {k: (v[0], v[1]) for k, v in counts.items()}
+
+
 def project_for(size: bench_scale.Size, work: Path) -> Project:
     root = work / size.name
     if (root / "toy_configs").exists():
@@ -114,9 +141,23 @@ def measure(size: bench_scale.Size, dtype: str, work: Path, repeat: int) -> dict
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=activities) as prof:
-        once()
+
+    def marked(name, fn):  # noqa: ANN001, ANN202
+        def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            with torch.profiler.record_function(f"part.{name}"):
+                return fn(*args, **kwargs)
+        return wrapper
+
+    for owner, name in PARTS:
+        setattr(owner, name, marked(name, saved[name]))
+    try:
+        with profile(activities=activities) as prof:
+            once()
+    finally:
+        for owner, name in PARTS:
+            setattr(owner, name, saved[name])
     ops = Counter({e.key: e.count for e in prof.key_averages() if e.key.startswith("aten::")})
+    part_ops = part_counts(prof.events())
     if os.environ.get("BENCH_COMPARE_CPROFILE"):  # where the host time goes, by Python function
         import cProfile
         import pstats
@@ -129,7 +170,7 @@ def measure(size: bench_scale.Size, dtype: str, work: Path, repeat: int) -> dict
             "sketched": len(golden.sketches), "whole": whole, "compare_ms": statistics.median(times) * 1e3,
             "min_ms": min(times) * 1e3, "aten_ops": sum(ops.values()),
             "host_reads": ops.get("aten::_local_scalar_dense", 0), "top_ops": ops.most_common(8),
-            "parts_ms": {name: statistics.median(v) * 1e3 for name, v in parts.items()}}
+            "parts_ms": {name: statistics.median(v) * 1e3 for name, v in parts.items()}, "part_ops": part_ops}
 
 
 def main() -> None:
@@ -149,7 +190,9 @@ def main() -> None:
         print(f"| {r['size']} | {r['dtype']} | {r['tensors']} ({r['sketched']}/{r['whole']}) | "
               f"{r['compare_ms']:.1f} ({r['min_ms']:.1f}) | {r['aten_ops']} | {r['host_reads']} | {r['passed']} |")
     for r in rows:
-        parts = ", ".join(f"{k} {v:.1f}" for k, v in r["parts_ms"].items())
+        parts = ", ".join(f"{k} {v:.1f} ms ({r['part_ops'].get(k, (0, 0))[0]} ops, {r['part_ops'].get(k, (0, 0))[1]} "
+                          f"launching)" for k, v in r["parts_ms"].items())
+        parts += f", rest ({r['part_ops'].get('rest', (0, 0))[0]} ops, {r['part_ops'].get('rest', (0, 0))[1]} launching)"
         print(f"{r['size']} {r['dtype']} parts (ms): {parts}; top ops: {r['top_ops']}")
     if os.environ.get("OUT"):
         out = Path(os.environ["OUT"])

@@ -488,6 +488,7 @@ def label_stages() -> None:
         (engine_module, "run", "engine.run"), (engine_module._Runner, "passes", "passes"),
         (capture_module, "forward_backward", "forward_backward"), (Reducer, "keep_tokens", "hooks.sketch"),
         (probes_module, "keep_route", "hooks.routes"), (CandidateReducer, "finish", "reduce.finish"),
+        (CandidateReducer, "finish_all", "reduce.finish_all"),  # its lone tensors also show as reduce.finish
         (engine_module, "reduce_gradients", "grads"), (engine_module._Runner, "routes_differ", "routes_differ"),
         (engine_module, "assemble", "assemble"), (check_module, "judge", "judge"),
         (check_module, "compare", "compare"),

@@ -245,7 +245,7 @@ def reduce_gradients(model: nn.Module, reducer: Reducer = WHOLE) -> tuple[dict[s
     DTensor is gathered to its full value first. A parameter without a gradient has a zero one.
     """
     whole: dict[str, torch.Tensor] = {}
-    kept: dict[str, object] = {}
+    sketched: list[tuple[str, object]] = []  # finished together, after the loop: tensors of a kind in one pass
     devices = set()
     for param_name, param in model.named_parameters():
         if not param.requires_grad:
@@ -258,11 +258,12 @@ def reduce_gradients(model: nn.Module, reducer: Reducer = WHOLE) -> tuple[dict[s
             devices.add(value.device)
             whole[name] = host_copy_async(value) if value.is_cuda else value.cpu()  # one wait for all, below
         elif grad is None:
-            kept[name] = reducer.finish(name, Rows(zero_rows(spec, param.dtype, param.device), param.dtype))
+            sketched.append((name, Rows(zero_rows(spec, param.dtype, param.device), param.dtype)))
         elif _row_sharded(grad):
-            kept[name] = reducer.finish(name, _sharded_rows(reducer, name, grad, spec.rows))
+            sketched.append((name, _sharded_rows(reducer, name, grad, spec.rows)))
         else:
-            kept[name] = reducer.finish(name, reducer.keep_rows(name, full(grad)))
+            sketched.append((name, reducer.keep_rows(name, full(grad))))
+    kept = reducer.finish_all(sketched) if sketched else {}
     for device in devices:
         host_sync(device)
     return whole, kept
@@ -322,11 +323,13 @@ def run_step(model: nn.Module, batch: Batch, *, own_loss: bool = False, backward
                       absent=dict(part.absent))
     produced = {} if part.logits is None else {str(names.LOGITS): part.logits}
     produced.update({str(names.LayerOutput(index)): hidden for index, hidden in sorted(part.layers.items())})
+    sketched = []
     for name, kept in produced.items():
         if reducer.spec(name) is None:
             capture.tensors[name] = kept
         else:
-            capture.sketches[name] = reducer.finish(name, kept)
+            sketched.append((name, kept))
+    capture.sketches.update(reducer.finish_all(sketched))  # the layers' outputs: one kind, finished together
     # encoder outputs (rows of patches and frames, not of tokens) are always kept whole
     capture.tensors.update({name: torch.cat(list(calls.values())) for name, calls in part.encoders.items()})
     if backward:

@@ -277,16 +277,17 @@ def assemble(ctx: LayoutContext, pieces: list[tuple[Part, torch.Tensor]],
     notes = list(dict.fromkeys(note for part in parts for note in part.notes))
     produced = {names.LOGITS: [p.logits for p in parts]} if all(p.logits is not None for p in parts) else {}
     produced.update({names.LayerOutput(layer): [p.layers[layer] for p in parts] for layer in sorted(parts[0].layers)})
+    sketched = []
     for name, values in produced.items():
         if reducer.spec(str(name)) is not None:
             if all(isinstance(v, Rows) for v in values):  # a problem (wrong shape) is reported as the tensor's
                 at = torch.cat([v.positions for v in values])
                 if not _in_order(ctx, at):
                     _covered(ctx, name, at)
-            rows = assemble_rows(values, batch.rows * batch.width)
-            sketches[str(name)] = reducer.finish(str(name), rows)
+            sketched.append((str(name), assemble_rows(values, batch.rows * batch.width)))
         else:
             tensors[str(name)] = _grid(batch, _scatter(ctx, name, values, pieces))
+    sketches.update(reducer.finish_all(sketched))  # the layers' outputs: one kind, finished together
     # Encoder outputs (always whole) have rows of their own (patches, audio frames), kind by kind (images, then
     # videos), each kind's passes in (rank, pass) order: the golden's order of media as long as shards keep
     # rows in order.
