@@ -304,6 +304,7 @@ def test_plan_says_whether_a_command_fits():
 def test_liger_is_timed_as_its_fused_moe_only_where_liger_replaces_the_experts():
     from veosnap.reference.zoo import Project
 
+    # gpu_real plans the H200's runs: its class, whatever machine plans them (no golden is read for a plan).
     project = Project.resolve(goldens=ROOT / "goldens", configs=ROOT / "toy_configs", testdata=ROOT / "testdata",
                               hardware_class="cuda-sm90")
     pairs = frozenset({("gpt_oss-real", "bfloat16"), ("mixtral-real", "bfloat16")})

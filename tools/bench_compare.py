@@ -173,15 +173,22 @@ def measure(size: bench_scale.Size, dtype: str, work: Path, repeat: int) -> dict
             "parts_ms": {name: statistics.median(v) * 1e3 for name, v in parts.items()}, "part_ops": part_ops}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(description: str, repeat: int) -> argparse.Namespace:
+    """The options of the benchmarks that replay one check's phase (this one and bench_finish): sizes, dtypes,
+    repeats, and the scratch folder they share."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="llama-17m,qwen3_moe-60m",
                         help=f"comma list of {', '.join(bench_scale.SIZES)}")
     parser.add_argument("--dtypes", default="bfloat16")
-    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--repeat", type=int, default=repeat)
     parser.add_argument("--work", type=Path, default=Path("/tmp/veosnap-bench-compare"),
-                        help="scratch folder for the projects and goldens (reused)")
-    args = parser.parse_args()
+                        help="scratch folder for the projects and goldens (reused; shared by bench_compare and "
+                             "bench_finish)")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args(__doc__, repeat=5)
     rows = [measure(bench_scale.SIZES[s], d, args.work, args.repeat)
             for s in args.sizes.split(",") for d in args.dtypes.split(",")]
     print("| size | dtype | tensors (sketched/whole) | compare ms (median, min) | aten ops | host reads | passed |")

@@ -13,7 +13,6 @@ time (~5-20 us there), so the count is the figure that carries over from this CP
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -135,14 +134,7 @@ def measure(size: bench_scale.Size, dtype: str, work: Path, repeat: int) -> dict
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default="llama-17m,qwen3_moe-60m",
-                        help=f"comma list of {', '.join(bench_scale.SIZES)}")
-    parser.add_argument("--dtypes", default="bfloat16")
-    parser.add_argument("--repeat", type=int, default=15)
-    parser.add_argument("--work", type=Path, default=Path("/tmp/veosnap-bench-compare"),
-                        help="scratch folder for the projects and goldens (reused; shared with bench_compare)")
-    args = parser.parse_args()
+    args = bench_compare.parse_args(__doc__, repeat=15)
     rows = [measure(bench_scale.SIZES[s], d, args.work, args.repeat)
             for s in args.sizes.split(",") for d in args.dtypes.split(",")]
     print("| size | dtype | sketched tensors finished | finish ms/tensor (median) | aten ops/tensor (all / top-level "
