@@ -12,7 +12,7 @@ from veosnap.golden import codec, names, store
 from veosnap.golden.key import GoldenKey
 from veosnap.golden.manifest import Manifest, TrainHyper
 from veosnap.reference import scenarios
-from veosnap.reference.zoo import Project, load_config
+from veosnap.reference.zoo import Project, list_models, load_config
 
 
 @pytest.mark.parametrize("text, kind", [
@@ -56,17 +56,15 @@ ZOO = Project.resolve(goldens=REPO / "goldens", configs=REPO / "toy_configs", te
 def committed() -> list:
     """Every committed golden, read: each class holds every toy model's scenarios that have a golden file of
     their own, in both dtypes (100); the cpu class also the two real-shape goldens recorded on a CPU, the cuda-sm90
-    class the 14 real-shape ones recorded on the H200."""
+    class the 16 real-shape ones recorded on the H200."""
     readable = [(key, path, store.read(path)) for key, path in store.list_goldens(REPO / "goldens")]
     toys = {(model, scenario.recorded, dtype)
             for model in ZOO.models() for scenario in scenarios.applicable(load_config(ZOO.configs, model).config)
             for dtype in ("float32", "bfloat16")}
     real = {(model, "step", "float32") for model in ("qwen3-real", "qwen3_moe-real-small")}
-    # recorded on the H200 by tools/gpu_real.py (docs/gpu.md); the rest of the real tier is still to record
-    real_gpu = {(model, "step", dtype) for model in ("qwen2-real", "qwen3-real", "qwen3_moe-real-small", "llama-real",
-                                                     "qwen3_moe-real") for dtype in ("float32", "bfloat16")}
-    real_gpu |= {("mixtral-real", "step", "bfloat16"), ("deepseek_v3-real", "step", "bfloat16")}
-    real_gpu |= {("gpt_oss-real", "step", dtype) for dtype in ("float32", "bfloat16")}  # bfloat16's excused
+    # every real-shape config in both dtypes, recorded on the H200 by tools/gpu_real.py (docs/gpu.md)
+    real_gpu = {(model, "step", dtype) for model in list_models(ZOO.configs, "real")
+                for dtype in ("float32", "bfloat16")}  # gpt_oss-real bfloat16 is recorded with its excuse
     for cls, expected in (("cpu", toys | real), ("cuda-sm90", toys | real_gpu)):
         assert {(k.model, k.scenario, k.dtype) for k, _, _ in readable if k.hardware_class == cls} == expected, cls
     return readable

@@ -118,7 +118,9 @@ def test_plan_says_fits_for_a_command_that_fits_and_refuses_one_that_does_not(
 def test_liger_autotune_dominates_its_moe_cells_unless_switched_off(capsys: pytest.CaptureFixture,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     tool = load_tool()
-    monkeypatch.delenv("LIGER_FUSED_MOE_AUTOTUNE", raising=False)
+    # set, then removed: monkeypatch then restores the variable's absence after main() below sets it
+    monkeypatch.setenv("LIGER_FUSED_MOE_AUTOTUNE", "1")
+    monkeypatch.delenv("LIGER_FUSED_MOE_AUTOTUNE")
     assert not tool.liger_autotune_off()
     moe = "qwen3_moe-real,mixtral-real,deepseek_v3-real"
     assert tool.main(["--plan", "--backends", "liger", "--models", moe, "--dtypes", "bfloat16", "--jobs", "1"]) == 1

@@ -72,8 +72,8 @@ H200_RECORD_S = {
     ("llama-real", "bfloat16"): 43.9, ("llama-real", "float32"): 53.3,
     ("qwen3_moe-real", "bfloat16"): 53.8, ("qwen3_moe-real", "float32"): 67.9,
     ("gpt_oss-real", "bfloat16"): 99.7, ("gpt_oss-real", "float32"): 114.6,
-    ("mixtral-real", "bfloat16"): 78.7,
-    ("deepseek_v3-real", "bfloat16"): 174.7,
+    ("mixtral-real", "bfloat16"): 78.7, ("mixtral-real", "float32"): 139.5,
+    ("deepseek_v3-real", "bfloat16"): 174.7, ("deepseek_v3-real", "float32"): 191.5,
 }
 # A record not measured in its dtype but in the other: the sibling's seconds x this. Measured float32 over
 # bfloat16: 0.94-1.26 within one command, 1.38 across two (gpt_oss-real, 83 s and 115 s).
@@ -94,6 +94,9 @@ STEP_S_PER_BKT = {"float32": 0.09, "bfloat16": 0.012}  # one candidate step, TF3
 COMPILE_S = 50.0  # an inductor compile (qwen3-real: 49-53 s; qwen3_moe-real-small after it: 12-13 s)
 FLEX_S = 35.0  # flex_attention's own compiles: 4-6 s on qwen3-real, 13-33 s more than a cached check at real widths
 LIGER_MOE_S = 135.0  # liger on a MoE model (qwen3_moe-real-small 131-135 s; mixtral-real's passed 4+ min)
+# The same with LIGER_FUSED_MOE_AUTOTUNE=0 (one fixed Triton configuration): 2026-12-02, mixtral-real float32 22 s
+# after a cached build, 47-78 s with the first build (qwen3_moe-real, deepseek_v3-real).
+LIGER_FIXED_CONFIG_S = 15.0
 # The families whose experts liger 0.8.5 replaces with its fused MoE (`LigerExperts`, autotuned Triton GEMMs: the
 # 135 s above); on the others (gpt_oss: its clamped SwiGLU experts stay HF's) liger is norms, RoPE and the loss.
 LIGER_FUSED_MOE_TYPES = frozenset({"mixtral", "qwen3_moe", "qwen3_next", "qwen3_5_moe", "qwen3_vl_moe", "deepseek_v2",
@@ -131,11 +134,14 @@ def record_seconds(model: str, dtype: str, b: float, kt: float) -> float:
 
 def plan_units(project: Project, models: list[str], dtypes: list[str], specs: list[str],
                compile_models: list[str], cached: bool = True, have: frozenset = frozenset(),
-               exclude: frozenset = frozenset(), excuses: dict | None = None) -> list[Unit]:
+               exclude: frozenset = frozenset(), excuses: dict | None = None,
+               liger_autotune: bool = True) -> list[Unit]:
     """Every unit, in the order they are taken: smallest model first; per (model, dtype) its record, then
     its checks (the heaviest backend last). `have`: the (model, dtype) pairs whose golden is kept as it is
     (no record unit; their checks start at once). `exclude`: (model, dtype) pairs left out entirely.
-    `excuses`: {(model, dtype): {variant: reason}}, for their records (`veosnap record --excuse`)."""
+    `excuses`: {(model, dtype): {variant: reason}}, for their records (`veosnap record --excuse`).
+    `liger_autotune`: whether liger's fused MoE autotunes (False: `LIGER_FUSED_MOE_AUTOTUNE=0`, one fixed
+    configuration per kernel, timed as LIGER_FIXED_CONFIG_S)."""
     from realshape_memory import estimate, planned_gib
 
     from veosnap.reference import limits, models as vmodels
@@ -160,7 +166,8 @@ def plan_units(project: Project, models: list[str], dtypes: list[str], specs: li
             for i, spec in enumerate([s for s in specs if s not in RECORD_JUDGES]
                                      + (["compile"] if model in compile_models else [])):
                 build = (CACHED_BUILD_S_PER_B if cached and i else BUILD_S_PER_B) * b
-                extra = {"compile": COMPILE_S, "flex_attention": FLEX_S, "liger": LIGER_MOE_S if liger_moe else 0.0}
+                liger_s = LIGER_MOE_S if liger_autotune else LIGER_FIXED_CONFIG_S
+                extra = {"compile": COMPILE_S, "flex_attention": FLEX_S, "liger": liger_s if liger_moe else 0.0}
                 step = CHECK_FIXED_S + STEP_S_PER_BKT[dtype] * b * kt + extra.get(spec, 0.0)
                 gib = planned_gib(e, "check", dtype)
                 if "batched_mm" in spec.split("+"):  # it copies each chosen expert's weights per token
@@ -536,9 +543,10 @@ def existing(project: Project, models: list[str], dtypes: list[str]) -> frozense
 def phase_real(project: Project, out: Path, models: list[str], dtypes: list[str], specs: list[str],
                compile_models: list[str], workers: dict[str, int], capacity_gib: float, budget_s: float,
                stop_s: float = math.inf, weight_cache: bool = True, keep_goldens: bool = False,
-               exclude: frozenset = frozenset(), excuses: dict | None = None) -> dict:
+               exclude: frozenset = frozenset(), excuses: dict | None = None, liger_autotune: bool = True) -> dict:
     """Record and check; write DIR's files; return what `real.json` holds. The goldens already in
-    the project are checked as they are, not recorded again (`keep_goldens`). `excuses`: see `plan_units`."""
+    the project are checked as they are, not recorded again (`keep_goldens`). `excuses`, `liger_autotune`: see
+    `plan_units`."""
     import gpu_session
 
     from veosnap.render import text as render_text
@@ -546,7 +554,7 @@ def phase_real(project: Project, out: Path, models: list[str], dtypes: list[str]
 
     have = existing(project, models, dtypes) if keep_goldens else frozenset()
     units, too_large = fitting(plan_units(project, models, dtypes, specs, compile_models, weight_cache, have,
-                                          exclude, excuses), capacity_gib)
+                                          exclude, excuses, liger_autotune), capacity_gib)
     plan = simulate(units, workers, capacity_gib, budget_s, have)
     if have:
         print(f"kept as they are (checked, not recorded): {sorted(have)}", flush=True)
@@ -635,6 +643,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-compile", action="store_true", help=f"leave out compile on {', '.join(COMPILE_MODELS)}")
     parser.add_argument("--no-weight-cache", action="store_true", help="draw every model's weights in every check")
     parser.add_argument("--plan", action="store_true", help="print the estimated schedule; run nothing")
+    parser.add_argument("--no-liger-autotune", action="store_true",
+                        help="set LIGER_FUSED_MOE_AUTOTUNE=0 for the workers (liger's fused MoE runs one fixed "
+                             "configuration per kernel, not autotuned; real.json's env says so); also when set already")
     parser.add_argument("--exclude", action="append", default=[], metavar="MODEL/DTYPE",
                         help="leave this (model, dtype) out: no record, no checks (e.g. gpt_oss-real/bfloat16)")
     parser.add_argument("--excuse", action="append", default=[], metavar="MODEL/DTYPE:VARIANT=REASON",
@@ -647,6 +658,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="record every golden again (default: the goldens of this class already in goldens/ "
                              "are kept and only checked)")
     args = parser.parse_args(argv)
+    if args.no_liger_autotune:
+        os.environ["LIGER_FUSED_MOE_AUTOTUNE"] = "0"  # the workers inherit it
+    autotune = os.environ.get("LIGER_FUSED_MOE_AUTOTUNE", "1").lower() not in ("0", "false", "no")
     project = Project.resolve(goldens=ROOT / "goldens", configs=ROOT / "toy_configs", testdata=ROOT / "testdata",
                               hardware_class="cuda-sm90" if args.plan else None)
     models = args.model or project.models("real")
@@ -670,7 +684,7 @@ def main(argv: list[str] | None = None) -> int:
         have = frozenset() if args.rerecord else existing(project, models, dtypes)
         have |= frozenset(tuple(pair.split("/", 1)) for pair in args.have)
         units, too_large = fitting(plan_units(project, models, dtypes, specs, compile_models, cache, have, exclude,
-                                              excuses), capacity)
+                                              excuses, autotune), capacity)
         plan = simulate(units, workers, capacity, args.budget_s, have)
         serial = sum(u.est_s for u in units)
         print(f"| unit | GiB (est.) | start s | end s |\n|---|---|---|---|")
@@ -702,7 +716,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     capacity = args.capacity_gib or 0.92 * torch.cuda.get_device_properties(0).total_memory / 2**30
     phase_real(project, args.out, models, dtypes, runnable, compile_models, workers, capacity, args.budget_s,
-               args.stop_s, cache, keep_goldens=not args.rerecord, exclude=exclude, excuses=excuses)
+               args.stop_s, cache, keep_goldens=not args.rerecord, exclude=exclude, excuses=excuses,
+               liger_autotune=autotune)
     return 0
 
 

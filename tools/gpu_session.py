@@ -71,6 +71,9 @@ LAYOUTS = ["packed", "microbatch", "ddp", "fsdp2", "hsdp", "ep", "sp", "sp_packe
            "tp"]  # tp last: a tp crash ends the torchrun
 
 
+KERNEL_SWITCHES = ("LIGER_FUSED_MOE_AUTOTUNE", "TRITON_F32_DEFAULT", "NVIDIA_TF32_OVERRIDE")
+
+
 def environment() -> dict:
     env = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "transformers": transformers.__version__,
            "python": platform.python_version(), "hardware_class": hardware.detect()}
@@ -80,6 +83,10 @@ def environment() -> dict:
         props = torch.cuda.get_device_properties(0)
         env.update(gpu=props.name, gpus=torch.cuda.device_count(), capability=f"{props.major}.{props.minor}",
                    cuda=torch.version.cuda, triton=triton.__version__)
+    # Switches that change which kernels a library runs, so a table can say how its cells ran.
+    switches = {name: os.environ[name] for name in KERNEL_SWITCHES if name in os.environ}
+    if switches:
+        env["switches"] = switches
     return env
 
 
