@@ -229,6 +229,40 @@ def test_an_sdpa_kernel_that_runs_the_call_returns_its_output_and_other_errors_s
         backends.declining_sdpa("efficient", broken)(*_attention_call(mask=False))
 
 
+# What torch 2.11's inductor raised on the H200 for DeepSeek-V3's float32 attention (2026-12-02).
+FLEX_TOO_LARGE = ("InductorError: RuntimeError: No valid triton configs. OutOfMemoryError: out of resource: "
+                  "triton_tem_fused_flex_attention_0 Required: 278784 Hardware limit:232448 Reducing block sizes "
+                  "or `num_stages` may help.")
+
+
+def test_a_flex_kernel_too_large_for_the_gpu_declines_with_torchs_figures() -> None:
+    def too_large(*args: object, **kwargs: object) -> None:
+        raise RuntimeError(FLEX_TOO_LARGE)
+
+    module, q, k, v, _ = _attention_call(mask=False)
+    with pytest.raises(backends.Unsupported) as declined:
+        backends.declining_flex(too_large)(module, q, k, v[..., :16], None)
+    reason = str(declined.value)
+    assert reason.startswith("torch's flex_attention kernel cannot be built for this model's attention call")
+    assert "head_dim 32 for queries and keys, 16 for values" in reason
+    assert "Required: 278784 Hardware limit:232448" in reason
+
+
+def test_a_flex_kernel_that_fails_otherwise_stays_an_error_and_the_function_is_restored() -> None:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        backends.declining_flex(broken)(*_attention_call(mask=False))
+    before = ALL_ATTENTION_FUNCTIONS["flex_attention"]
+    with backends.wrapped_attention("flex_attention", backends.declining_flex):
+        assert ALL_ATTENTION_FUNCTIONS["flex_attention"] is not before
+    assert ALL_ATTENTION_FUNCTIONS["flex_attention"] is before
+    assert "flex_attention" not in ALL_ATTENTION_FUNCTIONS._local_mapping
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the SDPA kernels are chosen per call on the GPU")
 def test_sdpa_kernels_on_an_unpadded_grouped_query_golden_skip_or_pass_never_error(project: Project) -> None:
     # qwen3_moe-real-small's batch is one unpadded row: HF calls SDPA without a mask and with enable_gqa,

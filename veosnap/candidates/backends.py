@@ -241,6 +241,23 @@ for _version, _requires in _FLASH_ATTENTION.items():
     register(f"flash_attention_{_version}", requires=_requires)(_flash_attention(_version, _requires))
 
 
+@contextmanager
+def wrapped_attention(name: str, wrap: Callable[[Callable], Callable]) -> Iterator[None]:
+    """Within the block, transformers' attention function `name` is `wrap(the function)`; then as it was."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    had = name in ALL_ATTENTION_FUNCTIONS._local_mapping
+    before = ALL_ATTENTION_FUNCTIONS[name]
+    ALL_ATTENTION_FUNCTIONS[name] = wrap(before)
+    try:
+        yield
+    finally:
+        if had:
+            ALL_ATTENTION_FUNCTIONS[name] = before
+        else:
+            del ALL_ATTENTION_FUNCTIONS[name]
+
+
 # torch's errors when no enabled SDPA kernel accepts a call (CUDA; CPU)
 NO_KERNEL = ("No available kernel", "No viable backend for scaled_dot_product_attention")
 
@@ -283,24 +300,14 @@ def _sdpa_kernel(kernel: str) -> BackendFn:
 
     def apply(model: nn.Module) -> Iterator[nn.Module]:
         from torch.nn.attention import SDPBackend, sdpa_kernel
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
         backend = getattr(SDPBackend, {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
                                         "cudnn": "CUDNN_ATTENTION", "math": "MATH"}[kernel])
         attention("sdpa")(model)
         # Declined at the model's own attention call (its shapes, its mask), not on a stand-in probe: a
         # probe cannot know whether HF will pass a mask or enable_gqa for this batch.
-        had = "sdpa" in ALL_ATTENTION_FUNCTIONS._local_mapping
-        before = ALL_ATTENTION_FUNCTIONS["sdpa"]
-        ALL_ATTENTION_FUNCTIONS["sdpa"] = declining_sdpa(kernel, before)
-        try:
-            with sdpa_kernel(backend):
-                yield model
-        finally:
-            if had:
-                ALL_ATTENTION_FUNCTIONS["sdpa"] = before
-            else:
-                del ALL_ATTENTION_FUNCTIONS["sdpa"]
+        with wrapped_attention("sdpa", lambda sdpa: declining_sdpa(kernel, sdpa)), sdpa_kernel(backend):
+            yield model
 
     apply.__doc__ = f"SDPA restricted to torch's `{kernel}` kernel."
     return apply
@@ -311,8 +318,36 @@ for _kernel in ("flash", "efficient", "cudnn"):
 register("sdpa_math")(_sdpa_kernel("math"))
 
 
+# Inductor's words when no configuration of a Triton template fits the GPU (shared memory, registers).
+OUT_OF_RESOURCE = ("out of resource", "No valid triton configs")
+
+
+def declining_flex(flex: Callable) -> Callable:
+    """HF's flex attention function `flex`: where torch's flex kernel cannot be built for the model's call on
+    this GPU (no Triton configuration fits its shared memory), `Unsupported` with torch's figures.
+
+    Inductor compiles the kernel at the first call, for that call's dtype and head dims: DeepSeek-V3's float32
+    attention (head_dim 192 for queries and keys, 128 for values) needs 278,784 bytes of shared memory a block,
+    an H200 has 232,448 (2026-12-02). That is torch's limit on this machine, not a wrong kernel: a skip."""
+
+    def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  *args: object, **kwargs: object) -> object:
+        try:
+            return flex(module, query, key, value, *args, **kwargs)
+        except Exception as exc:  # InductorError wraps triton's OutOfResources; neither is public API
+            said = " ".join(str(exc).split())
+            if not all(words in said for words in OUT_OF_RESOURCE):
+                raise
+            need = said[said.index("out of resource"):][:160]
+            raise Unsupported(f"torch's flex_attention kernel cannot be built for this model's attention call on "
+                              f"this GPU ({query.dtype}, head_dim {query.shape[-1]} for queries and keys, "
+                              f"{value.shape[-1]} for values): {need}") from None
+
+    return attention
+
+
 @register("flex_attention")
-def flex_attention(model: nn.Module) -> nn.Module | Candidate:
+def flex_attention(model: nn.Module) -> Iterator[nn.Module | Candidate]:
     """transformers' `flex_attention`; forward only where torch has no flex backward (CPU)."""
     attention("flex_attention")(model)
     if next(model.parameters()).device.type != "cpu":
@@ -323,11 +358,13 @@ def flex_attention(model: nn.Module) -> nn.Module | Candidate:
         if small:
             raise Unsupported(f"flex_attention on CUDA needs attention head dims of at least 16 (torch inductor's "
                               f"flex kernel); this model has head dim {', '.join(map(str, small))}")
-        return model
+        with wrapped_attention("flex_attention", declining_flex):
+            yield model
+        return
     if any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules()):
         raise Unsupported("flex_attention cannot run attention sinks on CPU")
     # FlexAttention refuses inputs that require grad on CPU, so only the forward can be checked.
-    return forward_only(model, "flex_attention has no backward on CPU")
+    yield forward_only(model, "flex_attention has no backward on CPU")
 
 
 def _experts(implementation: str) -> BackendFn:
