@@ -11,8 +11,10 @@ parts (`tests/mm_faults.py`) fail naming the tensor where they first show; a ran
 
 from __future__ import annotations
 
+import functools
 import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -69,6 +71,17 @@ DECLINES_FLEX = ("does not support an attention implementation through torch's f
                  "flex_attention on CUDA needs attention head dims of at least 16")
 
 
+@functools.cache
+def cpu_flex_wrong_here() -> bool:
+    """Whether torch's compiled flex_attention gives wrong rows on this CPU (lengths not a multiple of 16: seen
+    with torch 2.13 on an AVX2 machine, not on the machines that recorded the goldens;
+    docs/findings/torch-flex-attention-cpu.md). qwen3_vl_moe's vision tower runs such lengths."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import repro_flex_cpu
+
+    return repro_flex_cpu.cpu_flex_is_wrong_here()
+
+
 @pytest.fixture(scope="module")
 def project() -> Project:
     return Project.resolve(goldens=ROOT / "goldens", configs=ROOT / "toy_configs", testdata=ROOT / "testdata",
@@ -104,6 +117,10 @@ def test_every_backend_and_layout_passes(project: Project, model: str, scenario:
         where = f"{model}/{scenario} {cell.backend}/{cell.layout}: {cell.status} {cell.reason}"
         if cell.backend == "flex_attention" and cell.status == "skip":
             assert any(reason in cell.reason for reason in DECLINES_FLEX), where
+            continue
+        if cell.backend == "flex_attention" and model == "qwen3_vl_moe" and not ON_CUDA and cpu_flex_wrong_here():
+            # torch's bug, caught: the check fails from the first block where flex runs those lengths
+            assert cell.status == "fail" and (cell.report.first_divergence or "").startswith("vision block 0"), where
             continue
         status, words = _expected(model, scenario, cell.backend, cell.layout)
         assert cell.status == status and words in cell.reason, where
