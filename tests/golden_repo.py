@@ -1,23 +1,36 @@
 """Test helpers: this machine's hardware class and its committed goldens; a throwaway project (goldens +
-toy configs) in a temp dir, optionally a git repo.
+toy configs) in a temp dir, optionally a git repo; what this machine records and checks itself.
 
 The suite records and checks goldens of the class this machine has (`CLASS`: `cpu` here, `cuda-sm90`
 on an H100/H200), so it passes on either. A test that means the cpu goldens in particular says so
 (`needs_cpu`).
+
+Two machines of one class need not compute the reference in the same bits: the committed cpu goldens
+were recorded on a CPU whose torch kernels (AVX-512, most likely) round differently from an AVX2 one's.
+veosnap is built for that (an eager check there passes at a ratio of a few hundredths, not 0), so a test
+whose point is not the committed bytes compares with what this machine does (`recorded_here`,
+`eager_figures`); one whose point is the committed bytes checks them where this machine reproduces them
+(`skip_unless_reproduced`), and what every machine records alike (`alike_everywhere`) everywhere.
 """
 
 from __future__ import annotations
 
+import functools
 import shutil
 import subprocess
+import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
-from veosnap.golden import store
+from veosnap.golden import codec, store
+from veosnap.golden.codec import Golden
 from veosnap.golden.key import GoldenKey
 from veosnap.reference import hardware
 from veosnap.reference.zoo import Project
+from veosnap.runs.verdict import CheckReport
 
 REPO = Path(__file__).resolve().parents[1]
 CLASS = hardware.detect()  # this machine's hardware class: the goldens the suite records and checks
@@ -77,3 +90,119 @@ def git_repo(dest: Path, hardware_class: str = CLASS) -> Project:
 def commit(repo: Path, message: str) -> None:
     git(repo, "add", "-A")
     git(repo, "commit", "-q", "-m", message)
+
+
+# --- what this machine records and checks ----------------------------------------------------------
+
+
+@functools.cache
+def recorded_here(model: str, dtype: str = "float32", scenario: str = "step") -> bytes:
+    """The bytes `record` writes for this class's golden of `model` on this machine, from the repository's
+    toy configs and test data into a project of its own (no committed golden, so no approval trail, in
+    play). Recorded once per test process; like `record`, in this process while no candidate has run here,
+    so a test calls it before it patches anything itself."""
+    from veosnap.runs.record import record
+
+    with tempfile.TemporaryDirectory(prefix="veosnap-recorded-here-") as root:
+        project = Project.resolve(goldens=Path(root) / "goldens", configs=REPO / "toy_configs",
+                                  testdata=REPO / "testdata", hardware_class=CLASS)
+        return record(project, model, dtype, scenario).path.read_bytes()
+
+
+# The golden that tells whether this machine reproduces the committed ones: it has no approval trail and
+# no excuse, which a fresh recording would lack, so a recording here holds every byte of it.
+PROBE = ("llama", "float32", "step")
+
+
+@functools.cache
+def reproduces_committed() -> bool:
+    """Whether a fresh recording of this class's probe golden on this machine is the committed file, byte
+    for byte: the machine computes the reference in the bits of the one that recorded `goldens/CLASS`."""
+    committed = committed_golden(*PROBE)
+    manifest = store.read(committed).manifest
+    assert not manifest.approvals and not manifest.excused, \
+        f"{committed.relative_to(REPO)} has an approval trail or an excuse: pick a probe golden without one"
+    return recorded_here(*PROBE) == committed.read_bytes()
+
+
+def skip_unless_reproduced() -> None:
+    """Skip the rest of a test that compares with the committed goldens' bytes where this machine does
+    not reproduce them, naming why: other versions, other bits, another device. Fail where none of those
+    explains it: then the recorder's output changed, not the machine."""
+    if reproduces_committed():
+        return
+    here, kept = codec.decode(recorded_here(*PROBE), "the probe recorded here"), store.read(committed_golden(*PROBE))
+    ours, theirs = here.manifest.provenance, kept.manifest.provenance
+    versions = [f"{name} {getattr(theirs, name)} ({getattr(ours, name)} here)"
+                for name in ("veosnap", "torch", "transformers", "python")
+                if getattr(ours, name) != getattr(theirs, name)]
+    if versions:
+        pytest.skip(f"goldens/{CLASS} were recorded with {', '.join(versions)}: byte identity with them holds with "
+                    "the recorder's versions only")
+    probe = committed_golden(*PROBE).relative_to(REPO)
+    if alike_everywhere(here) != alike_everywhere(kept):
+        pytest.fail(f"the recorder writes another golden for {probe} than the committed one, beyond the figures "
+                    "a machine measures: its output changed")
+    stored, committed = here.stored_tensors(), kept.stored_tensors()
+    if any(not torch.equal(stored[name], committed[name]) for name in stored):
+        pytest.skip(f"this machine computes the reference in other bits than the one that recorded goldens/{CLASS} "
+                    f"({_this_machine()} here): byte identity with the committed goldens holds on the recording "
+                    "machine; tests/test_determinism.py checks it on this one")
+    if ours != theirs:
+        pytest.skip(f"goldens/{CLASS} were recorded on {theirs.device} (driver {theirs.driver}), this machine is "
+                    f"{ours.device} (driver {ours.driver}): byte identity holds on the recording machine")
+    pytest.fail(f"this machine records the reference of {probe} bit for bit, on the recorder's device and "
+                "versions, yet writes other bytes for it: the recorder's output changed")
+
+
+def _this_machine() -> str:
+    if ON_CUDA:
+        return torch.cuda.get_device_name()
+    return f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}"
+
+
+def alike_everywhere(golden: Golden) -> dict:
+    """What of a golden every machine of its class records alike: each stored tensor's name, dtype and
+    shape; the inputs and the routes' expert ids (the routers decide clearly, margins over the tie
+    epsilon); the manifest but for what the machine measures (bounds, router margins, so the hashes) and
+    describes (its device), and the approval trail, which only a refresh writes."""
+    m = golden.manifest
+    exact = {name: t.tolist() for name, t in golden.tensors.items()
+             if name.startswith("inputs.") or (name.startswith("routes.") and name.endswith(".experts"))}
+    return {
+        "tensors": {name: (t.dtype, tuple(t.shape)) for name, t in golden.stored_tensors().items()},
+        "exact": exact,
+        "manifest": replace(m, tolerance=dict.fromkeys(m.tolerance), min_margin=dict.fromkeys(m.min_margin),
+                            payload_hash="", manifest_hash="", approvals=[],
+                            provenance=replace(m.provenance, device="", capability="", cuda=None, driver=None)),
+    }
+
+
+def figures(report: CheckReport) -> dict[str, tuple[float, float, float]]:
+    """What a check says of each tensor: its error, bound and ratio."""
+    return {t.name: (t.error, t.bound, t.ratio) for t in report.tensors}
+
+
+@functools.cache
+def _eager(goldens: Path, configs: Path, testdata: Path, key: GoldenKey) -> CheckReport:
+    from veosnap.candidates import backends
+    from veosnap.runs.check import check
+
+    report = check(Project(goldens=goldens, configs=configs, testdata=testdata, hardware_class=key.hardware_class),
+                   key, backends.resolve("eager"))
+    assert report.passed, (report.error, report.worst)
+    return report
+
+
+def eager_report(project: Project, model: str, dtype: str = "float32", scenario: str = "step") -> CheckReport:
+    """The eager backend, the reference itself run again, checked against the project's golden on this
+    machine (once per test process): what a candidate computing the reference's very bits scores here.
+    All 0 where the golden was recorded; the same nonzero figures, tensor by tensor, on a machine that
+    computes the reference in other bits."""
+    return _eager(project.goldens, project.configs, project.testdata,
+                  GoldenKey(project.hardware_class, model, scenario, dtype))
+
+
+def eager_figures(project: Project, model: str, dtype: str = "float32", scenario: str = "step") -> dict:
+    """`figures` of `eager_report`."""
+    return figures(eager_report(project, model, dtype, scenario))

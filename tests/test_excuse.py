@@ -15,7 +15,7 @@ import re
 
 import pytest
 from faults import expert_bias_grad_in_bfloat16
-from golden_repo import CLASS, committed_golden
+from golden_repo import CLASS, committed_golden, recorded_here, skip_unless_reproduced
 
 from veosnap.candidates import backends, pristine
 from veosnap.errors import GoldenError, VeosnapError
@@ -169,8 +169,17 @@ def test_committed_goldens_record_again_byte_identical(scratch_project, monkeypa
     committed = committed_golden(model, dtype)
     copy = store.path_for(scratch_project.goldens, GoldenKey(CLASS, model, "step", dtype))
     copy.parent.mkdir(parents=True)
-    copy.write_bytes(committed.read_bytes())  # with its approval trail, which a recording keeps
+    # On any machine: its own recording, given the committed golden's approval trail, records again to the
+    # same bytes (no 'excused' field appears, the trail is kept).
+    here = codec.decode(recorded_here(model, dtype), "recorded here")
+    here.manifest.approvals = store.read(committed).manifest.approvals
+    copy.write_bytes(codec.encode(here))
     pristine_here(monkeypatch)
+    outcome = record(scratch_project, model, dtype)
+    assert not outcome.written and outcome.path.read_bytes() == codec.encode(here)
+
+    skip_unless_reproduced()  # the committed bytes themselves: where this machine computes them
+    copy.write_bytes(committed.read_bytes())  # with its approval trail, which a recording keeps
     outcome = record(scratch_project, model, dtype)
     assert not outcome.written and outcome.path.read_bytes() == committed.read_bytes()
 

@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import realshape_faults
-from golden_repo import CLASS
+from golden_repo import CLASS, eager_figures, figures
 
 from veosnap.candidates import backends
 from veosnap.candidates.layouts.packed import pack
@@ -196,7 +196,10 @@ def test_a_real_shape_bug_passes_the_toy_golden_and_fails_the_real_shape_one(fau
     named, _reach = realshape_faults.FAULTS[fault]
 
     at_toy = run(repo_project, toy, fault)
-    assert at_toy.passed and at_toy.worst.ratio == 0, (at_toy.worst.name, at_toy.worst.ratio)
+    # Invisible at toy shapes: the reference's own bits there, every tensor's figures the eager backend's
+    # on this machine (all 0 on the machine that recorded the toy golden).
+    assert at_toy.passed, (at_toy.worst.name, at_toy.worst.ratio)
+    assert figures(at_toy) == eager_figures(repo_project, toy)
 
     at_real = run(narrow, model, fault)
     assert not at_real.passed
