@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import re
 import warnings
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -338,7 +339,9 @@ def declining_flex(flex: Callable) -> Callable:
             said = " ".join(str(exc).split())
             if not all(words in said for words in OUT_OF_RESOURCE):
                 raise
-            need = said[said.index("out of resource"):][:160]
+            figures = re.search(r"Required: (\d+) Hardware limit: ?(\d+)", said)
+            need = (f"it needs {figures[1]} bytes of shared memory a block, the GPU has {figures[2]}" if figures
+                    else said[said.index("out of resource"):][:120])
             raise Unsupported(f"torch's flex_attention kernel cannot be built for this model's attention call on "
                               f"this GPU ({query.dtype}, head_dim {query.shape[-1]} for queries and keys, "
                               f"{value.shape[-1]} for values): {need}") from None
