@@ -267,6 +267,28 @@ def test_item6_recording_after_a_candidate_ran_happens_in_a_fresh_process(tmp_pa
     assert outcome.path.read_bytes() == pristine
 
 
+def test_item6_the_fresh_recording_process_is_reused_only_while_it_vouches_for_itself(tmp_path, monkeypatch):
+    from veosnap.runs import isolated
+
+    project = Project.resolve(goldens=tmp_path / "goldens", configs=REPO / "toy_configs", testdata=REPO / "testdata",
+                              hardware_class=CLASS)
+    data, judged = isolated.record_judged(project, LLAMA)
+    child = isolated._SHARED._proc.pid
+    assert judged and isolated._SHARED.pristine  # its own variants ran there and left it pristine
+
+    assert isolated.record_judged(project, LLAMA)[0] == data and isolated._SHARED._proc.pid == child  # reused
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "another test (call)")  # pytest's bookkeeping: still reused
+    isolated.record_judged(project, LLAMA)
+    assert isolated._SHARED._proc.pid == child
+
+    monkeypatch.setenv("VEOSNAP_SOMETHING", "set after it started")  # what a recording might read: a new child
+    assert isolated.record_judged(project, LLAMA)[0] == data and isolated._SHARED._proc.pid != child
+    child = isolated._SHARED._proc.pid
+    isolated._SHARED.pristine = False  # as when a variant left patches behind in it
+    isolated.record_judged(project, LLAMA)
+    assert isolated._SHARED._proc.pid != child
+
+
 def _downstream(root: Path) -> Path:
     project = root / "downstream"
     (project / "tests").mkdir(parents=True)

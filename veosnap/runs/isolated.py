@@ -7,10 +7,17 @@ transformers: it reads one JSON request per line on stdin, writes the golden's b
 request names, and answers one JSON line on its own channel (`{"ok": true}` or `{"error": "<one line>"}`).
 Asked to judge, the child also runs the recorder's fragility check there (`record.judge_variants`): the variants
 must run against the same pristine reference the golden came from, not in the touched parent.
+
+`record_judged` keeps one such child per process and reuses it for the next recording while it can vouch for
+itself: it says after each request whether it is still pristine (veosnap's shipped variants leave it so unless
+they left patches behind), and it is reused only under the environment it was started with. A fresh interpreter
+costs seconds (importing torch and transformers): a refresh of many goldens after a check, or a test session that
+records after candidates ran, paid that once per golden.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import subprocess
@@ -34,11 +41,20 @@ class FreshRecorder:
         self._proc: subprocess.Popen | None = None
         self._dir: tempfile.TemporaryDirectory | None = None
         self._log: Path | None = None
+        self._env: dict[str, str] = {}  # the environment the child was started with
+        self.pristine = True  # what the child said of itself after its last request
+
+    def reusable(self) -> bool:
+        """Whether the running child may record next: alive, pristine by its own account, and started under
+        this process's current environment (a recording reads environment variables)."""
+        return (self._proc is not None and self._proc.poll() is None and self.pristine
+                and self._env == _environment())
 
     def _start(self) -> subprocess.Popen:
         if self._proc is None or self._proc.poll() is not None:
             self._dir = self._dir or tempfile.TemporaryDirectory(prefix="veosnap-record-")
             self._log = Path(self._dir.name) / "recorder.log"
+            self._env, self.pristine = _environment(), True
             env = dict(os.environ)
             paths = [str(Path(veosnap.__file__).resolve().parent.parent)]
             env["PYTHONPATH"] = os.pathsep.join([*paths, *filter(None, [env.get("PYTHONPATH")])])
@@ -70,6 +86,7 @@ class FreshRecorder:
         if not answer:
             raise VeosnapError(f"{key}: the fresh recording process ended without an answer ({self._last_log_line()})")
         reply = json.loads(answer)
+        self.pristine = bool(reply.get("pristine", False))
         if "error" in reply:
             raise VeosnapError(reply["error"])
         return out.read_bytes(), [Judgment(**j) for j in reply.get("judgments", [])]
@@ -104,11 +121,27 @@ class FreshRecorder:
         self.close()
 
 
+_SHARED: FreshRecorder | None = None
+
+
+def _environment() -> dict[str, str]:
+    """The environment a recording may read: all of it but pytest's name of the running test, which changes
+    with every test of a session and means nothing to a recording."""
+    return {name: value for name, value in os.environ.items() if name != "PYTEST_CURRENT_TEST"}
+
+
 def record_judged(project: Project, key: GoldenKey, seed: int = 0, allow_near_ties: bool = False,
                   sketch: str = "auto") -> tuple[bytes, list[Judgment]]:
-    """One golden recorded in a fresh process, and the fragility check's judgments from that process."""
-    with FreshRecorder() as recorder:
-        return recorder.record_judged(project, key, seed, allow_near_ties, sketch=sketch)
+    """One golden recorded in a fresh process, and the fragility check's judgments from that process (this
+    process's one child, reused while it stays pristine: see the module's docstring)."""
+    global _SHARED
+    if _SHARED is None or not _SHARED.reusable():
+        if _SHARED is not None:
+            _SHARED.close()
+        else:
+            atexit.register(lambda: _SHARED is not None and _SHARED.close())
+        _SHARED = FreshRecorder()
+    return _SHARED.record_judged(project, key, seed, allow_near_ties, sketch=sketch)
 
 
 def main() -> int:
@@ -116,6 +149,7 @@ def main() -> int:
     channel = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # whatever else prints (warnings, progress) goes to the log, not the channel
     sys.stdout = sys.stderr
+    from ..candidates import pristine
     from ..golden import codec
     from .record import build_golden, judge_variants
 
@@ -135,6 +169,7 @@ def main() -> int:
             from ..errors import describe
 
             reply = {"error": f"{request.get('key')}: recording failed ({describe(exc)})"}
+        reply["pristine"] = not pristine.touched()
         channel.write(json.dumps(reply) + "\n")
     return 0
 
