@@ -141,8 +141,12 @@ def test_the_whole_script_on_a_stand_in_package_finds_both_faults(tmp_path):
     env = {**os.environ, "REPRO_FA4_DEVICE": "cpu", "PYTHONPATH": str(tmp_path / "site")}
     # A budget no run reaches: every case must run whatever the machine's speed (on a slower 2-core box the last
     # cases were cut at 60 s); the subprocess timeout is the guard against a hang.
+    # The cases asserted on below: the real-width ones (hd128, 1,536 tokens) cost minutes of float64 on a CPU.
+    cases = ["toy llama/qwen/mixtral", "toy hd16 without GQA", "toy deepseek_v3: hd24 (v 16 padded", "toy hd16 GQA, zero",
+             "hd64 GQA 16:4"]
     result = subprocess.run([sys.executable, str(ROOT / "tools" / "repro_fa4.py"), "--out", str(tmp_path / "out"),
-                             "--budget", "3600"], env=env, capture_output=True, text=True, timeout=600)
+                             "--budget", "3600", *(f"--case={c}" for c in cases)], env=env, capture_output=True,
+                            text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     rows = {r["case"]: r for r in __import__("json").loads((tmp_path / "out" / "repro_fa4.json").read_text())["rows"]}
     assert rows["toy llama/qwen/mixtral: hd16, GQA 4:2"]["status"] == "WRONG dq"

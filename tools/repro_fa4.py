@@ -4,6 +4,7 @@ packed path failing with `ValueError: Expected IntTuple, whose leaves are intege
 
     python3 tools/repro_fa4.py                    # the table; --out DIR (default $OUT) writes repro_fa4.{md,json}
     python3 tools/repro_fa4.py --budget 150       # seconds; cases not reached are listed as not run
+    python3 tools/repro_fa4.py --case "hd64 GQA"  # only the cases whose name starts so (repeatable)
 
 Part 1, the backward. Each case runs flash_attn.cute (varlen entry point for packed sequences, as
 frameworks and veosnap's `fa4` backend call it, or the dense one) forward and backward on random
@@ -324,7 +325,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
     parser.add_argument("--budget", type=float, default=150.0, help="seconds for the cases (default 150)")
+    parser.add_argument("--case", action="append", default=[], metavar="NAME",
+                        help="run only the cases whose name starts with NAME (repeatable; default: all)")
     args = parser.parse_args()
+    cases = [c for c in CASES if not args.case or any(c.name.startswith(name) for name in args.case)]
+    if args.case and not cases:
+        parser.error(f"--case: no case name starts with {', '.join(map(repr, args.case))}")
     device = torch.device(os.environ.get("REPRO_FA4_DEVICE", "cuda"))  # cpu: the tests' stand-in package
     if device.type == "cuda" and not torch.cuda.is_available():
         print("skip: repro_fa4 needs a CUDA GPU (flash_attn.cute runs on sm80+; its backward on sm90+)")
@@ -349,7 +355,7 @@ def main() -> int:
             (args.out / "repro_fa4.json").write_text(json.dumps({"env": env, "rows": [asdict(r) for r in rows]},
                                                                indent=1))
 
-    for case in CASES:
+    for case in cases:
         if time.perf_counter() - start > args.budget:
             rows.append(Row(case.name, "", "", case.expect, "not run", note="past the budget"))
             continue
