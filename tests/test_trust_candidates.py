@@ -281,6 +281,11 @@ def test_item6_the_fresh_recording_process_is_reused_only_while_it_vouches_for_i
     isolated.record_judged(project, LLAMA)
     assert isolated._SHARED._proc.pid == child
 
+    monkeypatch.chdir(tmp_path)  # a project given relative to where the caller is now, as a new child would read it
+    relative = Project.resolve(goldens=Path("goldens"), configs=Path(os.path.relpath(REPO / "toy_configs")),
+                               testdata=Path(os.path.relpath(REPO / "testdata")), hardware_class=CLASS)
+    assert isolated.record_judged(relative, LLAMA)[0] == data and isolated._SHARED._proc.pid == child
+
     monkeypatch.setenv("VEOSNAP_SOMETHING", "set after it started")  # what a recording might read: a new child
     assert isolated.record_judged(project, LLAMA)[0] == data and isolated._SHARED._proc.pid != child
     child = isolated._SHARED._proc.pid

@@ -10,7 +10,8 @@ must run against the same pristine reference the golden came from, not in the to
 
 `record_judged` keeps one such child per process and reuses it for the next recording while it can vouch for
 itself: it says after each request whether it is still pristine (veosnap's shipped variants leave it so unless
-they left patches behind), and it is reused only under the environment it was started with. A fresh interpreter
+they left patches behind), and it is reused only under the environment it was started with; each request works
+in the caller's current directory, as a child started for it would. A fresh interpreter
 costs seconds (importing torch and transformers): a refresh of many goldens after a check, or a test session that
 records after candidates ran, paid that once per golden.
 """
@@ -76,7 +77,8 @@ class FreshRecorder:
         out = Path(self._dir.name) / "golden.bin"
         request = {"goldens": str(project.goldens), "configs": str(project.configs), "testdata": str(project.testdata),
                    "hardware_class": project.hardware_class, "key": str(key), "seed": seed,
-                   "allow_near_ties": allow_near_ties, "sketch": sketch, "out": str(out), "judge": judge}
+                   "allow_near_ties": allow_near_ties, "sketch": sketch, "out": str(out), "judge": judge,
+                   "cwd": os.getcwd()}  # a project's relative paths are the caller's, and so are its messages
         try:
             proc.stdin.write(json.dumps(request) + "\n")
             proc.stdin.flush()
@@ -156,6 +158,7 @@ def main() -> int:
     for line in sys.stdin:
         request = json.loads(line)
         try:
+            os.chdir(request.get("cwd", os.getcwd()))  # a reused child: where the caller is now
             project = Project(Path(request["goldens"]), Path(request["configs"]), Path(request["testdata"]),
                               request["hardware_class"])
             golden = build_golden(project, GoldenKey.from_name(request["key"]), seed=request["seed"],
