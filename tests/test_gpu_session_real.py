@@ -86,25 +86,30 @@ def _first_two(inner):  # noqa: ANN001, ANN202 - the budget runs out after two c
 gpu_real = pytest.importorskip("gpu_real")
 
 
-def test_gpu_real_without_cuda_skips_and_plans(tmp_path):
+def plan_of(capsys, *args: str) -> tuple[int, str]:
+    """`tools/gpu_real.py --plan ARGS` (no GPU needed): its exit status and what it printed."""
+    code = gpu_real.main(["--plan", *args])
+    return code, capsys.readouterr().out
+
+
+def test_gpu_real_without_cuda_skips_and_plans(tmp_path, capsys):
     # "without CUDA" on every machine: on a GPU box the bare command would record the whole real tier
     no_gpu = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     done = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_real.py"), "--out", str(tmp_path)],
                           capture_output=True, text=True, cwd=ROOT, env=no_gpu)
     assert done.returncode == 0 and "skipped, no CUDA device" in done.stdout, done.stderr
     assert list(tmp_path.iterdir()) == []
-    plan = [sys.executable, str(ROOT / "tools" / "gpu_real.py"), "--plan", "--model", "qwen3-real",
-            "--dtype", "float32", "--jobs", "2"]
-    done = subprocess.run([*plan, "--rerecord"], capture_output=True, text=True, cwd=ROOT)
-    assert done.returncode == 0, done.stderr
-    assert "| record qwen3-real float32 |" in done.stdout and "| check qwen3-real float32 compile |" in done.stdout
+    plan = ["--model", "qwen3-real", "--dtype", "float32", "--jobs", "2"]
+    code, out = plan_of(capsys, *plan, "--rerecord")
+    assert code == 0
+    assert "| record qwen3-real float32 |" in out and "| check qwen3-real float32 compile |" in out
     # the record (which runs eager and sdpa too), 7 other backends and compile; 1 of the 2 workers records
-    assert "9 units" in done.stdout and "on 2 workers (1 recording)" in done.stdout
+    assert "9 units" in out and "on 2 workers (1 recording)" in out
     # by default a cuda-sm90 golden in goldens/ (the H200's, committed) is kept and only checked
-    done = subprocess.run(plan, capture_output=True, text=True, cwd=ROOT)
-    assert "| record qwen3-real float32 |" not in done.stdout and "8 units" in done.stdout, done.stdout[-500:]
-    done = subprocess.run([*plan, "--exclude", "qwen3-real/float32"], capture_output=True, text=True, cwd=ROOT)
-    assert "0 units" in done.stdout, done.stdout[-500:]
+    code, out = plan_of(capsys, *plan)
+    assert "| record qwen3-real float32 |" not in out and "8 units" in out, out[-500:]
+    code, out = plan_of(capsys, *plan, "--exclude", "qwen3-real/float32")
+    assert "0 units" in out, out[-500:]
 
 
 def test_units_wait_for_their_golden_and_share_the_memory():
@@ -294,14 +299,13 @@ def test_a_goldens_checks_stay_on_the_worker_that_holds_its_weights():
     assert all(r["end_s"] >= r["start_s"] >= 0 for r in done["results"])  # the timeline, for real.json
 
 
-def test_plan_says_whether_a_command_fits():
-    plan = [sys.executable, str(ROOT / "tools" / "gpu_real.py"), "--plan", "--model", "deepseek_v3-real",
-            "--dtype", "float32", "--backends", "sdpa_flash,sdpa_efficient,sdpa_cudnn,sdpa_math,flex_attention,"
-            "sdpa+grouped_mm", "--no-compile", "--rerecord", "--stop-s", "470"]
-    done = subprocess.run(plan, capture_output=True, text=True, cwd=ROOT)
-    assert done.returncode == 0 and "\nfits: " in done.stdout, done.stdout[-600:]
-    done = subprocess.run([*plan, "--dtype", "bfloat16"], capture_output=True, text=True, cwd=ROOT)
-    assert "DOES NOT FIT" in done.stdout, done.stdout[-600:]  # both dtypes: 2 records of 175-245 s, as on the H200
+def test_plan_says_whether_a_command_fits(capsys):
+    plan = ["--model", "deepseek_v3-real", "--dtype", "float32", "--backends", "sdpa_flash,sdpa_efficient,sdpa_cudnn,"
+            "sdpa_math,flex_attention,sdpa+grouped_mm", "--no-compile", "--rerecord", "--stop-s", "470"]
+    code, out = plan_of(capsys, *plan)
+    assert code == 0 and "\nfits: " in out, out[-600:]
+    code, out = plan_of(capsys, *plan, "--dtype", "bfloat16")
+    assert "DOES NOT FIT" in out, out[-600:]  # both dtypes: 2 records of 175-192 s, as on the H200
 
 
 def test_liger_is_timed_as_its_fused_moe_only_where_liger_replaces_the_experts():
