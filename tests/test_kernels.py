@@ -133,6 +133,28 @@ def test_fa4_unpads_packs_and_passes_sinks_windows_and_mla(repo_project: Project
         assert report.notes[-1].startswith("fa4 ran for ")
 
 
+def test_fa4_keeps_a_packed_row_apart_beside_an_ordinary_row() -> None:
+    # The real-shape goldens' single batch: row 0 one sequence, row 1 many packed ones, no mask. Looking
+    # for packing only at batch size 1 (as transformers' flash paths do) ran row 1 dense: 22-47x on the H200.
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=97, max_position_embeddings=64)
+    config._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, 97, (2, 16))
+    positions = torch.stack([torch.arange(16), torch.cat([torch.arange(n) for n in (5, 7, 4)])])
+    with torch.no_grad():
+        reference = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+        switched = fa4.switch(model, rk.FA4)
+        next(switched)
+        got = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+        alone = model(input_ids=ids[:1], position_ids=positions[:1], use_cache=False).logits
+    torch.testing.assert_close(got, reference)
+    torch.testing.assert_close(alone, reference[:1])
+
+
 def test_quack_experts_forward_and_backward_pass(repo_project: Project) -> None:
     for model, dtype in [("qwen3_moe", "float32"), ("gpt_oss", "float32"), ("mixtral", "bfloat16")]:
         (report,) = run(repo_project, model, "quack_on_torch", dtype)
