@@ -187,6 +187,39 @@ def test_quack_experts_match_eager_with_idle_experts_and_expert_parallel_sentine
     assert runs[1][2][[1, 3, 4]].abs().max() == 0  # idle experts: zero weight gradient
 
 
+def test_quack_sums_each_experts_bias_gradient_as_eager_does_in_bfloat16() -> None:
+    # gpt_oss-real bfloat16 on the H200 failed quack at 3.5x from a down_proj_bias gradient: a bfloat16
+    # gather's backward rounds after every row it adds (about 512 rows an expert here), eager once.
+    import copy
+
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    torch.manual_seed(0)
+    config = GptOssConfig(hidden_size=64, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)
+    config._experts_implementation = "eager"
+    experts = GptOssExperts(config)
+    for parameter in experts.parameters():
+        torch.nn.init.normal_(parameter, std=0.1)
+    experts = experts.to(torch.bfloat16)
+    x = torch.randn(1024, 64).to(torch.bfloat16)
+    index = torch.stack([torch.arange(1024) % 4, (torch.arange(1024) + 1) % 4], 1)
+    weights = torch.rand(1024, 2).to(torch.bfloat16)
+
+    def bias_gradients(forward, dtype):
+        module = copy.deepcopy(experts).to(dtype)
+        out = forward(module, x.to(dtype), index, weights.to(dtype))
+        (out.double() * torch.linspace(-1, 1, out.numel(), dtype=torch.float64).view_as(out)).sum().backward()
+        return [module.down_proj_bias.grad.double(), module.gate_up_proj_bias.grad.double()]
+
+    exact = bias_gradients(GptOssExperts.forward, torch.float64)
+    eager = bias_gradients(GptOssExperts.forward, torch.bfloat16)
+    fused = bias_gradients(quack.experts_forward(rk.QUACK, support.Ran("quack", experts, "experts")), torch.bfloat16)
+    for want, eager_grad, quack_grad in zip(exact, eager, fused):
+        eager_error, quack_error = (eager_grad - want).abs().max(), (quack_grad - want).abs().max()
+        assert quack_error <= 1.5 * eager_error, (quack_error, eager_error)
+
+
 @pytest.fixture(scope="module")
 def qwen3_5(tmp_path_factory: pytest.TempPathFactory) -> Project:
     """A scratch project with a float32 golden of the Qwen3.5 toy (gated DeltaNet layer 0), this machine's class."""
