@@ -5,9 +5,11 @@ the script and in the worker processes it starts."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -148,3 +150,28 @@ def test_cell_seconds_counts_builds_per_layout_and_the_libraries_first_costs() -
     fa4 = dict(cell, backend="fa4")
     assert tool.cell_seconds(fa4, moe, first=True, autotune=True) > tool.cell_seconds(fa4, moe, first=False,
                                                                                       autotune=True, new_shape=False)
+
+
+def test_a_library_that_fails_to_import_errors_every_later_cell_of_its_worker_without_building_them(
+        tmp_path: Path) -> None:
+    from golden_repo import CLASS
+
+    calls = tmp_path / "calls"
+    spec = tmp_path / "broken.py"
+    spec.write_text(f"def broken(model):\n"
+                    f"    open({str(calls)!r}, 'a').write('x')\n"
+                    f"    raise ModuleNotFoundError(\"No module named 'cutlass.cute'\")\n")
+    dirs = {"goldens": str(ROOT / "goldens"), "configs": str(ROOT / "toy_configs"),
+            "testdata": str(ROOT / "testdata"), "hardware_class": CLASS}
+    cells = [dict(model=model, dtype="float32", scenario="step", layouts=["single"], dirs=dirs)
+             for model in ("llama", "qwen2")]
+    (tmp_path / "cells.json").write_text(json.dumps(cells))
+    tool = load_tool()
+    tool.worker(f"{spec}:broken", tmp_path / "cells.json", tmp_path / "results.jsonl", time.time() + 600)
+
+    done = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    rows = [event["rows"][0] for event in done if event["event"] == "done"]
+    assert [r["status"] for r in rows] == ["ERROR", "ERROR"]
+    assert rows[0]["reason"].startswith("ModuleNotFoundError: No module named 'cutlass.cute'")
+    assert rows[1]["reason"].startswith(rows[0]["reason"]) and "not run" in rows[1]["reason"]
+    assert calls.read_text() == "x"  # the second model was never built for the broken backend
