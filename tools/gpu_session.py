@@ -496,7 +496,7 @@ def phase_layouts_real(project: Project, out: Path, dtypes: list[str], chosen: l
     _bundle_details(out, {"layouts-real.json", "layouts-real.txt"})
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("phase", choices=("record", "matrix", "layouts", "record-real", "matrix-real", "layouts-real"))
     parser.add_argument("--dtype", action="append", choices=("float32", "bfloat16"),
@@ -515,7 +515,7 @@ def main() -> None:
                              "scenarios' goldens instead of the step matrix")
     parser.add_argument("--jobs", type=int, default=1,
                         help="record: record in this many processes on the one GPU (default 1)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     # tools/simulate_class.py makes a CPU answer a GPU class: its `record` runs there, on the CPU.
     simulated_record = args.phase == "record" and hardware.detect() != "cpu"
     if not torch.cuda.is_available() and not simulated_record:
