@@ -149,8 +149,11 @@ def test_fa4_keeps_a_packed_row_apart_beside_an_ordinary_row() -> None:
         reference = model(input_ids=ids, position_ids=positions, use_cache=False).logits
         switched = fa4.switch(model, rk.FA4)
         next(switched)
-        got = model(input_ids=ids, position_ids=positions, use_cache=False).logits
-        alone = model(input_ids=ids[:1], position_ids=positions[:1], use_cache=False).logits
+        try:
+            got = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+            alone = model(input_ids=ids[:1], position_ids=positions[:1], use_cache=False).logits
+        finally:
+            switched.close()  # fa4's registrations with transformers are process-wide: undo them here
     torch.testing.assert_close(got, reference)
     torch.testing.assert_close(alone, reference[:1])
 

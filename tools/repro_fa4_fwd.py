@@ -14,6 +14,8 @@ so row 1's sequences attend to each other; the eager/sdpa golden masks them per 
   A "varlen (cu from flat pos ids)": ok            (the fix: cu_seqlens from the flattened position ids)
   B one-factor sweeps (seqlen, batch, head dim, GQA, unequal varlen): all ok
 Any B row WRONG would instead point at a kernel bug at that factor.
+Measured on the H200 (2026-12-02, flash-attn-4 4.0.0b36): as expected, every row (38 s;
+docs/findings/transformers-flash-packed-rows.md).
 
 Error: max |x - ref| over the case (per row of the batch where it has 2), ref = torch sdpa MATH in
 float32 on the same bf16 inputs; beside it the same error of torch's own bf16 sdpa (the noise
