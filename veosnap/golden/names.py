@@ -26,6 +26,8 @@ a row); the golden file refuses any other `inputs.*` tensor.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import re
 from dataclasses import dataclass
 from typing import ClassVar
@@ -88,6 +90,7 @@ def kind(cls: type[TensorName]) -> type[TensorName]:
     return cls
 
 
+@lru_cache(maxsize=1 << 16)  # typed names are frozen: a check parses each of its names a dozen times
 def parse(text: str) -> TensorName:
     """The typed name of `text`; ValueError when it is no kind of golden tensor."""
     for cls in _KINDS:
