@@ -141,35 +141,49 @@ def test_check_refuses_a_golden_edited_after_recording_even_when_no_layout_runs(
 
 @pytest.mark.parametrize("model", ["llama", "qwen3_moe"])
 def test_a_check_first_waits_for_the_decode_after_the_model_is_built(tmp_path, capsys, monkeypatch, model):
-    # The overlap is the point: config, limits, coverage and the layout's accept use only the head.
-    from veosnap.golden.background import _Decode
-    from veosnap.reference import models
+    # The overlap is the point: config, limits, coverage and the layout's accept use only the head. The check's
+    # own thread first waits for the decode once it has its model (built on the prebuild thread meanwhile);
+    # before that only the staging thread does (the golden's device copies, made while the model is built).
+    import threading
+
+    from veosnap.golden.background import PendingGolden
+    from veosnap.reference.prebuild import Prebuild
 
     root, _ = copy_golden(tmp_path, model)
     events: list[str] = []
-    build, result = models.build, _Decode.result
-    monkeypatch.setattr(models, "build", lambda *a, **k: events.append("build") or build(*a, **k))
-    monkeypatch.setattr(_Decode, "result", lambda self: events.append("wait") or result(self))
+    take, result = Prebuild.take, PendingGolden.result
+    monkeypatch.setattr(Prebuild, "take", lambda self, *a: events.append("take") or take(self, *a))
+    monkeypatch.setattr(PendingGolden, "result", lambda self: events.append(
+        f"wait {threading.current_thread().name}") or result(self))
     code = main(["check", "--goldens", str(root), "--hardware-class", CLASS, "--model", model, "--dtype", "float32"])
     assert code == 0, capsys.readouterr()
-    assert events[0] == "build" and "wait" in events
+    mine = [e for e in events if e in ("take", "wait MainThread")]
+    assert mine[0] == "take" and "wait MainThread" in mine
+    assert "wait veosnap-stage" in events
 
 
-def test_the_decode_starts_after_the_checks_setup_and_before_the_model_is_built(tmp_path, capsys, monkeypatch):
-    # Started with the head, its Python parse took the GIL from the setup (the limits' skeleton thread).
+def test_the_decode_starts_after_the_checks_setup_and_the_model_is_built_once_on_its_own_thread(
+        tmp_path, capsys, monkeypatch):
+    # Started with the head, the decode's Python parse took the GIL from the setup (the limits' skeleton thread).
+    # The model is built from the check's start on the prebuild thread (reference.prebuild), and taken: once.
+    import threading
+
     from veosnap.golden.background import _Decode
     from veosnap.reference import coverage, models
 
     root, _ = copy_golden(tmp_path, "qwen3_moe")
     events: list[str] = []
+    builds: list[str] = []
     build, start, require = models.build, _Decode.start, coverage.require
-    monkeypatch.setattr(models, "build", lambda *a, **k: events.append("build") or build(*a, **k))
+    monkeypatch.setattr(models, "build", lambda *a, **k: builds.append(threading.current_thread().name)
+                        or build(*a, **k))
     monkeypatch.setattr(_Decode, "start", lambda self: events.append("start") or start(self))
     monkeypatch.setattr(coverage, "require", lambda *a, **k: events.append("setup") or require(*a, **k))
     code = main(["check", "--goldens", str(root), "--hardware-class", CLASS, "--model", "qwen3_moe",
                  "--dtype", "float32"])
     assert code == 0, capsys.readouterr()
-    assert events[:3] == ["setup", "start", "build"]
+    assert events[:2] == ["setup", "start"]
+    assert builds == ["veosnap-prebuild qwen3_moe"]
 
 
 @pytest.mark.parametrize("edit", ["missing", "extra", "extra_route"])

@@ -596,3 +596,56 @@ def test_a_checks_gradients_finished_together_are_each_finished_alone(device):
         assert all(made[name].norms._base is not None for name in together_done)
         assert all(made[name].norms._base is None for name in ("grad.wide", "grad.odd", "grad.emb", "grad.few0"))
         assert made["grad.many0"].norms._base is not None
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA: there the hooks run on the autograd engine's own thread"))])
+def test_gradients_sketched_in_the_backwards_hooks_are_the_ones_sketched_after_it_unless_changed_since(device):
+    """A check's last pass reduces each sketched gradient in a post-accumulate-grad hook, while the backward still
+    runs (`capture.sketched_as_accumulated`): the same rows, bit for bit, as reducing it after the backward; a
+    gradient changed in place or replaced after its hook is reduced again, from what it is then."""
+    from veosnap.golden import names, store
+    from veosnap.reference import models
+    from veosnap.reference.capture import reduce_gradients, sketched_as_accumulated
+    from veosnap.reference.inputs import Batch
+    from veosnap.reference.reduce import Reducer
+    from veosnap.reference.zoo import Project, load_config
+
+    project = Project.resolve()
+    toy = load_config(project.configs, "llama")
+    model = models.build(toy, torch.float32, device)
+    matrices = {str(names.Grad(n)): SketchSpec(seed=3, width=8, group=1, shape=tuple(p.shape))
+                for n, p in model.named_parameters() if p.ndim == 2}
+
+    class Counting(Reducer):  # sketches every matrix's gradient, counts the sketches, keeps rows as they are
+        made = 0
+
+        def spec(self, name: str) -> SketchSpec | None:
+            return matrices.get(name)
+
+        def keep_rows(self, name, tensor, row_offset=None):  # noqa: ANN001, ANN201
+            Counting.made += 1
+            return super().keep_rows(name, tensor, row_offset)
+
+        def finish_all(self, items):  # noqa: ANN001, ANN201
+            return dict(items)
+
+    reducer = Counting()
+    batch = Batch.from_golden(store.read(project.goldens / "cpu" / "llama" / "step-float32.safetensors.zst")).to(device)
+    with sketched_as_accumulated(model, reducer) as accumulated:
+        model(**batch.model_kwargs(), use_cache=False).loss.backward()
+    assert Counting.made == len(matrices) and set(accumulated) == set(matrices)
+    changed, replaced = "grad.model.layers.0.mlp.up_proj.weight", "grad.model.layers.1.self_attn.q_proj.weight"
+    model.get_submodule("model.layers.0.mlp.up_proj").weight.grad.mul_(2)
+    q = model.get_submodule("model.layers.1.self_attn.q_proj").weight
+    q.grad = q.grad.clone()
+    Counting.made = 0
+    _, hooked = reduce_gradients(model, reducer, accumulated)
+    assert Counting.made == 2  # only those two again
+    _, after = reduce_gradients(model, reducer)
+    assert hooked.keys() == after.keys() == matrices.keys()
+    for name in matrices:
+        for field in ("values", "sumsq"):
+            assert torch.equal(getattr(hooked[name].sketch, field), getattr(after[name].sketch, field)), name
+    before = accumulated[changed][2].sketch.values
+    assert not torch.equal(before, after[changed].sketch.values)  # the hook's rows were of the gradient before

@@ -23,6 +23,7 @@ never hangs.
 from __future__ import annotations
 
 import json
+import os
 import struct
 import threading
 from collections.abc import Callable, Iterator
@@ -90,6 +91,7 @@ class PendingGolden(Golden):
         # The dataclass __init__ is not called: `tensors` and `sketches` are the decode's.
         self.manifest, self.path = manifest, path
         self._inputs, self._stored, self._decode = inputs, stored, decode
+        self._decoded: Golden | None = None  # once the thread has given it: a check reads its tensors hundreds of times
 
     def start(self) -> None:
         """Start decoding the tensors on the thread, now (the first use of them starts it otherwise)."""
@@ -97,7 +99,9 @@ class PendingGolden(Golden):
 
     def result(self) -> Golden:
         """The decoded golden (waits for the thread, started if it was not); raises its `GoldenError`."""
-        return self._decode.result()
+        if self._decoded is None:
+            self._decoded = self._decode.result()
+        return self._decoded
 
     @property
     def tensors(self) -> dict[str, torch.Tensor]:  # type: ignore[override]
@@ -188,6 +192,27 @@ def _head(data: bytes, path: Path, root: Path | None) -> Head | None:
         check_inputs(inputs, manifest, path)
         return manifest, inputs, frozenset(entries)
     except Exception:  # noqa: BLE001 - the head is a shortcut: the full decode names any problem
+        return None
+
+
+def peek(path: Path, root: Path | None = None) -> tuple[Manifest, int] | None:
+    """The manifest and the batch's token slots (rows x positions) the golden at `path` declares, from its
+    header alone, or None when they cannot be read. Only a hint for work started early (a check builds its
+    model while the golden is read: `reference.prebuild`): nothing is checked but the manifest's own hash,
+    and a check still reads the golden in full, in its turn, before anything it built is used."""
+    try:
+        if store.problem(path, root):
+            return None
+        with os.fdopen(store._open_regular(path), "rb") as fh:  # a FIFO or device is refused, never waited on
+            reader = zstandard.ZstdDecompressor().stream_reader(fh)
+            (header_len,) = struct.unpack("<Q", _read_exact(reader, 8))
+            if header_len > MAX_HEADER:
+                return None
+            header = json.loads(_read_exact(reader, header_len))
+        manifest = Manifest.from_json(header["__metadata__"][METADATA_KEY], path)
+        rows, width = header[str(names.Input("input_ids"))]["shape"]
+        return manifest, int(rows) * int(width)
+    except Exception:  # noqa: BLE001 - a hint: the full read names any problem
         return None
 
 

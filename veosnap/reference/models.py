@@ -128,6 +128,9 @@ _SKELETONS: dict[str, nn.Module] = {}
 _SKELETONS_KEPT = 8
 # Skeletons being built on a thread (`prefetch_skeleton`), by config hash.
 _PENDING: dict[str, Future] = {}
+# A check asks for a skeleton on two threads at once (its own limits, and the prebuild's: `reference.prebuild`):
+# one builds or waits, the other finds it made.
+_SKELETON_LOCK = threading.Lock()
 
 
 def skeleton(toy: ToyConfig) -> nn.Module:
@@ -138,13 +141,14 @@ def skeleton(toy: ToyConfig) -> nn.Module:
     Check a config's size first (`limits.check_config`): building still costs time per layer.
     """
     key = toy.hash
-    model = _SKELETONS.get(key)
-    if model is None:
-        pending = _PENDING.pop(key, None)
-        model = pending.result() if pending is not None else _build_skeleton(toy)
-        if len(_SKELETONS) >= _SKELETONS_KEPT:
-            _SKELETONS.pop(next(iter(_SKELETONS)))
-        _SKELETONS[key] = model
+    with _SKELETON_LOCK:
+        model = _SKELETONS.get(key)
+        if model is None:
+            pending = _PENDING.pop(key, None)
+            model = pending.result() if pending is not None else _build_skeleton(toy)
+            if len(_SKELETONS) >= _SKELETONS_KEPT:
+                _SKELETONS.pop(next(iter(_SKELETONS)))
+            _SKELETONS[key] = model
     # Pinned here too (process-wide, idempotent), before any candidate runs: a check snapshots the modeling
     # module afterwards (`candidates.pristine`), and the reference's own pinning is no candidate's patch.
     pin_torch_fallbacks(model)

@@ -27,7 +27,7 @@ from ..candidates.layouts import engine, registry, torchrun
 from ..candidates.layouts.engine import LayoutResult
 from ..candidates.layouts.protocol import Layout, LayoutContext
 from ..errors import Unsupported, VeosnapError, describe
-from ..golden import names
+from ..golden import background, names, store
 from ..golden.background import PendingGolden, errors_after
 from ..golden.codec import Golden
 from ..golden.key import GoldenKey
@@ -38,6 +38,7 @@ from ..reference import coverage, hardware, limits, models, scenarios
 from ..reference.capture import Capture
 from ..reference.determinism import deterministic, one_thread
 from ..reference.inputs import Batch
+from ..reference.prebuild import Prebuild
 from ..reference.scenarios import Scenario
 from ..reference.zoo import Project, ToyConfig, load_checked, load_config
 from .verdict import CheckReport, VersionDrift
@@ -74,18 +75,58 @@ def check_layouts(project: Project, key: GoldenKey, backend: Backend, layouts: S
     # The meta-device skeleton the limits and coverage need is built on a thread while the golden is read
     # (its errors, if any, come where the limits ask for it, after the golden's own).
     limits.prefetch_skeleton(config)
-    # The golden's manifest and batch are read now; its other tensors are decoded on a thread while the
-    # model is built and the candidate runs (golden.background, started after the setup below): the first
-    # use of them waits for it.
-    with one_thread():  # a golden's tensors are small: a thread pool would cost more than the work
-        golden, toy = load_checked(project, key, cross_class, gold, background=True)
-    with errors_after(golden):  # a golden still decoding: its own error, if any, comes first
-        return _check_loaded(project, key, backend, chosen, golden, toy, nproc, timeout_s, cross_class, scenario)
+    # The model is built on a thread from now on (reference.prebuild), while the golden is read and the
+    # setup below refuses what it must, as before: at scale the build takes seconds, the rest milliseconds.
+    prebuilt = _prebuild(project, key, config, chosen, backend, gold, cross_class)
+    if prebuilt is not None:
+        prebuilt.begun()
+    try:
+        # The golden's manifest and batch are read now; its other tensors are decoded on a thread while the
+        # model is built and the candidate runs (golden.background, started after the setup below): the first
+        # use of them waits for it.
+        with one_thread():  # a golden's tensors are small: a thread pool would cost more than the work
+            golden, toy = load_checked(project, key, cross_class, gold, background=True)
+        with errors_after(golden):  # a golden still decoding: its own error, if any, comes first
+            return _check_loaded(project, key, backend, chosen, golden, toy, nproc, timeout_s, cross_class, scenario,
+                                 prebuilt)
+    finally:
+        if prebuilt is not None:
+            prebuilt.cancel()
+
+
+def _prebuild(project: Project, key: GoldenKey, toy: ToyConfig, chosen: list[tuple[str, Layout]], backend: Backend,
+              gold: Golden | None, cross_class: bool) -> Prebuild | None:
+    """The model of the check's first in-process layout, built on a thread from the seed and batch the golden
+    declares, once the limits allow it (see `reference.prebuild`); None when no layout here would take it."""
+    local = [layout for _, layout in chosen if not layout.distributed]
+    if not local or (type(local[0]).load is not Layout.load and not backend.parallelizes):
+        return None  # torchrun ranks build their own; a layout loading its own model would not take it
+    device = hardware.device_for(hardware.detect())
+    path = store.path_for(project.goldens, key.recorded)
+
+    def seed_of() -> int | None:
+        if key.hardware_class != hardware.detect() and not cross_class:
+            return None  # refused as soon as the golden is read
+        if gold is not None:
+            batch = Batch.from_golden(gold)
+            manifest, tokens = gold.manifest, batch.rows * batch.width
+        else:
+            peeked = background.peek(path, project.goldens)
+            if peeked is None:
+                return None
+            manifest, tokens = peeked
+        if manifest.config_hash != toy.hash:
+            return None  # likewise
+        parameters = limits.check_config(toy)
+        limits.check_memory(toy, parameters, tokens, models.dtype_from_name(key.dtype), device, recording=False)
+        return manifest.reference.seed
+
+    return Prebuild(toy, key.dtype, device, seed_of)
 
 
 def _check_loaded(project: Project, key: GoldenKey, backend: Backend, chosen: list[tuple[str, Layout]],
                   golden: Golden, toy: ToyConfig, nproc: int, timeout_s: float,
-                  cross_class: bool, scenario: Scenario) -> list[CheckReport]:
+                  cross_class: bool, scenario: Scenario, prebuilt: Prebuild | None = None) -> list[CheckReport]:
     """`check_layouts` once its golden and config are read."""
     batch = Batch.from_golden(golden)
     parameters = limits.check_config(toy)
@@ -99,6 +140,9 @@ def _check_loaded(project: Project, key: GoldenKey, backend: Backend, chosen: li
         # Decode its tensors now, while the model is built: started earlier, the decode's Python parse took
         # the GIL from the setup above (the skeleton thread the limits wait for).
         golden.start()
+    # The first in-process run's reducer and the golden's tensors on its device, made while the model is built.
+    staged = engine.Staged(golden, batch.token_mask, device) if any(not layout.distributed for _, layout in chosen) \
+        else None
     reports: dict[int, CheckReport] = {}
     spawned: list[int] = []
     for index, (spec, layout) in enumerate(chosen):
@@ -115,7 +159,9 @@ def _check_loaded(project: Project, key: GoldenKey, backend: Backend, chosen: li
         if layout.distributed:
             spawned.append(index)
         else:
-            reports[index] = _in_process(golden, batch, toy, backend, layout, fields, timeout_s, family, scenario)
+            reports[index] = _in_process(golden, batch, toy, backend, layout, fields, timeout_s, family, scenario,
+                                         prebuilt, staged)
+            staged = None  # made once, for the first
     if isinstance(golden, PendingGolden):
         # A corrupt golden is refused even when no layout ran (all declined, or the candidate failed first).
         golden = golden.result()
@@ -158,17 +204,20 @@ def version_drift(golden: Golden) -> list[VersionDrift]:
 
 
 def _in_process(golden: Golden, batch: Batch, toy: ToyConfig, backend: Backend, layout: Layout,
-                fields: dict[str, str], timeout_s: float, family: str, scenario: Scenario) -> CheckReport:
+                fields: dict[str, str], timeout_s: float, family: str, scenario: Scenario,
+                prebuilt: Prebuild | None = None, staged: engine.Staged | None = None) -> CheckReport:
     """Run a layout here, on this machine's device, guarded and restored; its failure or decline becomes
     its report, and patches it left behind a note on it."""
-    ctx = LayoutContext.checking(golden, toy, hardware.device_for(hardware.detect()), scenario)
+    ctx = LayoutContext.checking(golden, toy, hardware.device_for(hardware.detect()), scenario, prebuilt=prebuilt)
     header = f"ERROR  {golden.key}  backend={fields['backend']}  layout={fields['layout']}"
+    if prebuilt is not None:
+        prebuilt.wait()  # its build patches transformers while it runs: snapshot the modeling code after it
     with pristine.kept(family) as left:
         try:
             # Fixed threads and deterministic algorithms: checking twice gives the same report, even for
             # kernels whose reductions otherwise vary from run to run (batched_mm on CPU does).
             with deterministic(), guard.running(header, timeout_s):
-                result = engine.run(layout, backend, ctx)
+                result = engine.run(layout, backend, ctx, staged)
         except VeosnapError:
             raise
         except Unsupported as exc:

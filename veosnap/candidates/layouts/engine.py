@@ -19,6 +19,8 @@ rows (FSDP2) is sketched shard by shard. Any other sharding is gathered first (d
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+import threading
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -26,10 +28,12 @@ from torch import nn
 
 from ...errors import Unsupported
 from ...golden import names
+from ...golden.codec import Golden
 from ...numerics.compare import whole_on_device
 from ...numerics.routes import flips
 from ...reference import train
-from ...reference.capture import Capture, Part, auxiliary_loss, forward_backward, reduce_gradients
+from ...reference.capture import (Capture, Part, auxiliary_loss, forward_backward, reduce_gradients,
+                                  sketched_as_accumulated)
 from ...reference.inputs import Batch, Media
 from ...reference.probes import RouteRecord
 from ...reference.reduce import WHOLE, CandidateReducer, Reducer, Rows, assemble_rows
@@ -52,12 +56,40 @@ class LayoutResult:
     golden_on: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+class Staged:
+    """What a check's first in-process run compares with, made on a thread while the model is built: the
+    reducer with the golden's sketches (and the token mask) already on `device`, and the golden's whole
+    tensors there (`whole_on_device`). It waits for the golden's decode; on any failure it holds nothing and
+    the run makes them itself, meeting the same error in its turn."""
+
+    def __init__(self, golden: Golden, token_mask: torch.Tensor, device: torch.device) -> None:
+        self._made: tuple[Reducer, dict[str, torch.Tensor]] | None = None
+        self._thread = threading.Thread(target=self._make, args=(golden, token_mask, device), daemon=True,
+                                        name="veosnap-stage")
+        self._thread.start()
+
+    def _make(self, golden: Golden, token_mask: torch.Tensor, device: torch.device) -> None:
+        try:
+            sketches = golden.sketches  # waits for the decode
+            reducer = CandidateReducer(sketches, token_mask, device=device) if sketches else WHOLE
+            self._made = (reducer, whole_on_device(golden, device))
+        except BaseException:  # noqa: BLE001, S110 - the run makes them itself and meets the error, in its turn
+            pass
+
+    def take(self) -> tuple[Reducer, dict[str, torch.Tensor]] | None:
+        """The reducer and the golden's whole tensors on the device, once (waits for the thread); else None."""
+        self._thread.join()
+        made, self._made = self._made, None
+        return made
+
+
 class LayoutError(RuntimeError):
     """A layout's passes do not cover the golden's batch (a bug in the layout)."""
 
 
-def run(layout: Layout, backend: Backend, ctx: LayoutContext) -> LayoutResult | None:
-    """Run `layout` with `backend` on this rank; the result on rank 0, None on the others."""
+def run(layout: Layout, backend: Backend, ctx: LayoutContext, staged: Staged | None = None) -> LayoutResult | None:
+    """Run `layout` with `backend` on this rank; the result on rank 0, None on the others. `staged`: the
+    golden's device copies made while the model was built (in process only)."""
     # A backend that parallelizes the model itself gets the plain reference, never one transformers sharded.
     model = ctx.build(ctx.device) if backend.parallelizes else layout.load(ctx)
     ctx = replace(ctx, mesh=layout.mesh(ctx))
@@ -83,7 +115,7 @@ def run(layout: Layout, backend: Backend, ctx: LayoutContext) -> LayoutResult | 
         elif setup.data != data:
             raise LayoutError(f"layout {layout.name}: wrap() set up data share {setup.data} but data() told the "
                               f"backend {data}; override data()")
-        runner = _Runner(layout, ctx, setup, candidate, where)
+        runner = _Runner(layout, ctx, setup, candidate, where, staged if ctx.world == 1 else None)
         result = runner.train() if ctx.hyper is not None else runner.step()
     if result is not None:
         result.device, result.golden_on = ctx.device, runner.golden_on
@@ -115,16 +147,21 @@ class _Runner:
     """One layout's passes on one rank, for a step or for the train scenario."""
 
     def __init__(self, layout: Layout, ctx: LayoutContext, setup: Setup, candidate: Candidate,
-                 where: context.Context) -> None:
+                 where: context.Context, staged: Staged | None = None) -> None:
         self.layout, self.ctx, self.setup, self.candidate = layout, ctx, setup, candidate
         self.backward = not candidate.forward_only
+        self.accumulated: dict = {}  # the last pass's gradients as its backward reduced them (`passes`)
         self.shards = layout.shard(ctx, setup)
         self.total = ctx.batch.predictions
-        # The golden's sketched tensors are reduced with its specs; everything else is kept whole.
-        self.reducer: Reducer = CandidateReducer(ctx.golden.sketches, ctx.batch.token_mask, device=ctx.device) \
-            if ctx.golden.sketches else WHOLE
-        # In-process only: a torchrun worker's result is compared by the parent, on the host.
-        self.golden_on = whole_on_device(ctx.golden, ctx.device) if ctx.world == 1 else {}
+        made = staged.take() if staged is not None else None
+        if made is not None:
+            self.reducer, self.golden_on = made
+        else:
+            # The golden's sketched tensors are reduced with its specs; everything else is kept whole.
+            self.reducer = CandidateReducer(ctx.golden.sketches, ctx.batch.token_mask, device=ctx.device) \
+                if ctx.golden.sketches else WHOLE
+            # In-process only: a torchrun worker's result is compared by the parent, on the host.
+            self.golden_on = whole_on_device(ctx.golden, ctx.device) if ctx.world == 1 else {}
         # Each pass's model call, and the golden position of each of its output token slots (-1: none).
         self.calls: list[dict | None] = []
         self.positions: list[torch.Tensor] = []
@@ -156,8 +193,14 @@ class _Runner:
         """One step: every pass's forward and backward, gradients accumulating from zero."""
         self.setup.inner.zero_grad(set_to_none=True)
         parts = []
+        self.accumulated = {}
         for index, (shard, call, positions) in enumerate(zip(self.shards, self.calls, self.positions)):
-            with self.layout.accumulate(self.ctx, self.setup, index, len(self.shards)):
+            # The last pass on a single rank leaves every gradient final as it is accumulated: the sketched ones
+            # are reduced in the backward's own hooks (`sketched_as_accumulated`), `gradients` takes them.
+            final = index == len(self.shards) - 1 and self.ctx.world == 1 and self.backward
+            early = sketched_as_accumulated(self.setup.inner, self.reducer) if final and self.reducer is not WHOLE \
+                else nullcontext({})
+            with self.layout.accumulate(self.ctx, self.setup, index, len(self.shards)), early as self.accumulated:
                 share = shard.batch.predictions / self.total if shard.weight is None else shard.weight
                 parts.append(forward_backward(
                     self.setup.model, shard.batch, inner=self.setup.inner, share=share,
@@ -173,7 +216,7 @@ class _Runner:
         candidate's own reader (`full_gradients`) taking precedence for what it returns."""
         if not self.backward:
             return {}, {}
-        whole, kept = reduce_gradients(self.setup.inner, self.reducer)
+        whole, kept = reduce_gradients(self.setup.inner, self.reducer, self.accumulated)
         if self.candidate.full_gradients is not None:
             for param_name, grad in self.candidate.full_gradients(self.setup.inner).items():
                 name = str(names.Grad(param_name))

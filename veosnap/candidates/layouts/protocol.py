@@ -44,6 +44,7 @@ from ...golden.codec import Golden
 from ...golden.manifest import TrainHyper
 from ...reference import models
 from ...reference.inputs import Batch
+from ...reference.prebuild import Prebuild
 from ...reference.scenarios import Scenario
 from ...reference.train import clip_global
 from ...reference.zoo import ToyConfig
@@ -67,10 +68,14 @@ class LayoutContext:
 
     @classmethod
     def checking(cls, golden: Golden, toy: ToyConfig, device: torch.device, scenario: Scenario | None = None,
-                 **place: object) -> LayoutContext:
+                 prebuilt: Prebuild | None = None, **place: object) -> LayoutContext:
         """The context of a check against `golden`, the model built from `toy` (with the encoders `scenario`
-        freezes frozen); `place`: rank, world, local_rank, workdir."""
-        build = models.builder(toy, golden.key.dtype, golden.manifest.reference.seed)
+        freezes frozen; the first build taking `prebuilt`'s model when it is that one); `place`: rank, world,
+        local_rank, workdir."""
+        seed = golden.manifest.reference.seed
+        build = models.builder(toy, golden.key.dtype, seed)
+        if prebuilt is not None:
+            build = prebuilt.builder(build, seed)
         if scenario is not None and scenario.frozen:
             build = _frozen(build, scenario)
         return cls(golden, Batch.from_golden(golden), device, build, hyper=golden.manifest.reference.train, **place)

@@ -1,0 +1,143 @@
+"""A check builds its model on a thread from its start, while it reads its golden (`reference.prebuild`): the
+same model, the same refusals in the same order, and nothing of it outlives the check."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from golden_repo import CLASS
+from test_golden_background import copy_golden, edited_logits
+
+from veosnap.candidates import backends
+from veosnap.golden import background
+from veosnap.golden.key import GoldenKey
+from veosnap.reference import limits, models
+from veosnap.reference.prebuild import Prebuild
+from veosnap.reference.zoo import Project, load_config
+from veosnap.runs.check import check
+from veosnap.surfaces.cli import main
+
+
+def builds_by_thread(monkeypatch) -> list[str]:  # noqa: ANN001
+    """The thread name of each model build from now on."""
+    names: list[str] = []
+    build = models.build
+    monkeypatch.setattr(models, "build", lambda *a, **k: names.append(threading.current_thread().name)
+                        or build(*a, **k))
+    return names
+
+
+def prebuild_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("veosnap-prebuild")]
+
+
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize(("model", "dtype"), [("llama", "float32"), ("qwen3_moe", "bfloat16"),
+                                               ("deepseek_v3", "float32")])
+def test_the_model_built_on_the_thread_is_bit_identical_to_one_built_here(model, dtype, device):
+    toy = load_config(Project.resolve().configs, model)
+    here = models.build(toy, models.dtype_from_name(dtype), device, seed=0)
+    there = Prebuild(toy, dtype, torch.device(device), lambda: 0).take(device, 0)
+    assert there is not None
+    mine, theirs = dict(here.state_dict()), dict(there.state_dict())
+    assert mine.keys() == theirs.keys()
+    for name, value in mine.items():
+        assert value.dtype == theirs[name].dtype and torch.equal(value, theirs[name]), name
+
+
+def test_a_model_of_another_seed_or_device_is_not_taken_and_is_taken_once():
+    toy = load_config(Project.resolve().configs, "llama")
+    assert Prebuild(toy, "float32", torch.device("cpu"), lambda: 1).take("cpu", 0) is None
+    assert Prebuild(toy, "float32", torch.device("cpu"), lambda: 0).take("meta", 0) is None
+    once = Prebuild(toy, "float32", torch.device("cpu"), lambda: 0)
+    assert once.take("cpu", 0) is not None and once.take("cpu", 0) is None
+
+
+def test_a_seed_that_cannot_be_had_builds_nothing_and_says_nothing(monkeypatch):
+    names = builds_by_thread(monkeypatch)
+    toy = load_config(Project.resolve().configs, "llama")
+
+    def refused() -> int:
+        raise RuntimeError("the limits said no")
+
+    for seed_of in (refused, lambda: None):
+        prebuilt = Prebuild(toy, "float32", torch.device("cpu"), seed_of)
+        assert prebuilt.take("cpu", 0) is None
+    assert names == []
+
+
+def test_a_check_takes_the_model_built_from_its_start_and_reports_as_before(tmp_path, monkeypatch):
+    root, _ = copy_golden(tmp_path, "qwen3_moe")
+    names = builds_by_thread(monkeypatch)
+    project = Project.resolve(goldens=root, hardware_class=CLASS)
+    key = GoldenKey(CLASS, "qwen3_moe", "step", "float32")
+    (single, packed) = [check(project, key, backends.resolve("eager"), layout) for layout in ("single", "packed")]
+    assert single.passed and packed.passed
+    # eager's report says nothing of patches: the thread's build (transformers' init functions patched while it
+    # runs) is over before the check snapshots the modeling code
+    assert not [note for note in single.notes + packed.notes if "patches" in note]
+    assert names == ["veosnap-prebuild qwen3_moe"] * 2
+    assert not prebuild_threads()
+
+
+def test_two_layouts_of_one_check_build_the_first_on_the_thread_and_the_second_here(tmp_path, monkeypatch, capsys):
+    root, _ = copy_golden(tmp_path, "llama")
+    names = builds_by_thread(monkeypatch)
+    code = main(["check", "--goldens", str(root), "--hardware-class", CLASS, "--model", "llama", "--dtype",
+                 "float32", "--layout", "single", "--layout", "microbatch"])
+    assert code == 0, capsys.readouterr()
+    assert names == ["veosnap-prebuild llama", "MainThread"]
+
+
+def test_what_the_check_refuses_at_once_is_never_built(tmp_path, monkeypatch, capsys):
+    # The limits (run by the thread itself on the peeked batch) and another config: no build on any thread, and
+    # the check's own one-line refusal as before.
+    root, _ = copy_golden(tmp_path, "llama")
+    names = builds_by_thread(monkeypatch)
+    monkeypatch.setattr(limits, "_memory", lambda device: (1 << 20, "memory"))
+    code = main(["check", "--goldens", str(root), "--hardware-class", CLASS, "--model", "llama", "--dtype", "float32"])
+    assert code == 2
+    assert "more than this machine's 0 GiB of memory" in capsys.readouterr().err
+    monkeypatch.undo()
+    names = builds_by_thread(monkeypatch)
+    configs = tmp_path / "configs"
+    (configs / "llama").mkdir(parents=True)
+    text = (Project.resolve().configs / "llama" / "config.json").read_text()
+    (configs / "llama" / "config.json").write_text(text.replace('"rms_norm_eps": 1e-06', '"rms_norm_eps": 1e-05'))
+    code = main(["check", "--goldens", str(root), "--configs", str(configs), "--hardware-class", CLASS, "--model",
+                 "llama", "--dtype", "float32"])
+    assert code == 2
+    assert "recorded from another config" in capsys.readouterr().err
+    assert names == []
+    assert not prebuild_threads()
+
+
+def test_a_golden_refused_after_its_model_was_built_leaves_no_build_running(tmp_path, capsys):
+    root, path = copy_golden(tmp_path, "llama")
+    edited_logits(path)  # the header is sound (the peek reads it), the payload is not
+    assert background.peek(path, root) is not None
+    code = main(["check", "--goldens", str(root), "--hardware-class", CLASS, "--model", "llama", "--dtype", "float32"])
+    assert code == 2
+    assert "payload hash" in capsys.readouterr().err
+    assert not prebuild_threads()
+
+
+def test_a_sketched_goldens_reducer_is_made_on_the_staging_thread_while_the_model_is_built(tmp_path, monkeypatch):
+    from veosnap.reference.reduce import CandidateReducer
+    from veosnap.runs.record import record
+
+    project = Project.resolve(goldens=tmp_path / "goldens", hardware_class=CLASS)
+    record(project, "llama", "float32", sketch="always")
+    made: list[str] = []
+    init = CandidateReducer.__init__
+    monkeypatch.setattr(CandidateReducer, "__init__", lambda self, *a, **k: made.append(
+        threading.current_thread().name) or init(self, *a, **k))
+    key = GoldenKey(CLASS, "llama", "step", "float32")
+    report = check(project, key, backends.resolve("sdpa"))
+    assert report.passed and any(result.sketched for result in report.tensors)
+    assert made == ["veosnap-stage"]

@@ -1,0 +1,99 @@
+"""Building a check's model on a thread while the check reads its golden (issue 10: veosnap's fixed cost).
+
+A check's model depends on its config, dtype, device and the golden's weight seed only. At about 1B
+parameters the build takes seconds, while the check's own work before it (reading the file, decoding and
+validating its head, the limits and the coverage) takes tens of milliseconds, on the check's critical
+path until now. `Prebuild` builds the model on a thread from the moment the check starts, from the seed
+and batch size its header declares (`golden.background.peek`); the check does its reading and refusals
+meanwhile, unchanged and in the same order, and its first build of that model takes the one built.
+
+Nothing is trusted early. The peeked seed only chooses what to build: the model is taken only when the
+validated golden asks for the same config, dtype, device and seed. The thread builds only what the limits
+allow: it runs them itself (`limits.check_config`, `limits.check_memory` with the peeked batch) and builds
+nothing on any doubt, so a model the limits refuse is never built; nor does it build for a golden the check
+will refuse at once (another hardware class, another config). Its own failures are never reported: the
+check builds as before and meets the same error, in its turn. While it builds, transformers' init functions
+are patched process-wide (`no_init_weights`), so a check waits for it before it snapshots the modeling code
+(`wait`), and `cancel` (a check's end, whatever its outcome) waits for it too: no build outlives its check.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from . import models
+from .zoo import ToyConfig
+
+
+class Prebuild:
+    """One model for (`toy`, `dtype`, `device`), built on a thread from the seed `seed_of` returns (called
+    there; None, or any exception: build nothing)."""
+
+    def __init__(self, toy: ToyConfig, dtype: str, device: torch.device, seed_of: Callable[[], int | None]) -> None:
+        self.toy, self.dtype, self.device = toy, dtype, torch.device(device)
+        self._seed_of = seed_of
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._started = threading.Event()  # the build has begun, or the thread has ended
+        self._model: nn.Module | None = None
+        self._seed: int | None = None
+        self._cancelled = False
+        threading.Thread(target=self._run, name=f"veosnap-prebuild {toy.name}", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            seed = self._seed_of()
+            if seed is None or self._cancelled:
+                return
+            self._started.set()
+            model = models.build(self.toy, models.dtype_from_name(self.dtype), self.device, seed)
+            with self._lock:
+                if not self._cancelled:
+                    self._model, self._seed = model, seed
+        except BaseException:  # noqa: BLE001, S110 - the check meets the same problem when it builds, and says it
+            pass
+        finally:
+            self._started.set()
+            self._done.set()
+
+    def begun(self) -> None:
+        """Until the build has begun (or the thread has ended). The build is the check's critical path: its
+        start waits for the limits' skeleton, whose Python the check's own reading would slow down (the GIL),
+        while that reading has the whole build to finish in."""
+        self._started.wait()
+
+    def wait(self) -> None:
+        """Until the thread has ended. While it builds, transformers' init functions are patched process-wide
+        (`no_init_weights`): a check snapshots the modeling module (`candidates.pristine`) only after this."""
+        self._done.wait()
+
+    def take(self, device: torch.device | str, seed: int) -> nn.Module | None:
+        """The model built, once, when it is the one asked for (waits for the thread); else None."""
+        if torch.device(device) != self.device:
+            return None
+        self._done.wait()
+        with self._lock:
+            model, self._model = self._model, None
+        return model if model is not None and self._seed == seed else None
+
+    def builder(self, build: Callable[[torch.device], nn.Module], seed: int) -> Callable[[torch.device], nn.Module]:
+        """`build`, except that its first call for this device and `seed` takes the model built here."""
+
+        def first_taken(device: torch.device) -> nn.Module:
+            model = self.take(device, seed)
+            return model if model is not None else build(device)
+
+        return first_taken
+
+    def cancel(self) -> None:
+        """Drop the model if nobody took it, once the thread has ended: nothing of a check goes on building
+        after it returns (a build patches transformers process-wide while it runs)."""
+        with self._lock:
+            self._cancelled = True
+        self._done.wait()
+        with self._lock:
+            self._model = None
