@@ -6,7 +6,8 @@ with `--sketch auto` and checks a candidate against it, and prints one table:
     params, tokens      the model and the golden's batch (4 rows, left-padded)
     golden              bytes on disk (the target is 16 MiB, the hard limit 64 MiB)
     record              wall time of `veosnap record` (two model builds, the reference, its float64 twin)
-    build               one model build with deterministic weights (not veosnap's own work, but a check waits for it)
+    build               one model build with deterministic weights (not veosnap's own work, but a check waits for it;
+                        on the prebuild thread in a check)
     cand f+b            the candidate's forward and backward alone (no hooks), median of 3, warm
     eager f+b           the eager reference's (the slowest candidate; the issue's own figures were eager's)
     check               a whole `veosnap check` (after the record and the candidate alone: its Triton kernels are
@@ -19,14 +20,25 @@ with `--sketch auto` and checks a candidate against it, and prints one table:
                                     memory), the golden's coverage of the model (a meta-device skeleton), the
                                     version drift
         reduce (grads)               capture's hooks and gradient pass: sketches, host copies of whole tensors
-                                     (in brackets: the gradient pass alone)
+                                     (in brackets: the gradient pass alone). On a GPU the last pass's gradients
+                                     are sketched in the backward's hooks, on the autograd engine's thread: shown
+                                     as "+ N in the backward's hooks", host time there, not in own
         routes / assemble            the route hooks (experts, weights, margins of each MoE block); the capture
                                      put together from the passes, and the route comparison that decides replay
-        compare / report             every tensor against the golden; the text and JSON reports
+        compare / report             every tensor against the golden; the text report (what `veosnap check`
+                                     prints; `--format json` renders JSON instead)
+                        A check builds its model on a thread from its start (reference.prebuild): load, head
+                        and setup then run while it builds, "(with the build)" in their cells, and are not in
+                        own when the check waited for that build (they were off the critical path)
     rest                check - build - cand f+b - own: what no phase covers, and the noise of timing the
                         candidate apart (it can come out negative). The phases are timed with a device sync
                         around each (hooks included), which itself costs the overlap of host and device
     plain check         the same check with nothing timed but the build (no syncs added): what a user waits
+    build from          in the plain check, from its start to its model build's start (the build runs on its own
+                        thread from the check's start, once the limits allow it: this much is on the path)
+    build alone/plain   one build with nothing else running (the candidate's own, before the checks) / the plain
+                        check's build (on its thread, beside the check's reading and setup): a build slowed by
+                        them (the GIL) would show here, and e2e would then hide that much of veosnap's own time
     e2e own/f+b         (plain check - build - cand f+b) / cand f+b: everything veosnap adds, end to end, as a
                         user sees it (no phase split; includes `rest` and the noise of cand f+b)
     e2e first           (--first-check) the same for one more plain check run before the timed one: the first check
@@ -79,7 +91,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, ClassVar, Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -96,6 +108,7 @@ import veosnap.golden.store as store_module  # noqa: E402
 import veosnap.reference.coverage as coverage_module  # noqa: E402
 import veosnap.reference.limits as limits_module  # noqa: E402
 import veosnap.reference.models as models_module  # noqa: E402
+import veosnap.reference.prebuild as prebuild_module  # noqa: E402
 import veosnap.reference.probes as probes_module  # noqa: E402
 import veosnap.reference.zoo as zoo_module  # noqa: E402
 import veosnap.runs.check as check_module  # noqa: E402
@@ -109,7 +122,6 @@ from veosnap.reference.determinism import deterministic  # noqa: E402
 from veosnap.reference.inputs import Batch  # noqa: E402
 from veosnap.reference.reduce import CandidateReducer, Reducer  # noqa: E402
 from veosnap.reference.zoo import Project, load_config  # noqa: E402
-from veosnap.render import json as render_json  # noqa: E402
 from veosnap.render import text as render_text  # noqa: E402
 from veosnap.runs.record import build_golden, encode_checked  # noqa: E402
 
@@ -156,6 +168,15 @@ SIZES = {s.name: s for s in (
                                   "vocab_size": 128256, "max_position_embeddings": 131072,
                                   "rope_parameters": LLAMA_ROPE},
          row_tokens=(2048, 2040, 2048, 2000)),
+    # Llama-3.2-1B's own config (tied embeddings) at 12 of its 16 layers: 1.0B parameters, most of them in the
+    # layers, as in the models users train (all 16 need ~142 GiB to record with the float64 twin, by veosnap's
+    # estimate: over the H200's 140).
+    Size("llama-1b-12l", "llama", {"hidden_size": 2048, "intermediate_size": 8192, "head_dim": 64,
+                                   "num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 12,
+                                   "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+                                   "tie_word_embeddings": True,
+                                   "rope_parameters": {**LLAMA_ROPE, "factor": 32.0}},
+         row_tokens=(2048, 2040, 2048, 2000)),
     Size("qwen3_moe-1b", "qwen3_moe", {"hidden_size": 2048, "intermediate_size": 6144, "head_dim": 128,
                                        "num_attention_heads": 32, "num_key_value_heads": 4, "num_hidden_layers": 1,
                                        "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
@@ -182,6 +203,8 @@ class Phases:
     def __init__(self, only: set[str] | None = None) -> None:
         self.seconds: dict[str, float] = {}
         self.only = only  # the phases timed (None: all); the others run as if untimed (no sync)
+        self.t0 = time.perf_counter()  # the check's start (`one_check` sets it)
+        self.build_from = 0.0  # seconds from the check's start to the start of its model's build
 
     def add(self, phase: str, seconds: float) -> None:
         self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
@@ -206,15 +229,19 @@ def timed(phase: str, fn: Callable, nested: bool = False, host: bool = False) ->
         if phases is None or getattr(depth, "n", 0) or (phases.only is not None and phase not in phases.only):
             return fn(*args, **kwargs)
         depth.n = 1
-        if not host:
+        # Off the main thread (the decode thread; the autograd engine's, where the backward's hooks reduce the
+        # gradients on a GPU) only host time: a sync there would stop the device in the middle of the backward.
+        main = threading.current_thread() is threading.main_thread()
+        if not host and main:
             sync()
         start = time.perf_counter()
+        if phase == "build" and not phases.build_from:
+            phases.build_from = start - phases.t0
         try:
             return fn(*args, **kwargs)
         finally:
-            if not host:
+            if not host and main:
                 sync()
-            main = threading.current_thread() is threading.main_thread()
             phases.add(phase if main else f"bg:{phase}", time.perf_counter() - start)
             depth.n = 0
 
@@ -234,7 +261,7 @@ def instrument() -> None:
         (zoo_module, "load_config", "setup:config", {}), (limits_module, "check_config", "setup:limits", {}),
         (limits_module, "check_batch", "setup:limits", {}), (limits_module, "check_memory", "setup:limits", {}),
         (coverage_module, "require", "setup:coverage", {}), (check_module, "version_drift", "setup:versions", {}),
-        (models_module, "build", "build", {}),
+        (models_module, "build", "build", {}), (prebuild_module.Prebuild, "take", "build:wait", {"host": True}),
         (check_module, "compare", "compare", {}), (Reducer, "keep_tokens", "reduce", {}),
         (Reducer, "keep_rows", "reduce", {}), (CandidateReducer, "finish", "reduce", {}),
         (engine_module, "reduce_gradients", "grads", {}),
@@ -335,6 +362,10 @@ class Row:
     plain_build_s: float = 0.0
     first_check_s: float = 0.0  # --first-check: a plain check before the timed one (the first of this size)
     first_build_s: float = 0.0
+    prebuilt: bool = False  # the model was built on the prebuild thread while load, head and setup ran
+    build_from_s: float = 0.0  # the plain check: from its start to its model build's start (on the path)
+    build_alone_s: float = 0.0  # one build with nothing else running (the candidate's, before the checks)
+    last_build_alone_s: ClassVar[float] = 0.0
     peak_check: int = 0
     peak_candidate: int = 0
     sketch_gbps: float = 0.0
@@ -383,6 +414,7 @@ def run_size(size: Size, dtype: str, workdir: Path, profile_to: Path | None = No
                 row.fwd_bwd_s, row.peak_candidate, row.params, row.eager_s, row.first_fwd_bwd_s = candidate_alone(
                     toy, dtype, golden, backend)
             row.candidate = spec
+            row.build_alone_s = Row.last_build_alone_s
             break
         except (Unsupported, RuntimeError, NotImplementedError) as exc:
             row.note += f"{spec}: {type(exc).__name__} {str(exc)[:80]}; "
@@ -396,21 +428,23 @@ def run_size(size: Size, dtype: str, workdir: Path, profile_to: Path | None = No
     # thread): what it saves.
     if first_check:
         _, first, row.first_check_s, _ = one_check(project, key, backend, only={"build"})
-        row.first_build_s = first.get("build")
+        row.first_build_s = first.get("build") + first.get("bg:build")
     report, phases, row.check_s, row.peak_check = one_check(project, key, backend)
     row.passed = report.passed
     if not report.passed:
         row.note += f"check {report.status}: {report.error or (report.worst and report.worst.name)}; "
-    row.build_s = phases.get("build")
+    row.build_s = phases.get("build") + phases.get("bg:build")
     row.phases = split_phases(phases)
-    row.own_s = own_time(row.phases)
+    row.prebuilt = prebuilt(phases)
+    row.own_s = own_time(row.phases, row.prebuilt)
     row.rest_s = row.check_s - row.build_s - row.fwd_bwd_s - (row.own_s - row.phases["report"])
     if serial:
         _, serial_phases, row.serial_check_s, _ = one_check(project, key, backend, serial=True)
         row.serial_phases = split_phases(serial_phases)
-        row.serial_own_s = own_time(row.serial_phases)
+        row.serial_own_s = own_time(row.serial_phases, prebuilt(serial_phases))
     _, plain, row.plain_check_s, _ = one_check(project, key, backend, only={"build"})
-    row.plain_build_s = plain.get("build")
+    row.plain_build_s = plain.get("build") + plain.get("bg:build")
+    row.build_from_s = plain.build_from
     row.sketch_gbps, row.copy_gbps = kernel_throughput(golden, dtype)
     if profile_to is not None:
         try:
@@ -441,13 +475,12 @@ def one_check(project: Project, key: GoldenKey, backend, serial: bool = False,  
     try:
         with peak.measure():
             sync()
-            started = time.perf_counter()
+            started = phases.t0 = time.perf_counter()
             report = check_module.check(project, key, backend)
             sync()
             check_s = time.perf_counter() - started
         start = time.perf_counter()
-        render_text.checks([report])
-        render_json.checks([report])
+        render_text.checks([report])  # what `veosnap check` prints (`--format json` renders JSON instead)
         phases.add("report", time.perf_counter() - start)
     finally:
         Phases.active = None
@@ -561,6 +594,7 @@ def split_phases(phases: Phases) -> dict[str, float]:
     or, as `bg:decompress` and `bg:parse`, on the decode thread (off the critical path: only `wait`, the main
     thread blocked on it, counts)."""
     out = {name: phases.get(name) for name in ON_PATH if name not in ("decompress", "parse", "setup")}
+    out["bg:reduce"] = phases.get("bg:reduce")  # the gradients' sketches in the backward's hooks (CUDA: its thread)
     for part in SETUP:
         out[f"setup:{part}"] = phases.get(f"setup:{part}")
     out["setup"] = sum(out[f"setup:{part}"] for part in SETUP)
@@ -570,9 +604,18 @@ def split_phases(phases: Phases) -> dict[str, float]:
     return out
 
 
-def own_time(phases: dict[str, float]) -> float:
-    """veosnap's own time on the check's critical path: the main thread's phases."""
-    return sum(phases[name] for name in ON_PATH)
+OVERLAPPED = ("load", "head", "setup")  # before the model is taken: off the path while the build runs on its thread
+
+
+def own_time(phases: dict[str, float], prebuilt: bool = False) -> float:
+    """veosnap's own time on the check's critical path: the main thread's phases, less those that ran while the
+    model was built on its thread (`prebuilt`: the check waited for that build, so they were not on the path)."""
+    return sum(phases[name] for name in ON_PATH) - (sum(phases[name] for name in OVERLAPPED) if prebuilt else 0.0)
+
+
+def prebuilt(phases: Phases) -> bool:
+    """Whether the check's model was built on the prebuild thread and the check waited for it there."""
+    return phases.get("bg:build") > 0 and phases.get("build") == 0
 
 
 def candidate_alone(toy, dtype: str, golden, backend) -> tuple[float, int, int, float, float]:  # noqa: ANN001
@@ -581,7 +624,11 @@ def candidate_alone(toy, dtype: str, golden, backend) -> tuple[float, int, int, 
     the slower candidate a ratio can also be read against; and the candidate's first step (the warm-up:
     the allocator holds only the weights, as in a check, which pays for its activations' first allocation)."""
     device = hardware.device_for(hardware.detect())
+    sync()
+    started = time.perf_counter()
     model = models_module.build(toy, models_module.dtype_from_name(dtype), device, golden.manifest.reference.seed)
+    sync()
+    Row.last_build_alone_s = time.perf_counter() - started
     params = sum(p.numel() for p in model.parameters())
     batch = Batch.from_golden(golden).to(device)
     model.train()
@@ -663,7 +710,8 @@ def fmt_s(s: float) -> str:
 
 COLUMNS = ("size", "dtype", "params", "tokens", "golden", "sketched", "record", "build", "candidate", "cand f+b",
            "eager f+b", "check", "own", "load/head/wait", "setup (config/limits/coverage/versions)", "reduce (grads)",
-           "routes/assemble", "compare", "report", "rest", "own/f+b", "plain check", "e2e own/f+b", "e2e first", "cand first f+b",
+           "routes/assemble", "compare", "report", "rest", "own/f+b", "plain check", "build from", "build alone/plain",
+           "e2e own/f+b", "e2e first", "cand first f+b",
            "own/eager",
            "decode off path (dec/parse)", "serial own (dec/parse)", "serial/f+b",
            "peak check/cand", "sketch/copy GB/s", "note")
@@ -681,11 +729,15 @@ def cells(r: Row) -> list[str]:
     return [r.size, r.dtype, f"{r.params / 1e6:.1f}M" if r.params < 1e9 else f"{r.params / 1e9:.2f}B", str(r.tokens),
             fmt_bytes(r.golden_bytes), r.sketched, fmt_s(r.record_s), fmt_s(r.build_s), r.candidate,
             fmt_s(r.fwd_bwd_s), fmt_s(r.eager_s), fmt_s(r.check_s), fmt_s(r.own_s),
-            f"{ms(p['load'])}/{ms(p['head'])}/{ms(p['wait'])} ms",
-            f"{fmt_s(p['setup'])} ({'/'.join(ms(p['setup:' + part]) for part in SETUP)} ms)",
-            f"{fmt_s(p['reduce'] + p['grads'])} ({fmt_s(p['grads'])})", f"{ms(p['routes'])}/{ms(p['assemble'])} ms",
+            f"{ms(p['load'])}/{ms(p['head'])}/{ms(p['wait'])} ms" + (" (with the build)" if r.prebuilt else ""),
+            f"{fmt_s(p['setup'])} ({'/'.join(ms(p['setup:' + part]) for part in SETUP)} ms)"
+            + (" (with the build)" if r.prebuilt else ""),
+            f"{fmt_s(p['reduce'] + p['grads'])} ({fmt_s(p['grads'])})"
+            + (f" + {fmt_s(p['bg:reduce'])} in the backward's hooks" if p.get("bg:reduce") else ""),
+            f"{ms(p['routes'])}/{ms(p['assemble'])} ms",
             fmt_s(p["compare"]), fmt_s(p["report"]), ("-" if r.rest_s < 0 else "") + fmt_s(abs(r.rest_s)),
-            f"{r.ratio:.2f}", fmt_s(r.plain_check_s) if r.plain_check_s else "",
+            f"{r.ratio:.2f}", fmt_s(r.plain_check_s) if r.plain_check_s else "", f"{ms(r.build_from_s)} ms",
+            f"{fmt_s(r.build_alone_s)} / {fmt_s(r.plain_build_s)}" if r.build_alone_s else "",
             f"{r.e2e_own_s / r.fwd_bwd_s:.2f}" if r.plain_check_s and r.fwd_bwd_s else "",
             f"{r.e2e_first_s / r.fwd_bwd_s:.2f}" if r.first_check_s and r.fwd_bwd_s else "",
             fmt_s(r.first_fwd_bwd_s),
