@@ -169,10 +169,9 @@ def _head(data: bytes, path: Path, root: Path | None) -> Head | None:
     try:
         check_limits(data, path)
         reader = zstandard.ZstdDecompressor().stream_reader(data)
-        (header_len,) = struct.unpack("<Q", _read_exact(reader, 8))
-        if header_len > MAX_HEADER:
+        header = _header(reader)
+        if header is None:
             return None
-        header = json.loads(_read_exact(reader, header_len))
         manifest = Manifest.from_json(header["__metadata__"][METADATA_KEY], path)
         expected = store.key_of(path, root)
         if expected is not None and manifest.key != expected:
@@ -204,16 +203,22 @@ def peek(path: Path, root: Path | None = None) -> tuple[Manifest, int] | None:
         if store.problem(path, root):
             return None
         with os.fdopen(store._open_regular(path), "rb") as fh:  # a FIFO or device is refused, never waited on
-            reader = zstandard.ZstdDecompressor().stream_reader(fh)
-            (header_len,) = struct.unpack("<Q", _read_exact(reader, 8))
-            if header_len > MAX_HEADER:
-                return None
-            header = json.loads(_read_exact(reader, header_len))
+            header = _header(zstandard.ZstdDecompressor().stream_reader(fh))
+        if header is None:
+            return None
         manifest = Manifest.from_json(header["__metadata__"][METADATA_KEY], path)
         rows, width = header[str(names.Input("input_ids"))]["shape"]
         return manifest, int(rows) * int(width)
     except Exception:  # noqa: BLE001 - a hint: the full read names any problem
         return None
+
+
+def _header(reader: zstandard.ZstdDecompressionReader) -> dict | None:
+    """The safetensors header (JSON) a golden's decompressed bytes start with; None over the reader's cap."""
+    (header_len,) = struct.unpack("<Q", _read_exact(reader, 8))
+    if header_len > MAX_HEADER:
+        return None
+    return json.loads(_read_exact(reader, header_len))
 
 
 def _read_exact(reader: zstandard.ZstdDecompressionReader, n: int) -> bytes:
