@@ -141,3 +141,30 @@ def test_a_sketched_goldens_reducer_is_made_on_the_staging_thread_while_the_mode
     report = check(project, key, backends.resolve("sdpa"))
     assert report.passed and any(result.sketched for result in report.tensors)
     assert made == ["veosnap-stage"]
+
+
+def test_a_model_constructed_beside_the_threads_construction_keeps_its_init_and_tied_weights(monkeypatch):
+    # While a model is constructed, transformers patches the init functions process-wide (no_init_weights): a
+    # skeleton constructed meanwhile skipped its init, weight tying included (qwen2's LM head came out untied
+    # and a check refused its golden for a missing lm_head gradient). Constructions now take turns.
+    toy = load_config(Project.resolve().configs, "qwen2")
+    inside, release = threading.Event(), threading.Event()
+    auto_class = models.auto_class
+
+    class HeldInside:  # the thread's construction waits, inside no_init_weights, until released
+        def __init__(self, cls) -> None:  # noqa: ANN001
+            self.cls = cls
+
+        def from_config(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            if threading.current_thread().name.startswith("veosnap-prebuild"):
+                inside.set()
+                release.wait(30)
+            return self.cls.from_config(*args, **kwargs)
+
+    monkeypatch.setattr(models, "auto_class", lambda config: HeldInside(auto_class(config)))
+    prebuilt = Prebuild(toy, "float32", torch.device("cpu"), lambda: 0)
+    assert inside.wait(30)
+    threading.Timer(0.2, release.set).start()  # only frees the thread: the assert below holds at any timing
+    skeleton = models._build_skeleton(toy)
+    assert "lm_head.weight" not in dict(skeleton.named_parameters())  # tied to the embedding, as HF ties it
+    assert prebuilt.take("cpu", 0) is not None

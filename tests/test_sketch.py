@@ -604,6 +604,8 @@ def test_gradients_sketched_in_the_backwards_hooks_are_the_ones_sketched_after_i
     """A check's last pass reduces each sketched gradient in a post-accumulate-grad hook, while the backward still
     runs (`capture.sketched_as_accumulated`): the same rows, bit for bit, as reducing it after the backward; a
     gradient changed in place or replaced after its hook is reduced again, from what it is then."""
+    from golden_repo import committed_golden
+
     from veosnap.golden import names, store
     from veosnap.reference import models
     from veosnap.reference.capture import reduce_gradients, sketched_as_accumulated
@@ -631,7 +633,7 @@ def test_gradients_sketched_in_the_backwards_hooks_are_the_ones_sketched_after_i
             return dict(items)
 
     reducer = Counting()
-    batch = Batch.from_golden(store.read(project.goldens / "cpu" / "llama" / "step-float32.safetensors.zst")).to(device)
+    batch = Batch.from_golden(store.read(committed_golden("llama"))).to(device)  # this machine's class
     with sketched_as_accumulated(model, reducer) as accumulated:
         model(**batch.model_kwargs(), use_cache=False).loss.backward()
     assert Counting.made == len(matrices) and set(accumulated) == set(matrices)

@@ -91,7 +91,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, ClassVar, Iterator
+from typing import Callable, Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -365,7 +365,6 @@ class Row:
     prebuilt: bool = False  # the model was built on the prebuild thread while load, head and setup ran
     build_from_s: float = 0.0  # the plain check: from its start to its model build's start (on the path)
     build_alone_s: float = 0.0  # one build with nothing else running (the candidate's, before the checks)
-    last_build_alone_s: ClassVar[float] = 0.0
     peak_check: int = 0
     peak_candidate: int = 0
     sketch_gbps: float = 0.0
@@ -411,10 +410,10 @@ def run_size(size: Size, dtype: str, workdir: Path, profile_to: Path | None = No
         try:
             backend = backends.resolve(spec)
             with deterministic():
-                row.fwd_bwd_s, row.peak_candidate, row.params, row.eager_s, row.first_fwd_bwd_s = candidate_alone(
+                (row.fwd_bwd_s, row.peak_candidate, row.params, row.eager_s, row.first_fwd_bwd_s,
+                 row.build_alone_s) = candidate_alone(
                     toy, dtype, golden, backend)
             row.candidate = spec
-            row.build_alone_s = Row.last_build_alone_s
             break
         except (Unsupported, RuntimeError, NotImplementedError) as exc:
             row.note += f"{spec}: {type(exc).__name__} {str(exc)[:80]}; "
@@ -618,17 +617,18 @@ def prebuilt(phases: Phases) -> bool:
     return phases.get("bg:build") > 0 and phases.get("build") == 0
 
 
-def candidate_alone(toy, dtype: str, golden, backend) -> tuple[float, int, int, float, float]:  # noqa: ANN001
+def candidate_alone(toy, dtype: str, golden, backend) -> tuple[float, int, int, float, float, float]:  # noqa: ANN001
     """The candidate's forward and backward with no veosnap hook: median seconds of 3 (after one warm-up),
     its peak memory, its parameter count; the eager reference's own forward and backward (median of 2),
-    the slower candidate a ratio can also be read against; and the candidate's first step (the warm-up:
-    the allocator holds only the weights, as in a check, which pays for its activations' first allocation)."""
+    the slower candidate a ratio can also be read against; the candidate's first step (the warm-up:
+    the allocator holds only the weights, as in a check, which pays for its activations' first allocation);
+    and its model's build, with nothing else running."""
     device = hardware.device_for(hardware.detect())
     sync()
     started = time.perf_counter()
     model = models_module.build(toy, models_module.dtype_from_name(dtype), device, golden.manifest.reference.seed)
     sync()
-    Row.last_build_alone_s = time.perf_counter() - started
+    build_s = time.perf_counter() - started
     params = sum(p.numel() for p in model.parameters())
     batch = Batch.from_golden(golden).to(device)
     model.train()
@@ -642,7 +642,7 @@ def candidate_alone(toy, dtype: str, golden, backend) -> tuple[float, int, int, 
     del model
     if CUDA:
         torch.cuda.empty_cache()
-    return statistics.median(times[1:]), peak.bytes, params, statistics.median(eager[1:]), times[0]
+    return statistics.median(times[1:]), peak.bytes, params, statistics.median(eager[1:]), times[0], build_s
 
 
 def _fwd_bwd_times(model, batch: Batch, runs: int, peak: Peak | None = None) -> list[float]:  # noqa: ANN001

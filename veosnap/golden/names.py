@@ -26,10 +26,9 @@ a row); the golden file refuses any other `inputs.*` tensor.
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import re
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import ClassVar
 
 _IN_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")

@@ -100,6 +100,13 @@ def build(
     return model.to(device)
 
 
+# transformers' `no_init_weights` patches torch's init functions and its own `init_weights` process-wide while a
+# model is constructed: a construction beside it (a skeleton while a check's prebuild thread constructs its
+# model) would skip its init, weight tying included, and two at once could leave the patches in place. Every
+# construction holds this lock (the constructing only: not the weights' draw nor the copy to the device).
+_CONSTRUCTING = threading.RLock()
+
+
 def _uninitialized(config: transformers.PretrainedConfig, dtype: torch.dtype) -> nn.Module:
     """The eager model for `config` with its parameters allocated but not initialized.
 
@@ -111,7 +118,7 @@ def _uninitialized(config: transformers.PretrainedConfig, dtype: torch.dtype) ->
     """
     from transformers.initialization import no_init_weights
 
-    with no_init_weights():
+    with _CONSTRUCTING, no_init_weights():
         model = auto_class(config).from_config(
             config,
             attn_implementation=REFERENCE_ATTN,
@@ -157,7 +164,7 @@ def skeleton(toy: ToyConfig) -> nn.Module:
 
 def _build_skeleton(toy: ToyConfig) -> nn.Module:
     config = hf_config(toy)
-    with warnings.catch_warnings(), quiet_transformers(), torch.device("meta"):
+    with _CONSTRUCTING, warnings.catch_warnings(), quiet_transformers(), torch.device("meta"):
         warnings.simplefilter("ignore")
         try:
             return auto_class(config).from_config(

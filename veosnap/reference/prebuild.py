@@ -14,7 +14,8 @@ nothing on any doubt, so a model the limits refuse is never built; nor does it b
 will refuse at once (another hardware class, another config). Its own failures are never reported: the
 check builds as before and meets the same error, in its turn. While it builds, transformers' init functions
 are patched process-wide (`no_init_weights`), so a check waits for it before it snapshots the modeling code
-(`wait`), and `cancel` (a check's end, whatever its outcome) waits for it too: no build outlives its check.
+(`wait`), `take` and `cancel` (a check's end, whatever its outcome) wait for it too: no build outlives its
+check, and any model constructed meanwhile takes its turn (`models._CONSTRUCTING`).
 """
 
 from __future__ import annotations
@@ -72,10 +73,11 @@ class Prebuild:
         self._done.wait()
 
     def take(self, device: torch.device | str, seed: int) -> nn.Module | None:
-        """The model built, once, when it is the one asked for (waits for the thread); else None."""
+        """The model built, once, when it is the one asked for (waits for the thread, whatever is asked: a
+        build on the caller's thread must not run beside this one); else None."""
+        self._done.wait()
         if torch.device(device) != self.device:
             return None
-        self._done.wait()
         with self._lock:
             model, self._model = self._model, None
         return model if model is not None and self._seed == seed else None

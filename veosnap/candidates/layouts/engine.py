@@ -19,8 +19,8 @@ rows (FSDP2) is sketched shard by shard. Any other sharding is gathered first (d
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 import threading
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -70,9 +70,7 @@ class Staged:
 
     def _make(self, golden: Golden, token_mask: torch.Tensor, device: torch.device) -> None:
         try:
-            sketches = golden.sketches  # waits for the decode
-            reducer = CandidateReducer(sketches, token_mask, device=device) if sketches else WHOLE
-            self._made = (reducer, whole_on_device(golden, device))
+            self._made = compared_on(golden, token_mask, device)  # waits for the decode
         except BaseException:  # noqa: BLE001, S110 - the run makes them itself and meets the error, in its turn
             pass
 
@@ -81,6 +79,15 @@ class Staged:
         self._thread.join()
         made, self._made = self._made, None
         return made
+
+
+def compared_on(golden: Golden, token_mask: torch.Tensor, device: torch.device, whole: bool = True
+                ) -> tuple[Reducer, dict[str, torch.Tensor]]:
+    """What a run compares with on `device`: the reducer of the golden's sketched tensors (with its specs;
+    everything else kept whole) and, with `whole`, the golden's whole tensors copied there (`whole_on_device`;
+    in process only: a torchrun worker's result is compared by the parent, on the host)."""
+    reducer = CandidateReducer(golden.sketches, token_mask, device=device) if golden.sketches else WHOLE
+    return reducer, whole_on_device(golden, device) if whole else {}
 
 
 class LayoutError(RuntimeError):
@@ -154,14 +161,8 @@ class _Runner:
         self.shards = layout.shard(ctx, setup)
         self.total = ctx.batch.predictions
         made = staged.take() if staged is not None else None
-        if made is not None:
-            self.reducer, self.golden_on = made
-        else:
-            # The golden's sketched tensors are reduced with its specs; everything else is kept whole.
-            self.reducer = CandidateReducer(ctx.golden.sketches, ctx.batch.token_mask, device=ctx.device) \
-                if ctx.golden.sketches else WHOLE
-            # In-process only: a torchrun worker's result is compared by the parent, on the host.
-            self.golden_on = whole_on_device(ctx.golden, ctx.device) if ctx.world == 1 else {}
+        self.reducer, self.golden_on = made if made is not None else \
+            compared_on(ctx.golden, ctx.batch.token_mask, ctx.device, whole=ctx.world == 1)
         # Each pass's model call, and the golden position of each of its output token slots (-1: none).
         self.calls: list[dict | None] = []
         self.positions: list[torch.Tensor] = []
