@@ -13,7 +13,7 @@ from test_golden_background import copy_golden, edited_logits
 from veosnap.candidates import backends
 from veosnap.golden import background
 from veosnap.golden.key import GoldenKey
-from veosnap.reference import limits, models
+from veosnap.reference import limits, models, weights
 from veosnap.reference.prebuild import Prebuild
 from veosnap.reference.zoo import Project, load_config
 from veosnap.runs.check import check
@@ -21,12 +21,18 @@ from veosnap.surfaces.cli import main
 
 
 def builds_by_thread(monkeypatch) -> list[str]:  # noqa: ANN001
-    """The thread name of each model build from now on."""
+    """The thread name of each model build from now on whose weights were drawn (a prebuild constructs its model
+    and vets it with the limits first: one they refuse gets no weights and never reaches the device)."""
     names: list[str] = []
-    build = models.build
-    monkeypatch.setattr(models, "build", lambda *a, **k: names.append(threading.current_thread().name)
-                        or build(*a, **k))
+    initialize = weights.initialize
+    monkeypatch.setattr(weights, "initialize", lambda *a, **k: names.append(threading.current_thread().name)
+                        or initialize(*a, **k))
     return names
+
+
+def plan(seed: int = 0):  # noqa: ANN201
+    """A prebuild's plan: `seed`, and a vetting that lets everything through."""
+    return lambda: (seed, lambda model: None)
 
 
 def prebuild_threads() -> list[threading.Thread]:
@@ -42,7 +48,7 @@ CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available
 def test_the_model_built_on_the_thread_is_bit_identical_to_one_built_here(model, dtype, device):
     toy = load_config(Project.resolve().configs, model)
     here = models.build(toy, models.dtype_from_name(dtype), device, seed=0)
-    there = Prebuild(toy, dtype, torch.device(device), lambda: 0).take(device, 0)
+    there = Prebuild(toy, dtype, torch.device(device), plan()).take(device, 0)
     assert there is not None
     mine, theirs = dict(here.state_dict()), dict(there.state_dict())
     assert mine.keys() == theirs.keys()
@@ -52,9 +58,9 @@ def test_the_model_built_on_the_thread_is_bit_identical_to_one_built_here(model,
 
 def test_a_model_of_another_seed_or_device_is_not_taken_and_is_taken_once():
     toy = load_config(Project.resolve().configs, "llama")
-    assert Prebuild(toy, "float32", torch.device("cpu"), lambda: 1).take("cpu", 0) is None
-    assert Prebuild(toy, "float32", torch.device("cpu"), lambda: 0).take("meta", 0) is None
-    once = Prebuild(toy, "float32", torch.device("cpu"), lambda: 0)
+    assert Prebuild(toy, "float32", torch.device("cpu"), plan(1)).take("cpu", 0) is None
+    assert Prebuild(toy, "float32", torch.device("cpu"), plan()).take("meta", 0) is None
+    once = Prebuild(toy, "float32", torch.device("cpu"), plan())
     assert once.take("cpu", 0) is not None and once.take("cpu", 0) is None
 
 
@@ -63,12 +69,25 @@ def test_a_seed_that_cannot_be_had_builds_nothing_and_says_nothing(monkeypatch):
     toy = load_config(Project.resolve().configs, "llama")
 
     def refused() -> int:
+        raise RuntimeError("the golden's header said no")
+
+    def vet(model) -> None:  # noqa: ANN001
         raise RuntimeError("the limits said no")
 
-    for seed_of in (refused, lambda: None):
-        prebuilt = Prebuild(toy, "float32", torch.device("cpu"), seed_of)
+    for planned in (refused, lambda: None, lambda: (0, vet)):
+        prebuilt = Prebuild(toy, "float32", torch.device("cpu"), planned)
         assert prebuilt.take("cpu", 0) is None
     assert names == []
+
+
+def test_the_limits_vet_the_model_as_constructed_with_the_skeletons_count(monkeypatch):
+    # The thread runs the limits on its own model, constructed but not drawn: the count the meta skeleton gives
+    toy = load_config(Project.resolve().configs, "qwen3_moe")
+    seen: list[int] = []
+    prebuilt = Prebuild(toy, "float32", torch.device("cpu"), lambda: (0, lambda m: seen.append(
+        limits.check_config(toy, m))))
+    assert prebuilt.take("cpu", 0) is not None
+    assert seen == [limits.check_config(toy)]
 
 
 def test_a_check_takes_the_model_built_from_its_start_and_reports_as_before(tmp_path, monkeypatch):
@@ -162,7 +181,7 @@ def test_a_model_constructed_beside_the_threads_construction_keeps_its_init_and_
             return self.cls.from_config(*args, **kwargs)
 
     monkeypatch.setattr(models, "auto_class", lambda config: HeldInside(auto_class(config)))
-    prebuilt = Prebuild(toy, "float32", torch.device("cpu"), lambda: 0)
+    prebuilt = Prebuild(toy, "float32", torch.device("cpu"), plan())
     assert inside.wait(30)
     threading.Timer(0.2, release.set).start()  # only frees the thread: the assert below holds at any timing
     skeleton = models._build_skeleton(toy)

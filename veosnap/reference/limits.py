@@ -10,7 +10,8 @@ anything is allocated:
   to 250, sequences 0-3 of 32 tokens at most), so there the config is at fault and the message says what
   it needs; a project's own test data is named, with the sequence and position at fault;
 - the config: more than `MAX_LAYERS` decoder layers, more than `MAX_PARAMETERS` parameters (counted on the
-  meta device), an MoE `hidden_size` below the number of experts plus one (the toy weights, `weights.py`,
+  meta device; a check's prebuild counts the model it constructed, its parameters allocated on the host
+  but untouched, and stops before their values are drawn: `reference.prebuild`), an MoE `hidden_size` below the number of experts plus one (the toy weights, `weights.py`,
   give each expert of the first MoE layer one hidden dimension of every token's embedding, and one more
   dimension is the routers' offset), or an estimated need
   of memory beyond what this machine has.
@@ -26,6 +27,7 @@ from numbers import Integral
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from ..errors import GoldenError, VeosnapError
 from ..golden.codec import Golden
@@ -70,10 +72,12 @@ def prefetch_skeleton(toy: ToyConfig) -> None:
     models.prefetch_skeleton(toy)
 
 
-def check_config(toy: ToyConfig) -> int:
-    """Refuse a config veosnap cannot sensibly build; the parameter count when it can."""
+def check_config(toy: ToyConfig, model: nn.Module | None = None) -> int:
+    """Refuse a config veosnap cannot sensibly build; the parameter count when it can. `model`: the config's
+    model as constructed, its parameters not yet drawn (a prebuild vets its own: `reference.prebuild`);
+    else the meta-device skeleton."""
     check_layers(toy)
-    model = models.skeleton(toy)
+    model = models.skeleton(toy) if model is None else model
     count = sum(p.numel() for p in model.parameters())
     if count > MAX_PARAMETERS:
         raise VeosnapError(f"{toy.path}: about {count:.3g} parameters, over veosnap's limit of {MAX_PARAMETERS:.3g} "

@@ -82,11 +82,14 @@ def build(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
     seed: int = 0,
+    vet: Callable[[nn.Module], None] | None = None,
 ) -> nn.Module:
     """The HF eager reference model for `toy`, weights derived from `seed`, in `dtype` on `device`.
 
     Parameters HF keeps in float32 (a DeepSeek-V3 router, say) stay float32, as they would when a
-    user loads the model with `dtype=...`.
+    user loads the model with `dtype=...`. `vet` is called with the model as constructed, its parameters
+    allocated on the host but not drawn, before anything touches them or the device (a prebuild's limits:
+    `reference.prebuild`); what it raises ends the build.
     """
     config = hf_config(toy)
     with warnings.catch_warnings(), quiet_transformers():
@@ -95,6 +98,8 @@ def build(
             model = _uninitialized(config, dtype)
         except Exception as exc:  # noqa: BLE001 - a config transformers accepts but cannot instantiate
             raise VeosnapError(f"{toy.path}: transformers cannot build this model ({_cause(exc)})") from None
+    if vet is not None:
+        vet(model)
     weights.initialize(model, seed)
     pin_torch_fallbacks(model)
     return model.to(device)

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch import nn
 
 from ..candidates import backends, guard, pristine
 from ..candidates.backends import Backend
@@ -38,7 +39,7 @@ from ..reference import coverage, hardware, limits, models, scenarios
 from ..reference.capture import Capture
 from ..reference.determinism import deterministic, one_thread
 from ..reference.inputs import Batch
-from ..reference.prebuild import Prebuild
+from ..reference.prebuild import Plan, Prebuild
 from ..reference.scenarios import Scenario
 from ..reference.zoo import Project, ToyConfig, load_checked, load_config
 from .verdict import CheckReport, VersionDrift
@@ -72,14 +73,16 @@ def check_layouts(project: Project, key: GoldenKey, backend: Backend, layouts: S
     except Unsupported as exc:  # a scenario the model cannot run (no encoder for it) is a skip, not an error
         return [CheckReport(golden=str(key), model=key.model, dtype=key.dtype, backend=backend.spec, layout=spec,
                             skipped=str(exc)) for spec, _ in chosen]
-    # The meta-device skeleton the limits and coverage need is built on a thread while the golden is read
-    # (its errors, if any, come where the limits ask for it, after the golden's own).
-    limits.prefetch_skeleton(config)
     # The model is built on a thread from now on (reference.prebuild), while the golden is read and the
     # setup below refuses what it must, as before: at scale the build takes seconds, the rest milliseconds.
     prebuilt = _prebuild(project, key, config, chosen, backend, gold, cross_class)
     if prebuilt is not None:
         prebuilt.begun()
+    else:
+        # The meta-device skeleton the limits and coverage need is built on a thread while the golden is read
+        # (its errors, if any, come where the limits ask for it, after the golden's own). Beside a prebuild it
+        # would only hold up the build's construction (they take turns: `models._CONSTRUCTING`).
+        limits.prefetch_skeleton(config)
     try:
         # The golden's manifest and batch are read now; its other tensors are decoded on a thread while the
         # model is built and the candidate runs (golden.background, started after the setup below): the first
@@ -104,7 +107,7 @@ def _prebuild(project: Project, key: GoldenKey, toy: ToyConfig, chosen: list[tup
     device = hardware.device_for(hardware.detect())
     path = store.path_for(project.goldens, key.recorded)
 
-    def seed_of() -> int | None:
+    def plan() -> Plan | None:
         if key.hardware_class != hardware.detect() and not cross_class:
             return None  # refused as soon as the golden is read
         if gold is not None:
@@ -117,11 +120,15 @@ def _prebuild(project: Project, key: GoldenKey, toy: ToyConfig, chosen: list[tup
             manifest, tokens = peeked
         if manifest.config_hash != toy.hash:
             return None  # likewise
-        parameters = limits.check_config(toy)
-        limits.check_memory(toy, parameters, tokens, models.dtype_from_name(key.dtype), device, recording=False)
-        return manifest.reference.seed
+        limits.check_layers(toy)  # before anything is constructed
 
-    return Prebuild(toy, key.dtype, device, seed_of)
+        def vet(model: nn.Module) -> None:  # the limits on the model as constructed, before its weights are drawn
+            parameters = limits.check_config(toy, model)
+            limits.check_memory(toy, parameters, tokens, models.dtype_from_name(key.dtype), device, recording=False)
+
+        return manifest.reference.seed, vet
+
+    return Prebuild(toy, key.dtype, device, plan)
 
 
 def _check_loaded(project: Project, key: GoldenKey, backend: Backend, chosen: list[tuple[str, Layout]],
