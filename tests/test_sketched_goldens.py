@@ -175,6 +175,7 @@ def test_the_batched_compare_gives_the_per_tensor_compares_numbers(twins, model,
     of every tensor is the one `compare_sketch` or `row_error` gives for it alone, for every legitimate
     backend and planted bug, against the exact and the sketch-forced golden."""
     from veosnap.numerics import compare as compare_module
+    from veosnap.numerics.readback import Later
     from veosnap.numerics.sketch import compare_sketch, compare_sketches
 
     seen = []
@@ -184,7 +185,7 @@ def test_the_batched_compare_gives_the_per_tensor_compares_numbers(twins, model,
         alone = [compare_sketch(gold, cand, bound=bound, name=name) for gold, cand, bound, name in pairs]
         assert batched == alone
         seen.append(len(pairs))
-        return batched
+        return Later.known(batched)
 
     from veosnap.numerics.metric import row_error, row_errors
 
@@ -199,10 +200,10 @@ def test_the_batched_compare_gives_the_per_tensor_compares_numbers(twins, model,
         alone = [row_error(name, cand, gold, mask, bound) for name, cand, gold, mask, bound in items]
         assert on_host == alone
         whole.append(len(items))
-        return batched
+        return Later.known(batched)
 
-    monkeypatch.setattr(compare_module, "compare_sketches", both)
-    monkeypatch.setattr(compare_module, "row_errors", both_whole)
+    monkeypatch.setattr(compare_module, "compare_sketches_later", both)
+    monkeypatch.setattr(compare_module, "row_errors_later", both_whole)
     for spec in CANDIDATES:
         for mode in ("never", "always"):
             report = check(twins[mode], key(model, dtype), backends.resolve(spec))
@@ -230,6 +231,7 @@ def test_whole_tensors_compared_on_the_gpu_give_the_hosts_figures_and_verdicts(t
         record(project, model, dtype, sketch=mode)
     from veosnap.numerics import compare as compare_module
     from veosnap.numerics.metric import row_errors
+    from veosnap.numerics.readback import Later
 
     devices = []
 
@@ -242,9 +244,9 @@ def test_whole_tensors_compared_on_the_gpu_give_the_hosts_figures_and_verdicts(t
                 assert _close(a, b), (name, a, b)
             assert all(_close(a, b) for (_, a), (_, b) in zip(d.worst_rows, h.worst_rows)), name
         devices.append(torch.device(device).type if device is not None else "cpu")
-        return on_device
+        return Later.known(on_device)
 
-    monkeypatch.setattr(compare_module, "row_errors", device_and_host)
+    monkeypatch.setattr(compare_module, "row_errors_later", device_and_host)
     for spec in CANDIDATES:
         for mode in ("never", "always"):
             report = check(twins[mode], key(model, dtype), backends.resolve(spec))

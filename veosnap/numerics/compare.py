@@ -4,9 +4,9 @@
 every toleranced tensor's row error against its bound, and where the worst of it is. Token tensors are
 compared on the batch's real tokens (`Tokens`); under route replay a layer's route weights are
 compared on the tokens the candidate routed as the golden. A tensor the golden holds as a sketch is
-compared sketch to sketch (`sketch.compare_sketches`: all of them at once, on the candidate's device): its
-error is an estimate and its worst place a group of rows, which the result says (`estimate`, `width`,
-`group`).
+compared sketch to sketch (`sketch.compare_sketches`: all of them at once, on the candidate's device, their
+figures read with the whole tensors' in one transfer: `readback`): its error is an estimate and its worst
+place a group of rows, which the result says (`estimate`, `width`, `group`).
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ import torch
 from ..golden import names
 from ..golden.codec import Golden
 from . import fmt
-from .metric import RowError, is_token_tensor, row_errors, uncompared_rows
+from .metric import RowError, is_token_tensor, row_errors_later, uncompared_rows
+from .readback import read_together
 from .routes import RouteDiff, compare_routes
-from .sketch import CandidateSketch, SketchError, SketchProblem, compare_sketches
+from .sketch import CandidateSketch, SketchError, SketchProblem, compare_sketches_later
 
 
 @dataclass(frozen=True)
@@ -171,8 +172,13 @@ def compare_tensors(golden: Golden, produced: Mapping[str, torch.Tensor], tokens
     # be one: a tensor whose error came out infinite (a compared row with a non-finite value: finite values
     # of float32 and narrower never give one), or with one in the rows not compared (a token tensor's padding).
     golden_on = golden_on or {}
-    errors = row_errors([(name, cand, golden_on.get(name, gold), token_mask, golden.manifest.tolerance[name].bound)
-                         for _, name, cand, gold, token_mask in whole], device=device)
+    # Both passes are queued before either is read: on a GPU the host queues them behind the candidate's
+    # backward, and one transfer per device then waits for all of it (`readback`).
+    errors, sketched = read_together([
+        row_errors_later([(name, cand, golden_on.get(name, gold), token_mask, golden.manifest.tolerance[name].bound)
+                          for _, name, cand, gold, token_mask in whole], device=device),
+        compare_sketches_later([(golden.sketches[name], cand, golden.manifest.tolerance[name].bound, name)
+                                for _, name, cand in pending])])
     for (at, name, cand, gold, token_mask), err in zip(whole, errors):
         suspect = err.error == float("inf") or (
             token_mask is not None and not bool(torch.isfinite(uncompared_rows(name, cand, token_mask)).all()))
@@ -182,11 +188,8 @@ def compare_tensors(golden: Golden, produced: Mapping[str, torch.Tensor], tokens
         results[at] = TensorResult(name, err.error, tol.bound, tol.noise, where=_where(name, err, gold, tokens),
                                    rows_over=err.rows_over, rows=err.rows,
                                    worst_rows=tuple(_worst_row(name, row, e, tokens) for row, e in err.worst_rows))
-    # One batched pass and one host transfer for every sketched tensor (a sync per tensor cost more on a
-    # GPU than the arithmetic).
-    errors = compare_sketches([(golden.sketches[name], cand, golden.manifest.tolerance[name].bound, name)
-                               for _, name, cand in pending])
-    for (at, name, _), err in zip(pending, errors):
+    # Sketched tensors: one batched pass (a sync per tensor cost more on a GPU than the arithmetic).
+    for (at, name, _), err in zip(pending, sketched):
         results[at] = _sketched_result(golden, name, err, tokens)
     return results
 

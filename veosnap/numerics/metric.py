@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..golden import names
+from .readback import Later
 
 WORST_ROWS = 5  # rows a comparison keeps for reports, besides its count of rows over the bound
 
@@ -91,6 +92,13 @@ def row_errors(items: Sequence[tuple[str, torch.Tensor, torch.Tensor, torch.Tens
     figures, so on a GPU the host only launches kernels. On CUDA a float64 reduction may differ from the
     host's in its last bits (a norm's summation order): the figures agree to about 1e-15 relative, not to
     the bit (tests/test_sketched_goldens.py measures it on a GPU)."""
+    return row_errors_later(items, device).read()
+
+
+def row_errors_later(items: Sequence[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None, float]],
+                     device: torch.device | str | None = None) -> Later[list[RowError]]:
+    """`row_errors`, its figures left on the device until read (`readback.read_together`: a check reads them
+    with its sketches' in one transfer)."""
     device = torch.device("cpu") if device is None else torch.device(device)
     out: list[RowError | None] = [None] * len(items)
     widths: dict[int, list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]]] = {}
@@ -102,10 +110,16 @@ def row_errors(items: Sequence[tuple[str, torch.Tensor, torch.Tensor, torch.Tens
             out[i] = RowError(0.0, 0, 0, 0.0, 0.0, 0, 0)
             continue
         widths.setdefault(int(c_rows.shape[1]), []).append((i, c_rows, g_rows, index))
-    for members in widths.values():
-        for i, err in zip((m[0] for m in members), _same_width([(m[1], m[2], m[3], items[m[0]][4]) for m in members])):
-            out[i] = err
-    return out  # type: ignore[return-value]
+    groups = list(widths.values())
+
+    def placed(per_width: list[list[RowError]]) -> list[RowError]:
+        for members, errors in zip(groups, per_width):
+            for (i, *_), err in zip(members, errors):
+                out[i] = err
+        return out  # type: ignore[return-value]
+
+    return Later.all([_same_width([(m[1], m[2], m[3], items[m[0]][4]) for m in members]) for members in groups],
+                     placed)
 
 
 def uncompared_rows(name: str, tensor: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
@@ -148,7 +162,8 @@ def _native_rows(name: str, tensor: torch.Tensor, token_mask: torch.Tensor | Non
 CHUNK = 1 << 18  # float64 values per side converted at a time: 2 MiB, reused (fewer fresh pages than whole copies)
 
 
-def _same_width(members: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, float]]) -> list[RowError]:
+def _same_width(members: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, float]]
+                ) -> Later[list[RowError]]:
     """`row_errors` of tensors whose rows have one width (none without rows), on their rows' device.
 
     The rows are streamed through two small reused float64 buffers, a chunk of rows at a time (a chunk
@@ -217,18 +232,21 @@ def _same_width(members: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | N
     figures = torch.stack([errors[worst], local.to(f64), column[:, 0].to(f64), g_rows.gather(1, column)[:, 0],
                            c_rows.gather(1, column)[:, 0], over.to(f64)], dim=1)
     ranked_at = (top_rows - first_rows[segment[top_rows]]).to(f64)
-    # The one read of the device: every figure of every tensor (row places are below 2**53: exact in float64).
-    read = torch.cat([figures.reshape(-1), ranked_at, errors[top_rows]]).tolist()
-    n_members, n_top = len(members), len(top)
-    rows6 = [read[6 * k:6 * k + 6] for k in range(n_members)]
-    ranked_local = read[6 * n_members:6 * n_members + n_top]
-    ranked_errors = read[6 * n_members + n_top:]
-    results, at = [], 0
-    for (error, row, col, g, c, n_over), n, (_, _, ix, _) in zip(rows6, sizes, members):
-        shown = min(WORST_ROWS, n) if n > 1 else 0
-        place = (lambda r: int(ix[int(r)])) if ix is not None else (lambda r: int(r))  # noqa: E731
-        ranked = tuple((place(r), e) for r, e in zip(ranked_local[at:at + shown], ranked_errors[at:at + shown]))
-        results.append(RowError(error=error, row=place(row), column=int(col), golden_value=g, candidate_value=c,
-                                rows_over=int(n_over), rows=n, worst_rows=ranked))
-        at += shown
-    return results
+    n_members = len(members)
+    indices = [ix for _, _, ix, _ in members]
+
+    def finish(read: list[list[float]]) -> list[RowError]:
+        flat, ranked_local, ranked_errors = read
+        rows6 = [flat[6 * k:6 * k + 6] for k in range(n_members)]
+        results, at = [], 0
+        for (error, row, col, g, c, n_over), n, ix in zip(rows6, sizes, indices):
+            shown = min(WORST_ROWS, n) if n > 1 else 0
+            place = (lambda r, ix=ix: int(ix[int(r)])) if ix is not None else (lambda r: int(r))  # noqa: E731
+            ranked = tuple((place(r), e) for r, e in zip(ranked_local[at:at + shown], ranked_errors[at:at + shown]))
+            results.append(RowError(error=error, row=place(row), column=int(col), golden_value=g, candidate_value=c,
+                                    rows_over=int(n_over), rows=n, worst_rows=ranked))
+            at += shown
+        return results
+
+    # Every figure of every tensor, read with the check's others (row places are below 2**53: exact in float64).
+    return Later([figures.reshape(-1), ranked_at, errors[top_rows]], finish)

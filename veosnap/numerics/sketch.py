@@ -61,6 +61,7 @@ from ..golden.sketches import (  # the stored form lives with the golden; re-exp
     SketchSpec,
     row_layout,
 )
+from .readback import Later
 
 __all__ = ["GoldenSketch", "SketchSpec", "row_layout", "M32", "MAX_ROWS", "METHOD", "MODES", "SUFFIXES", "WIDTHS",
            "HARD_LIMIT", "TARGET_BYTES"]
@@ -241,7 +242,7 @@ def _groups(rs: RowSketch, spec: SketchSpec, row_mask: torch.Tensor | None, supp
     elif row_mask is not None:
         keep = row_mask.reshape(-1)
         if keep.device != device or keep.dtype != torch.bool:
-            keep = keep.to(device=device, dtype=torch.bool)
+            keep = keep.to(device=device, dtype=torch.bool, non_blocking=True)
         zero = torch.zeros((), dtype=values.dtype, device=device)
         values = torch.where(keep[:, None], values, zero)
         if sq is not None:
@@ -549,17 +550,21 @@ def compare_sketches(pairs: Sequence[tuple[GoldenSketch, CandidateSketch, float,
     and ONE transfer to the host at the end, instead of several kernel launches and host syncs per
     tensor. A check compares tens of sketched tensors: on a GPU their syncs, not their arithmetic, were
     the cost."""
+    return compare_sketches_later(pairs).read()
+
+
+def compare_sketches_later(pairs: Sequence[tuple[GoldenSketch, CandidateSketch, float, str]]
+                           ) -> Later[list[SketchError]]:
+    """`compare_sketches`, its figures left on the device until read (`readback.read_together`: a check reads
+    them with its whole tensors' in one transfer)."""
     for golden, candidate, _, name in pairs:
         if tuple(candidate.values.shape) != tuple(golden.values.shape):
             raise VeosnapError(f"{name}: candidate sketch {list(candidate.values.shape)} but golden "
                                f"{list(golden.values.shape)}")
-    # Per tensor, the figures the host needs, as float64 (integers below 2**53 are exact):
-    # error, worst group, groups over the bound, groups compared, rows in the worst group, rows counted,
-    # non-finite rows, first non-finite row, worst off-support error, its row, off-support rows over.
     on: dict[torch.device, list[int]] = {}
     for i, (_, candidate, _, _) in enumerate(pairs):
         on.setdefault(candidate.values.device, []).append(i)
-    host: list[list[float]] = [[]] * len(pairs)
+    groups, figures = list(on.values()), []
     for device, members in on.items():
         mine = [pairs[i] for i in members]
         # The golden's side goes to the device in one copy per dtype (a blocking copy waits for the device).
@@ -567,10 +572,23 @@ def compare_sketches(pairs: Sequence[tuple[GoldenSketch, CandidateSketch, float,
                  if c.golden is not None and c.golden.device == device}
         golds = {**early, **_to_device({j: golden.values for j, (golden, _, _, _) in enumerate(mine) if j not in early},
                                        device)}
-        for i, row in zip(members, _figures(mine, golds, device).cpu().tolist()):  # the one transfer to the host
-            host[i] = row
-    return [_sketch_error(golden, candidate, bound, name, row)
-            for (golden, candidate, bound, name), row in zip(pairs, host)]
+        figures.append(_figures(mine, golds, device))
+
+    def finish(read: list[list[float]]) -> list[SketchError]:
+        host: list[list[float]] = [[]] * len(pairs)
+        for members, flat in zip(groups, read):
+            for k, i in enumerate(members):
+                host[i] = flat[FIGURES * k:FIGURES * (k + 1)]
+        return [_sketch_error(golden, candidate, bound, name, row)
+                for (golden, candidate, bound, name), row in zip(pairs, host)]
+
+    return Later(figures, finish)
+
+
+# Per tensor, the figures the host needs, as float64 (integers below 2**53 are exact): error, worst group, groups
+# over the bound, groups compared, rows in the worst group, rows counted, non-finite rows, first non-finite row,
+# worst off-support error, its row, off-support rows over.
+FIGURES = 11
 
 
 def _to_device(tensors: dict, device: torch.device) -> dict:
@@ -579,7 +597,7 @@ def _to_device(tensors: dict, device: torch.device) -> dict:
     out = {key: t for key, t in tensors.items() if t.device == device}
     for dtype in dict.fromkeys(t.dtype for key, t in tensors.items() if key not in out):
         keys = [key for key, t in tensors.items() if t.dtype == dtype and key not in out]
-        flat = torch.cat([tensors[key].reshape(-1) for key in keys]).to(device).double()  # one conversion
+        flat = torch.cat([tensors[key].reshape(-1) for key in keys]).to(device, non_blocking=True).double()
         for key, part in zip(keys, flat.split([tensors[key].numel() for key in keys])):
             out[key] = part.view(tensors[key].shape)
     return out
@@ -637,7 +655,7 @@ def _figures(pairs: Sequence[tuple[GoldenSketch, CandidateSketch, float, str]], 
     params = torch.tensor([[g.tau if g.tau > 0 else 1.0, bound] for g, _, bound, _ in pairs],
                           dtype=f64).to(device, non_blocking=True)
     columns = [zeros] * 5 + [zeros]
-    counts = torch.cat([c.counts.to(device) for _, c, _, _ in pairs])
+    counts = torch.cat([c.counts.to(device, non_blocking=True) for _, c, _, _ in pairs])
     if counts.numel():
         seg, starts, ends = _segments(sizes, device)
         scale, bound = params[:, 0][seg], params[:, 1][seg]
@@ -658,7 +676,7 @@ def _figures(pairs: Sequence[tuple[GoldenSketch, CandidateSketch, float, str]], 
     masks = [c.nonfinite for _, c, _, _ in pairs]
     present = [m is not None and m.numel() > 0 for m in masks]
     if any(present):
-        bad = torch.cat([m.to(device).reshape(-1) for m, p in zip(masks, present) if p])
+        bad = torch.cat([m.to(device, non_blocking=True).reshape(-1) for m, p in zip(masks, present) if p])
         rows = [m.numel() if p else 0 for m, p in zip(masks, present)]
         _, starts, ends = _segments(rows, device)
         first = _first_true_per_tensor(bad, starts, ends)
@@ -672,7 +690,8 @@ def _figures(pairs: Sequence[tuple[GoldenSketch, CandidateSketch, float, str]], 
             off = candidate.off_support.double() / params[j, 0]
             row = off.argmax()
             over = (off > params[j, 1]).sum().to(f64)
-            off_columns[0][j], off_columns[1][j], off_columns[2][j] = off[row], row.to(f64), over
+            # gather, not off[row]: indexing by a 0-d device tensor reads it on the host (a sync)
+            off_columns[0][j], off_columns[1][j], off_columns[2][j] = off.gather(0, row.reshape(1))[0], row.to(f64), over
     columns += [torch.stack(c) for c in off_columns]
     return torch.stack(columns, dim=1)
 

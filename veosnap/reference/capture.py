@@ -96,7 +96,8 @@ class Capture:
 class Part:
     """What one forward (and backward) of a batch produced: the loss and routes on the CPU, the token
     tensors as the reducer kept them (a host copy, or a sketched tensor's `Rows` at the golden positions
-    the pass was given)."""
+    the pass was given). A pass run with `forward_backward(sync=False)` leaves its loss on the model's
+    device, the backward not waited for."""
 
     loss: torch.Tensor  # the loss, times the batch's share of the golden's predictions
     logits: torch.Tensor | Rows | SketchProblem | None  # [rows, positions, vocab] when whole; None: see `absent`
@@ -163,7 +164,7 @@ def auxiliary_loss(model: nn.Module) -> str:
 def forward_backward(model: nn.Module, batch: Batch, *, inner: nn.Module | None = None, share: float = 1.0,
                      grad_scale: float = 1.0, own_loss: bool = False, backward: bool = True,
                      forced: dict[int, torch.Tensor] | None = None, call: dict | None = None,
-                     reducer: Reducer = WHOLE, positions: torch.Tensor | None = None) -> Part:
+                     reducer: Reducer = WHOLE, positions: torch.Tensor | None = None, sync: bool = True) -> Part:
     """Forward `batch` through `model` and backward its loss weighted by `share * grad_scale`.
 
     `inner` is the HF model inside `model` (a DDP wrapper, say), where the hooks go; `share` is the
@@ -174,7 +175,11 @@ def forward_backward(model: nn.Module, batch: Batch, *, inner: nn.Module | None 
     (route replay). `call` is the model's keyword arguments when a candidate adapted the batch to its
     own form (default: the batch's own). `reducer` keeps the token tensors (whole, or sketched in the
     hooks); `positions` is the flat position in the golden's batch of each of this batch's token slots
-    (None: this batch is the golden's).
+    (None: this batch is the golden's). Without `sync`, nothing waits for the device after the backward:
+    the loss stays there, and the host goes on queueing work behind the backward (a check's compare then
+    reads everything at once). The forward's host copies (whole token tensors, routes, encoder outputs:
+    read on the host next) are waited for before the backward instead, when the device has only the
+    forward's end left to run and the host then runs ahead through the backward again.
     """
     inner = model if inner is None else inner
     batch = batch.to(next(inner.parameters()).device)
@@ -194,10 +199,14 @@ def forward_backward(model: nn.Module, batch: Batch, *, inner: nn.Module | None 
             logits = keep("logits", full(output.logits.detach()))
         loss = output.loss
     weight = share * grad_scale
+    if not sync and _host_copies(logits, layers, routes, encoded):
+        host_sync(loss.device)
     if backward:
         (loss if weight == 1.0 else loss * weight).backward()
-    reported = loss.detach().cpu() if share == 1.0 else (loss.detach().float() * share).cpu()
-    host_sync(loss.device)  # the route hooks' queued copies (that copy of the loss already waited for them)
+    reported = loss.detach() if share == 1.0 else loss.detach().float() * share
+    if sync:
+        reported = reported.cpu()
+        host_sync(loss.device)  # the hooks' queued copies (that copy of the loss already waited for them)
     absent = {str(names.Route(layer, part)): why for layer, why in routes.unreadable.items()
               for part in ("experts", "weights")}
     absent.update({str(names.Route(layer, "margin")): why for layer, why in routes.no_margin.items()})
@@ -207,6 +216,12 @@ def forward_backward(model: nn.Module, batch: Batch, *, inner: nn.Module | None 
              for layer, why in sorted(not_replayed.items())]
     return Part(loss=reported, logits=logits, layers=dict(layers), routes=dict(routes),
                 encoders=by_media_kind(encoded, batch), absent=absent, notes=notes)
+
+
+def _host_copies(logits: object, layers: dict, routes: dict, encoded: dict) -> bool:
+    """Whether a pass's hooks kept anything as a host copy (from a GPU, queued: valid only once the device has
+    caught up): whole token tensors, routes, encoder outputs. Sketched rows (`Rows`) stay where they live."""
+    return bool(routes) or bool(encoded) or any(isinstance(v, torch.Tensor) for v in (logits, *layers.values()))
 
 
 NO_LOGITS = "not produced by the candidate (its loss is computed without logits: a fused or chunked loss)"
@@ -270,10 +285,12 @@ def sketched_as_accumulated(model: nn.Module, reducer: Reducer) -> Iterator[Accu
             handle.remove()
 
 
-def reduce_gradients(model: nn.Module, reducer: Reducer = WHOLE, accumulated: Accumulated | None = None
-                     ) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
+def reduce_gradients(model: nn.Module, reducer: Reducer = WHOLE, accumulated: Accumulated | None = None,
+                     host: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
     """Every trainable parameter's gradient, parameter by parameter: (whole ones on the CPU, sketched
-    ones as `reducer.finish` keeps them). Collectives under DTensor: call it on every rank.
+    ones as `reducer.finish` keeps them). Collectives under DTensor: call it on every rank. Without `host`,
+    whole ones stay where they are (the gradients themselves, not copies) and nothing waits for the device:
+    for a caller that compares them there, after the step (a check in process).
 
     A sketched gradient sharded by rows (FSDP2's `Shard(0)`) is sketched shard by shard where it lives,
     each rank's rows at their global index, and only the per-row sketches are gathered; any other
@@ -291,6 +308,9 @@ def reduce_gradients(model: nn.Module, reducer: Reducer = WHOLE, accumulated: Ac
         grad = param.grad
         if spec is None:
             value = full(grad if grad is not None else torch.zeros_like(param)).detach()
+            if not host:
+                whole[name] = value
+                continue
             devices.add(value.device)
             whole[name] = host_copy_async(value) if value.is_cuda else value.cpu()  # one wait for all, below
         elif grad is None:

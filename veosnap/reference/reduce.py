@@ -145,6 +145,15 @@ class RecordReducer(Reducer):
 _SAME_NORM_GROUPS = 16
 
 
+def _indexed(device: torch.device | str) -> torch.device:
+    """`device` with its index (`cuda` is `cuda:0` when that is the current device): a tensor's own device always
+    has one, and a copy made for `cuda` must be found again under it."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class CandidateReducer(Reducer):
     """A check's (and the float64 noise run's): the tensors its golden holds as sketches are reduced
     with the golden's specs. `check_dtype=False` for the float64 run, whose dtype differs on purpose."""
@@ -166,19 +175,21 @@ class CandidateReducer(Reducer):
                                for name, gold in self.sketches.items()}
             # Likewise the token mask and each support: copied in `finish`, each was a blocking copy that
             # waited for the backward still running on the device.
-            device = torch.device(device)
+            device = _indexed(device)
             self._masks[device] = self.token_mask.to(device, non_blocking=True)
             self.sketches = {name: gold if gold.support is None else
                              replace(gold, support=gold.support.to(device, non_blocking=True))
                              for name, gold in self.sketches.items()}
 
     def _mask_on(self, name: str, device: torch.device) -> torch.Tensor | None:
-        """`row_mask(name)` on `device`, copied there once per check (a blocking copy waits for the device)."""
+        """`row_mask(name)` on `device`, copied there once per check, without waiting for the device (a
+        blocking copy waited for the backward still running there)."""
         mask = self.row_mask(name)
         if mask is None or mask.device == device:
             return mask
+        device = _indexed(device)
         if device not in self._masks:
-            self._masks[device] = mask.to(device)
+            self._masks[device] = mask.to(device, non_blocking=True)
         return self._masks[device]
 
     def spec(self, name: str) -> SketchSpec | None:

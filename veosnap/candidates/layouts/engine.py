@@ -158,6 +158,10 @@ class _Runner:
         self.layout, self.ctx, self.setup, self.candidate = layout, ctx, setup, candidate
         self.backward = not candidate.forward_only
         self.accumulated: dict = {}  # the last pass's gradients as its backward reduced them (`passes`)
+        # In process, a step's results are compared on its device (`LayoutResult.device`): nothing waits for the
+        # device after the backward, so the host queues the gradients' finishing and the compare behind it
+        # (on a GPU the backward's host work ends well before the device's), and the compare's one read waits.
+        self.on_device = ctx.workdir is None and ctx.world == 1 and ctx.hyper is None
         self.shards = layout.shard(ctx, setup)
         self.total = ctx.batch.predictions
         made = staged.take() if staged is not None else None
@@ -209,7 +213,7 @@ class _Runner:
                     # a padding slot (no golden position) may go anywhere: it is never compared
                     forced={layer: experts[positions.clamp(min=0)] for layer, experts in forced.items()}
                     if forced else None,
-                    reducer=self.reducer, positions=positions))
+                    reducer=self.reducer, positions=positions, sync=not self.on_device))
         return parts
 
     def gradients(self) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
@@ -217,7 +221,7 @@ class _Runner:
         candidate's own reader (`full_gradients`) taking precedence for what it returns."""
         if not self.backward:
             return {}, {}
-        whole, kept = reduce_gradients(self.setup.inner, self.reducer, self.accumulated)
+        whole, kept = reduce_gradients(self.setup.inner, self.reducer, self.accumulated, host=not self.on_device)
         if self.candidate.full_gradients is not None:
             for param_name, grad in self.candidate.full_gradients(self.setup.inner).items():
                 name = str(names.Grad(param_name))

@@ -1,0 +1,104 @@
+"""A check in process waits for its device once after the candidate's backward: at the compare's read (issue 10).
+
+On a GPU the backward's host work ends well before the device's; whatever the host does after it (finishing the
+gradients, assembling, comparing) is free while the device still works, and costs its whole time once anything
+waits for the device. So a check's passes leave their loss and whole gradients on the device
+(`forward_backward(sync=False)`, `reduce_gradients(host=False)`), and the forward's host copies (whole token
+tensors, routes) are waited for before the backward instead of after it. The numbers are the synced run's.
+"""
+
+from __future__ import annotations
+
+import warnings
+from contextlib import contextmanager
+
+import pytest
+import torch
+from golden_repo import committed_golden
+
+import veosnap.candidates.layouts.engine as engine
+import veosnap.runs.check as check_module
+from veosnap.candidates import backends
+from veosnap.golden import store
+from veosnap.golden.key import GoldenKey
+from veosnap.reference import models
+from veosnap.reference.capture import forward_backward, reduce_gradients
+from veosnap.reference.inputs import Batch
+from veosnap.reference.zoo import Project, load_config
+from veosnap.runs.check import check
+from veosnap.runs.record import record
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: on the CPU nothing waits for a device")
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("model", ["llama", "qwen3_moe"])  # qwen3_moe: routes, kept on the host in the forward
+def test_a_pass_that_does_not_wait_gives_the_waiting_pass_numbers(model, device):
+    batch = Batch.from_golden(store.read(committed_golden(model)))
+    toy = load_config(Project.resolve().configs, model)
+    runs = []
+    for sync in (True, False):
+        net = models.build(toy, torch.float32, device)
+        net.train()
+        part = forward_backward(net, batch, sync=sync)
+        whole, _ = reduce_gradients(net, host=sync)
+        runs.append((part, whole))
+    (waited, waited_grads), (free, free_grads) = runs
+    assert waited.loss.device.type == "cpu" and free.loss.device.type == device
+    assert torch.equal(waited.loss, free.loss.cpu())
+    assert torch.equal(waited.logits, free.logits)  # whole token tensors: host copies, complete before the backward
+    assert waited.layers.keys() == free.layers.keys()
+    assert all(torch.equal(waited.layers[k], free.layers[k]) for k in waited.layers)
+    assert {k: torch.equal(r.experts, free.routes[k].experts) for k, r in waited.routes.items()} == \
+           {k: True for k in waited.routes}
+    assert waited_grads.keys() == free_grads.keys()
+    assert all(torch.equal(g, free_grads[name].cpu()) for name, g in waited_grads.items())
+    assert all(g.device.type == device for g in free_grads.values())
+
+
+@contextmanager
+def no_sync_allowed(monkeypatch):  # noqa: ANN001, ANN201
+    """Inside: the steps a check takes after its backward raise on any synchronizing CUDA call."""
+
+    def strict(fn):  # noqa: ANN001, ANN202
+        def run(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+
+        return run
+
+    for owner, name in ((engine, "reduce_gradients"), (engine, "assemble")):
+        monkeypatch.setattr(owner, name, strict(getattr(owner, name)))
+    yield
+
+
+@CUDA
+def test_nothing_after_a_dense_models_backward_waits_for_the_gpu_but_the_compares_one_read(tmp_path, monkeypatch):
+    # Every tensor sketched, as at scale: the gradients' finishing and the assembly queue behind the backward,
+    # and the compare reads its whole tensors' and its sketches' figures in one transfer.
+    project = Project.resolve(goldens=tmp_path / "goldens")
+    record(project, "llama", "bfloat16", sketch="always")
+    key = GoldenKey(project.hardware_class, "llama", "step", "bfloat16")
+    waits: list[int] = []
+    compare_tensors = check_module.compare_tensors
+
+    def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                return compare_tensors(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+                waits.append(sum("synchronizing" in str(w.message) for w in caught))
+
+    monkeypatch.setattr(check_module, "compare_tensors", counted)
+    with no_sync_allowed(monkeypatch):
+        report = check(project, key, backends.resolve("sdpa"))
+    assert report.passed, report.error
+    assert any(result.sketched for result in report.tensors) and any(not r.sketched for r in report.tensors)
+    assert waits == [1]
