@@ -23,6 +23,7 @@ from __future__ import annotations
 import faulthandler
 import math
 import os
+import queue
 import signal
 import sys
 import threading
@@ -182,6 +183,26 @@ def report_to(fd: int) -> Iterator[None]:
         _report_fd = previous
 
 
+# One watchdog thread per process, started once and handed each guarded run (one at a time: runs do not nest):
+# starting a thread per run cost a check 1-4 ms on its critical path (the new thread's start waits for the GIL).
+_watched: queue.SimpleQueue = queue.SimpleQueue()
+_watcher: threading.Thread | None = None
+
+
+def _watch(run: _Run, timeout_s: float, extra_s: float, line: str) -> None:
+    """Have the watchdog thread end the process if `run` is not done `timeout_s + extra_s` from now."""
+    global _watcher
+    if _watcher is None or not _watcher.is_alive():  # the first run, or a forked child (threads do not survive)
+        _watcher = threading.Thread(target=_watch_runs, daemon=True, name="veosnap-watchdog")
+        _watcher.start()
+    _watched.put((run, timeout_s, extra_s, line))
+
+
+def _watch_runs() -> None:
+    while True:
+        _watchdog(*_watched.get())
+
+
 def _watchdog(run: _Run, timeout_s: float, extra_s: float, line: str) -> None:
     if run.done.wait(timeout_s + extra_s):
         return
@@ -247,8 +268,7 @@ def running(line: str = "", timeout_s: float | None = None) -> Iterator[None]:
             old_timer = signal.setitimer(signal.ITIMER_REAL, timeout_s)
         if timeout_s:
             extra = grace(timeout_s)
-            threading.Thread(target=_watchdog, args=(run, timeout_s, extra, line), daemon=True,
-                             name="veosnap-watchdog").start()
+            _watch(run, timeout_s, extra, line)
             stream = _stream_with_fd()
             if stream is not None:  # the last resort: needs no GIL, prints where every thread is, exits 1
                 faulthandler.dump_traceback_later(timeout_s + 2 * extra, exit=True, file=stream)

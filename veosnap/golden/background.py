@@ -28,6 +28,7 @@ import struct
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -194,11 +195,21 @@ def _head(data: bytes, path: Path, root: Path | None) -> Head | None:
         return None
 
 
-def peek(path: Path, root: Path | None = None) -> tuple[Manifest, int] | None:
-    """The manifest and the batch's token slots (rows x positions) the golden at `path` declares, from its
-    header alone, or None when they cannot be read. Only a hint for work started early (a check builds its
-    model while the golden is read: `reference.prebuild`): nothing is checked but the manifest's own hash,
-    and a check still reads the golden in full, in its turn, before anything it built is used."""
+@dataclass(frozen=True)
+class Peek:
+    """What a golden's header declares about the model to build for it: a hint (see `peek`)."""
+
+    seed: int  # the reference's weight seed
+    config_hash: str
+    tokens: int  # the batch's token slots, rows x positions
+
+
+def peek(path: Path, root: Path | None = None) -> Peek | None:
+    """The weight seed, config hash and batch size the golden at `path` declares, from its header alone, or None
+    when they cannot be read. Only a hint for work started early (a check builds its model while the golden is
+    read: `reference.prebuild`): nothing is checked, not even the manifest's own hash (parsing and hashing
+    the whole manifest took milliseconds at 1B parameters, before the build could start), and a check
+    still reads and validates the golden in full, in its turn, before anything it built is used."""
     try:
         if store.problem(path, root):
             return None
@@ -206,9 +217,12 @@ def peek(path: Path, root: Path | None = None) -> tuple[Manifest, int] | None:
             header = _header(zstandard.ZstdDecompressor().stream_reader(fh))
         if header is None:
             return None
-        manifest = Manifest.from_json(header["__metadata__"][METADATA_KEY], path)
+        manifest = json.loads(header["__metadata__"][METADATA_KEY])
+        seed, config_hash = manifest["reference"]["seed"], manifest["config_hash"]
         rows, width = header[str(names.Input("input_ids"))]["shape"]
-        return manifest, int(rows) * int(width)
+        if type(seed) is not int or not isinstance(config_hash, str):
+            return None
+        return Peek(seed, config_hash, int(rows) * int(width))
     except Exception:  # noqa: BLE001 - a hint: the full read names any problem
         return None
 

@@ -112,13 +112,13 @@ def _prebuild(project: Project, key: GoldenKey, toy: ToyConfig, chosen: list[tup
             return None  # refused as soon as the golden is read
         if gold is not None:
             batch = Batch.from_golden(gold)
-            manifest, tokens = gold.manifest, batch.rows * batch.width
+            seed, config_hash, tokens = gold.manifest.reference.seed, gold.manifest.config_hash, batch.rows * batch.width
         else:
             peeked = background.peek(path, project.goldens)
             if peeked is None:
                 return None
-            manifest, tokens = peeked
-        if manifest.config_hash != toy.hash:
+            seed, config_hash, tokens = peeked.seed, peeked.config_hash, peeked.tokens
+        if config_hash != toy.hash:
             return None  # likewise
         limits.check_layers(toy)  # before anything is constructed
 
@@ -126,7 +126,7 @@ def _prebuild(project: Project, key: GoldenKey, toy: ToyConfig, chosen: list[tup
             parameters = limits.check_config(toy, model)
             limits.check_memory(toy, parameters, tokens, models.dtype_from_name(key.dtype), device, recording=False)
 
-        return manifest.reference.seed, vet
+        return seed, vet
 
     return Prebuild(toy, key.dtype, device, plan)
 
@@ -150,6 +150,10 @@ def _check_loaded(project: Project, key: GoldenKey, backend: Backend, chosen: li
     # The first in-process run's reducer and the golden's tensors on its device, made while the model is built.
     staged = engine.Staged(golden, batch.token_mask, device) if any(not layout.distributed for _, layout in chosen) \
         else None
+    # What every report carries besides its run's results, known now: made while the model is built, not after
+    # the run (the project's flags alone stat its directories, a millisecond).
+    flags, portable, drift = project.flags(), backends.portable(backend.spec) or "", version_drift(golden)
+    head_notes = cross_class_notes(key) + routes_not_captured_notes(golden) + excused_notes(golden, backend.spec)
     reports: dict[int, CheckReport] = {}
     spawned: list[int] = []
     for index, (spec, layout) in enumerate(chosen):
@@ -185,15 +189,12 @@ def _check_loaded(project: Project, key: GoldenKey, backend: Backend, chosen: li
             with one_thread():
                 reports[index] = judge(golden, batch, outcome.result, fields, scenario)
     ordered = [reports[index] for index in range(len(chosen))]
-    selection = [*project.flags(), *(["--scenario", key.scenario] if key.scenario != "step" else []),
+    selection = [*flags, *(["--scenario", key.scenario] if key.scenario != "step" else []),
                  *(["--cross-class"] if cross_class else []),
                  *(["--nproc", str(nproc)] if spawned and nproc != DEFAULT_NPROC else []),
                  *(["--timeout", f"{timeout_s:g}"] if timeout_s != DEFAULT_TIMEOUT_S else [])]  # every layout
-    portable = backends.portable(backend.spec) or ""
-    drift = version_drift(golden)
     for report in ordered:
-        report.notes[:0] = cross_class_notes(key) + routes_not_captured_notes(golden) + \
-            excused_notes(golden, backend.spec)
+        report.notes[:0] = list(head_notes)
         report.selection = list(selection)
         report.portable_backend = portable if portable != backend.spec else ""
         report.versions = drift
