@@ -88,7 +88,7 @@ import sys
 import tempfile
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
@@ -205,6 +205,11 @@ class Phases:
         self.only = only  # the phases timed (None: all); the others run as if untimed (no sync)
         self.t0 = time.perf_counter()  # the check's start (`one_check` sets it)
         self.build_from = 0.0  # seconds from the check's start to the start of its model's build
+        self.build_end = 0.0  # ... to its end
+        # The plain check's path (`marked`): label, host seconds from t0 at entry and at exit, and CUDA events
+        # recorded there (None on the CPU), read once the check is over.
+        self.marks: list[tuple[str, float, float, object, object]] = []
+        self.t0_event = None  # a CUDA event at t0 (the device idle then): device times on the host's clock
 
     def add(self, phase: str, seconds: float) -> None:
         self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
@@ -242,10 +247,98 @@ def timed(phase: str, fn: Callable, nested: bool = False, host: bool = False) ->
         finally:
             if not host and main:
                 sync()
-            phases.add(phase if main else f"bg:{phase}", time.perf_counter() - start)
+            end = time.perf_counter()
+            if phase == "build":
+                phases.build_end = end - phases.t0
+            phases.add(phase if main else f"bg:{phase}", end - start)
             depth.n = 0
 
     return wrapper
+
+
+def _event() -> object:
+    if not CUDA:
+        return None
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def marked(label: str, fn: Callable) -> Callable:
+    """`fn`, its entry and exit marked on the plain check's path (`Phases.marks`; main thread only): host times and
+    CUDA events, no sync."""
+
+    def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        phases = Phases.active
+        if phases is None or phases.only is None or threading.current_thread() is not threading.main_thread():
+            return fn(*args, **kwargs)
+        start, first = time.perf_counter() - phases.t0, _event()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            phases.marks.append((label, start, time.perf_counter() - phases.t0, first, _event()))
+
+    return wrapper
+
+
+def marked_entry(label: str, factory: Callable) -> Callable:
+    """A context manager factory whose managers' entries are marked on the plain check's path (`marked`)."""
+
+    @contextmanager
+    def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        phases = Phases.active
+        with ExitStack() as stack:
+            if phases is None or phases.only is None or threading.current_thread() is not threading.main_thread():
+                yield stack.enter_context(factory(*args, **kwargs))
+                return
+            start = time.perf_counter() - phases.t0
+            value = stack.enter_context(factory(*args, **kwargs))
+            phases.marks.append((label, start, time.perf_counter() - phases.t0, None, None))
+            yield value
+
+    return wrapper
+
+
+# The steps of a plain check's path after its build, in order (`marked`).
+PATH_STEPS = ("take", "run", "step", "grads", "assemble", "compare")
+
+
+def path_of(phases: Phases, check_s: float, report_s: float, fwd_bwd_s: float) -> dict[str, float]:
+    """Where a plain check's time after its build went, in seconds: from the build's end to the candidate's step
+    (`to step`), the step on the device against the candidate alone (`step over`), from the backward's end on
+    the device to each later step's end on the host (`+grads`, `+assemble`, `+compare`, `+end`), the report.
+    Device times come from CUDA events on the host's clock (zero at the check's start, the device idle then); on
+    the CPU the step's host times stand in for them."""
+    marks = {label: (start, end, first, last) for label, start, end, first, last in phases.marks
+             if label not in ("step",)}
+    steps = [m for m in phases.marks if m[0] == "step"]
+    if not steps:
+        return {}
+    label, h_in, h_out, e_in, e_out = steps[-1]  # the last pass (a replay would add one more step)
+    if CUDA and phases.t0_event is not None:
+        d_in, d_out = (phases.t0_event.elapsed_time(e) / 1e3 for e in (e_in, e_out))
+    else:
+        d_in, d_out = h_in, h_out
+    first_in = steps[0][1]
+    path = {"build from": phases.build_from, "build": phases.build_end - phases.build_from,
+            "to step": first_in - phases.build_end, "step (device)": d_out - d_in,
+            "step over": d_out - d_in - fwd_bwd_s, "step starts late": d_in - h_in}
+    for name in ("grads", "assemble", "compare"):
+        if name in marks:
+            path[f"+{name}"] = marks[name][1] - d_out
+    # "to step", split: the build's end to the wait's end (the check waits for the build before it snapshots the
+    # modeling code), to the engine's run, to the runner (the model taken, the backend applied, the layout's
+    # wrap), the runner's own setup, to the passes, to the first step.
+    points = [phases.build_end] + [marks[label][i] for label, i in (
+        ("wait", 1), ("pristine", 0), ("pristine", 1), ("settings", 1), ("guard", 1), ("run", 0), ("runner", 0),
+        ("runner", 1), ("passes", 0)) if label in marks]
+    points.append(first_in)
+    path["to step parts"] = [b - a for a, b in zip(points, points[1:])]
+    path["+end"] = check_s - d_out
+    path["report"] = report_s
+    path["sum"] = (phases.build_from + path["to step"] + max(d_in - h_in, 0.0) + path["step over"] + path["+end"]
+                   + report_s)
+    return path
 
 
 def instrument() -> None:
@@ -273,6 +366,22 @@ def instrument() -> None:
             console.print(f"[yellow]not timed: {getattr(owner, '__name__', owner)}.{attribute} (moved?)[/yellow]")
             continue
         setattr(owner, attribute, timed(phase, getattr(owner, attribute), **how))
+    steps = [(prebuild_module.Prebuild, "wait", "wait"), (prebuild_module.Prebuild, "take", "take"),
+             (engine_module, "run", "run"), (engine_module._Runner, "__init__", "runner"),
+             (engine_module._Runner, "passes", "passes"),
+             (engine_module, "forward_backward", "step"), (engine_module, "reduce_gradients", "grads"),
+             (engine_module, "assemble", "assemble"), (check_module, "compare", "compare")]
+    for owner, attribute, label in steps:
+        if not callable(getattr(owner, attribute, None)):
+            console.print(f"[yellow]not marked: {getattr(owner, '__name__', owner)}.{attribute} (moved?)[/yellow]")
+            continue
+        setattr(owner, attribute, marked(label, getattr(owner, attribute)))
+    import veosnap.candidates.guard as guard_module
+    import veosnap.candidates.pristine as pristine_module
+
+    for owner, attribute, label in ((pristine_module, "kept", "pristine"), (check_module, "deterministic", "settings"),
+                                    (guard_module, "running", "guard")):
+        setattr(owner, attribute, marked_entry(label, getattr(owner, attribute)))
     if getattr(store_module, "decode", None) is not None:
         store_module.decode = codec_module.decode  # store imported it by name
 
@@ -365,6 +474,7 @@ class Row:
     prebuilt: bool = False  # the model was built on the prebuild thread while load, head and setup ran
     build_from_s: float = 0.0  # the plain check: from its start to its model build's start (on the path)
     build_alone_s: float = 0.0  # one build with nothing else running (the candidate's, before the checks)
+    path: dict = field(default_factory=dict)  # the plain check's path after its build (`path_of`)
     peak_check: int = 0
     peak_candidate: int = 0
     sketch_gbps: float = 0.0
@@ -444,6 +554,7 @@ def run_size(size: Size, dtype: str, workdir: Path, profile_to: Path | None = No
     _, plain, row.plain_check_s, _ = one_check(project, key, backend, only={"build"})
     row.plain_build_s = plain.get("build") + plain.get("bg:build")
     row.build_from_s = plain.build_from
+    row.path = path_of(plain, row.plain_check_s, plain.get("report"), row.fwd_bwd_s)
     row.sketch_gbps, row.copy_gbps = kernel_throughput(golden, dtype)
     if profile_to is not None:
         try:
@@ -474,6 +585,7 @@ def one_check(project: Project, key: GoldenKey, backend, serial: bool = False,  
     try:
         with peak.measure():
             sync()
+            phases.t0_event = _event()
             started = phases.t0 = time.perf_counter()
             report = check_module.check(project, key, backend)
             sync()
@@ -763,6 +875,34 @@ def print_table(rows: list[Row]) -> str:
     return "\n".join(md)
 
 
+PATH_COLUMNS = ("size", "dtype", "build from", "to step", "(wait/-/pristine/settings/guard/run/runner/setup/passes/step)", "step starts late", "step (device) / cand f+b", "step over",
+                "+grads", "+assemble", "+compare", "+end", "report", "sum", "e2e own")
+
+
+def path_cells(r: Row) -> list[str]:
+    p = r.path
+    ms1 = lambda s: f"{s * 1e3:.1f}"  # noqa: E731
+    return [r.size, r.dtype, ms1(p["build from"]), ms1(p["to step"]),
+            "/".join(ms1(x) for x in p.get("to step parts", [])), ms1(p["step starts late"]),
+            f"{ms1(p['step (device)'])} / {ms1(r.fwd_bwd_s)}", ms1(p["step over"]),
+            *(ms1(p[k]) if k in p else "" for k in ("+grads", "+assemble", "+compare")), ms1(p["+end"]),
+            ms1(p["report"]), ms1(p["sum"]), ms1(r.e2e_own_s)]
+
+
+def print_path(rows: list[Row]) -> str:
+    """The plain checks' paths (`path_of`): ms; + columns count from the backward's end on the device."""
+    table = Table(title="The plain check's path after its build, ms (+: from the backward's end on the device; "
+                        "sum = build from + to step + step starts late + step over + end + report)")
+    for col in PATH_COLUMNS:
+        table.add_column(col, justify="left" if col in ("size", "dtype") else "right")
+    shown = [r for r in rows if r.path]
+    for r in shown:
+        table.add_row(*path_cells(r))
+    console.print(table)
+    md = ["| " + " | ".join(PATH_COLUMNS) + " |", "|" + "---|" * len(PATH_COLUMNS)]
+    return "\n".join(md + ["| " + " | ".join(path_cells(r)) + " |" for r in shown])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default=",".join(DEFAULT_SIZES), help=f"comma list of {', '.join(SIZES)}")
@@ -812,7 +952,7 @@ def main() -> None:
             if json_path:
                 json_path.parent.mkdir(parents=True, exist_ok=True)
                 json_path.write_text(json.dumps([asdict(r) for r in rows], indent=2))
-    md = print_table(rows)
+    md = print_table(rows) + "\n\n" + print_path(rows)
     if out_dir:
         (out_dir / "bench_scale.md").write_text(md + "\n")
     console.print(f"{time.perf_counter() - started:.0f} s")
