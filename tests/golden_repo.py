@@ -16,9 +16,11 @@ whose point is not the committed bytes compares with what this machine does (`re
 from __future__ import annotations
 
 import functools
+import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -31,6 +33,11 @@ from veosnap.golden.key import GoldenKey
 from veosnap.reference import hardware
 from veosnap.reference.zoo import Project
 from veosnap.runs.verdict import CheckReport
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: each xdist worker builds its own copy, as before
+    fcntl = None
 
 REPO = Path(__file__).resolve().parents[1]
 CLASS = hardware.detect()  # this machine's hardware class: the goldens the suite records and checks
@@ -90,6 +97,28 @@ def git_repo(dest: Path, hardware_class: str = CLASS) -> Project:
 def commit(repo: Path, message: str) -> None:
     git(repo, "add", "-A")
     git(repo, "commit", "-q", "-m", message)
+
+
+def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], None]) -> Path:
+    """A directory `build(path)` fills once per pytest run, for a module- or session-scoped fixture whose
+    tests only read it (a project with goldens it recorded). Under pytest-xdist each worker runs such a
+    fixture itself, so the recording happened once per worker: here the first worker to get there builds it
+    in the run's temp root while the others wait on a lock, then every worker uses it. A build that raises
+    leaves nothing behind, so a worker after it builds (and fails) on its own."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None or fcntl is None:  # one process: the fixture's scope is once
+        path = tmp_path_factory.mktemp(name)
+        build(path)
+        return path
+    root = tmp_path_factory.getbasetemp().parent  # the run's own temp root, shared by its workers (xdist's recipe)
+    path, done = root / f"shared-{name}", root / f"shared-{name}.done"
+    with open(root / f"shared-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the worker dies
+        if not done.exists():
+            shutil.rmtree(path, ignore_errors=True)
+            path.mkdir()
+            build(path)
+            done.touch()
+    return path
 
 
 # --- what this machine records and checks ----------------------------------------------------------

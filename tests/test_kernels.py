@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import reference_kernels as rk
 import torch
-from golden_repo import CLASS
+from golden_repo import CLASS, built_once
 
 from veosnap.candidates import backends
 from veosnap.candidates.kernels import fa4, fla, quack, support
@@ -230,13 +230,17 @@ def qwen3_5(tmp_path_factory: pytest.TempPathFactory) -> Project:
                   None)
     if source is None:
         pytest.skip("no qwen3_5 toy config in this checkout")
-    tmp = tmp_path_factory.mktemp("qwen3_5")
-    shutil.copytree(source, tmp / "toy_configs" / "qwen3_5")
-    shutil.copytree(ROOT / "testdata", tmp / "testdata")
-    project = Project.resolve(goldens=tmp / "goldens", configs=tmp / "toy_configs", testdata=tmp / "testdata",
-                              hardware_class=CLASS)
-    record(project, "qwen3_5", "float32")
-    return project
+
+    def project_at(tmp: Path) -> Project:
+        return Project.resolve(goldens=tmp / "goldens", configs=tmp / "toy_configs", testdata=tmp / "testdata",
+                               hardware_class=CLASS)
+
+    def recorded(tmp: Path) -> None:
+        shutil.copytree(source, tmp / "toy_configs" / "qwen3_5")
+        shutil.copytree(ROOT / "testdata", tmp / "testdata")
+        record(project_at(tmp), "qwen3_5", "float32")
+
+    return project_at(built_once(tmp_path_factory, "qwen3_5", recorded))  # once per run, under xdist too
 
 
 def test_fla_keeps_packed_sequences_apart_where_the_torch_reference_cannot(qwen3_5: Project) -> None:

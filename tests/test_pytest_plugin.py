@@ -20,7 +20,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
-from golden_repo import CLASS, ON_CUDA, committed_golden
+from golden_repo import CLASS, ON_CUDA, built_once, committed_golden
 
 import veosnap
 
@@ -71,10 +71,8 @@ def git(project: Path, *args: str) -> str:
                           capture_output=True, text=True).stdout
 
 
-@pytest.fixture(scope="module")
-def recorded(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The example project with its goldens recorded by `pytest --snapshot-update`."""
-    project = tmp_path_factory.mktemp("downstream")
+def record_example(project: Path) -> None:
+    """The doc's example project in `project`, its goldens recorded by the plugin (`pytest --snapshot-update`)."""
     for name, text in example_files().items():
         (project / name).parent.mkdir(parents=True, exist_ok=True)
         (project / name).write_text(text, encoding="utf-8")
@@ -85,7 +83,13 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert "3 passed" in run.output
     assert "2 golden(s) recorded from the HF eager reference in a fresh process: 2 written, 0 unchanged." in run.output
     assert (project / LLAMA).is_file() and (project / QWEN3_MOE).is_file()
-    return project
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The example project with its goldens recorded by `pytest --snapshot-update`: once per run, under xdist
+    too (`built_once`; tests change copies of it only)."""
+    return built_once(tmp_path_factory, "downstream", record_example)
 
 
 @pytest.fixture
@@ -283,9 +287,9 @@ def test_a_veosnap_test_skipped_before_its_check_keeps_unused_goldens(project: P
     assert unused.is_file()
 
 
-def test_a_hardware_class_without_goldens_skips_with_the_reason(recorded: Path) -> None:
+def test_a_hardware_class_without_goldens_skips_with_the_reason(project: Path) -> None:
     other = "cuda-sm90" if CLASS != "cuda-sm90" else "cuda-sm89"
-    run = pytest_in(recorded, "-rs", "--veosnap-hardware-class", other)
+    run = pytest_in(project, "-rs", "--veosnap-hardware-class", other)
     assert run.ret == 0, run.output
     assert "3 skipped" in run.output
     assert f"no goldens for hardware class {other}" in run.output

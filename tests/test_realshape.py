@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import realshape_faults
-from golden_repo import CLASS, eager_figures, figures
+from golden_repo import CLASS, built_once, eager_figures, figures
 
 from veosnap.candidates import backends
 from veosnap.candidates.layouts.packed import pack
@@ -155,21 +155,27 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def narrow(tmp_path_factory) -> Project:
-    """A project of narrow real-shape variants with their float32 goldens, recorded here."""
-    root = tmp_path_factory.mktemp("narrow")
+def narrow_project(root: Path) -> Project:
+    return Project(goldens=root / "goldens", configs=root / "configs", testdata=ROOT / "testdata", hardware_class=CLASS)
+
+
+def record_narrow(root: Path) -> None:
+    """The narrow variants' configs under `root`, and their float32 goldens recorded here."""
     for name, (toy, changes, batch) in NARROW.items():
         (root / "configs" / name).mkdir(parents=True)
         config = json.loads((ROOT / "toy_configs" / toy / "config.json").read_text())
         config.update(changes)
         (root / "configs" / name / "config.json").write_text(json.dumps(config))
         (root / "configs" / name / "veosnap.json").write_text(json.dumps({"tier": "real", "batch": batch}))
-    project = Project(goldens=root / "goldens", configs=root / "configs", testdata=ROOT / "testdata",
-                      hardware_class=CLASS)
     for name in NARROW:
-        record(project, name, "float32")
-    return project
+        record(narrow_project(root), name, "float32")
+
+
+@pytest.fixture(scope="module")
+def narrow(tmp_path_factory) -> Project:
+    """A project of narrow real-shape variants with their float32 goldens, recorded here: once per run, under
+    xdist too (`built_once`; the tests only check against it)."""
+    return narrow_project(built_once(tmp_path_factory, "narrow", record_narrow))
 
 
 def run(project: Project, model: str, fault: str, layout: str | None = None) -> CheckReport:

@@ -17,7 +17,7 @@ import faults
 import pytest
 import torch
 import zstandard
-from golden_repo import alike_everywhere, skip_unless_reproduced
+from golden_repo import alike_everywhere, built_once, skip_unless_reproduced
 
 from veosnap.candidates import backends
 from veosnap.errors import GoldenError, VeosnapError
@@ -49,17 +49,19 @@ def project_at(goldens: Path, configs: Path = ROOT / "toy_configs") -> Project:
     return Project.resolve(goldens=goldens, configs=configs, testdata=ROOT / "testdata", hardware_class=CLASS)
 
 
-@pytest.fixture(scope="session")
-def twins(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Project]:
-    """The same goldens recorded twice on this machine: every tensor whole, and every sketchable one sketched."""
-    root = tmp_path_factory.mktemp("twins")
-    projects = {}
+def record_twins(root: Path) -> None:
     for mode in ("never", "always"):
-        projects[mode] = project_at(root / mode)
         for model in MODELS:
             for dtype in DTYPES:
-                record(projects[mode], model, dtype, sketch=mode)
-    return projects
+                record(project_at(root / mode), model, dtype, sketch=mode)
+
+
+@pytest.fixture(scope="session")
+def twins(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Project]:
+    """The same goldens recorded twice on this machine: every tensor whole, and every sketchable one sketched.
+    Recorded once per run, under xdist too (`built_once`; the tests only read and check them)."""
+    root = built_once(tmp_path_factory, "twins", record_twins)
+    return {mode: project_at(root / mode) for mode in ("never", "always")}
 
 
 def key(model: str, dtype: str = "float32") -> GoldenKey:
