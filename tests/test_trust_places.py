@@ -32,8 +32,9 @@ def pytest_in(project: Path, *args: str) -> subprocess.CompletedProcess:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     plugin = [] if any(ep.value == "veosnap.surfaces.pytest_plugin" for ep in entry_points(group="pytest11")) \
         else ["-p", "veosnap.surfaces.pytest_plugin"]
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *plugin, "-q", *args],
-                          cwd=project, env=env, capture_output=True, text=True, timeout=600)
+    # No property tests downstream: hypothesis's plugin (this repository's test extra) stays out of these runs.
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:hypothesispytest",
+                           *plugin, "-q", *args], cwd=project, env=env, capture_output=True, text=True, timeout=600)
 
 
 def project_with(root: Path, *keys: GoldenKey) -> Path:
