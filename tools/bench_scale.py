@@ -199,6 +199,7 @@ class Phases:
     """Accumulated seconds per phase while `active` (wrapped functions add to it)."""
 
     active: Phases | None = None
+    probe: GilProbe | None = None  # --gil-probe: read at the build's start and end (`build_late`)
 
     def __init__(self, only: set[str] | None = None) -> None:
         self.seconds: dict[str, float] = {}
@@ -210,6 +211,7 @@ class Phases:
         # recorded there (None on the CPU), read once the check is over.
         self.marks: list[tuple[str, float, float, object, object]] = []
         self.t0_event = None  # a CUDA event at t0 (the device idle then): device times on the host's clock
+        self.build_late = 0.0  # the GIL probe's lateness during the build (`gil_held_during_builds`)
 
     def add(self, phase: str, seconds: float) -> None:
         self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
@@ -242,6 +244,7 @@ def timed(phase: str, fn: Callable, nested: bool = False, host: bool = False) ->
         start = time.perf_counter()
         if phase == "build" and not phases.build_from:
             phases.build_from = start - phases.t0
+        late = Phases.probe.late if Phases.probe is not None and phase == "build" else 0.0
         try:
             return fn(*args, **kwargs)
         finally:
@@ -250,6 +253,8 @@ def timed(phase: str, fn: Callable, nested: bool = False, host: bool = False) ->
             end = time.perf_counter()
             if phase == "build":
                 phases.build_end = end - phases.t0
+                if Phases.probe is not None:
+                    phases.build_late += Phases.probe.late - late
             phases.add(phase if main else f"bg:{phase}", end - start)
             depth.n = 0
 
@@ -419,6 +424,52 @@ class Peak:
                 return
 
 
+class GilProbe:
+    """How late a thread that wants the GIL every `period` seconds gets it: the sum of its lateness past that
+    period. While the check's other threads (its reading, the decode, the staging) hold the GIL, a model build
+    on its thread waits for it as this probe does, at most as long: the difference between this lateness
+    during a check's build and during a build alone estimates how much the check's reading beside the build
+    stretched it (which `e2e own` would hide)."""
+
+    def __init__(self, period: float = 0.0005) -> None:
+        self.period, self.late, self.wakes = period, 0.0, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="bench-gil-probe")
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            start = time.perf_counter()
+            time.sleep(self.period)
+            self.late += max(0.0, time.perf_counter() - start - self.period)
+            self.wakes += 1
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def gil_held_during_builds(project: Project, key: GoldenKey, backend, toy, dtype: str,  # noqa: ANN001
+                           seed: int) -> tuple[float, float, float, float]:
+    """The probe's lateness (seconds) during one build alone on a prebuild thread and during one plain check's
+    build, and those builds' seconds: (late alone, build alone, late in the check, build in the check)."""
+    device = hardware.device_for(hardware.detect())
+    probe = GilProbe()
+    try:
+        before, started = probe.late, time.perf_counter()
+        built = prebuild_module.Prebuild(toy, dtype, device, lambda: (seed, lambda model: None)).take(device, seed)
+        alone_late, alone_s = probe.late - before, time.perf_counter() - started
+        del built
+        if CUDA:
+            torch.cuda.empty_cache()
+        Phases.probe = probe
+        _, plain, _, _ = one_check(project, key, backend, only={"build"})
+    finally:
+        Phases.probe = None
+        probe.stop()
+    return alone_late, alone_s, plain.build_late, plain.get("build") + plain.get("bg:build")
+
+
 # --- a scratch project -------------------------------------------------------------------------------
 
 
@@ -475,6 +526,7 @@ class Row:
     build_from_s: float = 0.0  # the plain check: from its start to its model build's start (on the path)
     build_alone_s: float = 0.0  # one build with nothing else running (the candidate's, before the checks)
     path: dict = field(default_factory=dict)  # the plain check's path after its build (`path_of`)
+    gil: tuple = ()  # --gil-probe: (late alone, build alone, late in the check, build in the check), seconds
     peak_check: int = 0
     peak_candidate: int = 0
     sketch_gbps: float = 0.0
@@ -496,7 +548,7 @@ class Row:
 
 
 def run_size(size: Size, dtype: str, workdir: Path, profile_to: Path | None = None, serial: bool = True,
-             profile_stem: str = "profile", first_check: bool = False) -> Row:
+             profile_stem: str = "profile", first_check: bool = False, gil_probe: bool = False) -> Row:
     row = Row(size.name, dtype)
     project = make_project(workdir, size)
     key = GoldenKey(project.hardware_class, size.name, "step", dtype)
@@ -555,6 +607,8 @@ def run_size(size: Size, dtype: str, workdir: Path, profile_to: Path | None = No
     row.plain_build_s = plain.get("build") + plain.get("bg:build")
     row.build_from_s = plain.build_from
     row.path = path_of(plain, row.plain_check_s, plain.get("report"), row.fwd_bwd_s)
+    if gil_probe:
+        row.gil = gil_held_during_builds(project, key, backend, toy, dtype, golden.manifest.reference.seed)
     row.sketch_gbps, row.copy_gbps = kernel_throughput(golden, dtype)
     if profile_to is not None:
         try:
@@ -876,7 +930,8 @@ def print_table(rows: list[Row]) -> str:
 
 
 PATH_COLUMNS = ("size", "dtype", "build from", "to step", "(wait/-/pristine/settings/guard/run/runner/setup/passes/step)", "step starts late", "step (device) / cand f+b", "step over",
-                "+grads", "+assemble", "+compare", "+end", "report", "sum", "e2e own")
+                "+grads", "+assemble", "+compare", "+end", "report", "sum", "e2e own",
+                "GIL late: alone / in check (builds)", "build stretch (GIL probe est.)")
 
 
 def path_cells(r: Row) -> list[str]:
@@ -886,7 +941,19 @@ def path_cells(r: Row) -> list[str]:
             "/".join(ms1(x) for x in p.get("to step parts", [])), ms1(p["step starts late"]),
             f"{ms1(p['step (device)'])} / {ms1(r.fwd_bwd_s)}", ms1(p["step over"]),
             *(ms1(p[k]) if k in p else "" for k in ("+grads", "+assemble", "+compare")), ms1(p["+end"]),
-            ms1(p["report"]), ms1(p["sum"]), ms1(r.e2e_own_s)]
+            ms1(p["report"]), ms1(p["sum"]), ms1(r.e2e_own_s), *gil_cells(r)]
+
+
+def gil_cells(r: Row) -> list[str]:
+    """The GIL probe's lateness during a build alone and during the check's (ms), and what it estimates of how
+    much the check's other threads stretched its build: the check's lateness less the alone rate over as long
+    (an estimate: the probe samples the GIL every 0.5 ms, as the build's threads ask for it between ops)."""
+    if not r.gil:
+        return ["", ""]
+    late_alone, alone_s, late_check, check_s = r.gil
+    extra = late_check - (late_alone / alone_s * check_s if alone_s else 0.0)
+    return [f"{late_alone * 1e3:.1f} ({alone_s:.1f} s) / {late_check * 1e3:.1f} ({check_s:.1f} s)",
+            f"{max(extra, 0.0) * 1e3:.1f} ms"]
 
 
 def print_path(rows: list[Row]) -> str:
@@ -918,6 +985,9 @@ def main() -> None:
     parser.add_argument("--first-check", action="store_true",
                         help="one more plain check before the timed one (the 'e2e first' column): the timed phases "
                              "then leave out the process's first-use costs, which that column shows")
+    parser.add_argument("--gil-probe", action="store_true",
+                        help="one build alone and one more plain check with a GIL probe thread (the 'GIL late' columns "
+                             "of the path table): how much the check's reading beside its build could stretch it")
     args = parser.parse_args()
     sizes = [SIZES[name] for name in args.sizes.split(",")]
     dtypes = args.dtypes.split(",")
@@ -942,7 +1012,7 @@ def main() -> None:
                         if (size.name, dtype) in profiles else None
                     stem = "profile" if len(profiles) == 1 else f"profile-{size.name}-{dtype}"
                     row = run_size(size, dtype, Path(tmp), where, serial=not args.no_serial, profile_stem=stem,
-                                   first_check=args.first_check)
+                                   first_check=args.first_check, gil_probe=args.gil_probe)
                 except Exception as exc:  # noqa: BLE001 - one size failing must not lose the others' rows
                     row = Row(size.name, dtype, note=f"{type(exc).__name__}: {str(exc)[:200]}")
             rows.append(row)
