@@ -13,7 +13,7 @@ from test_golden_background import copy_golden, edited_logits
 from veosnap.candidates import backends
 from veosnap.golden import background
 from veosnap.golden.key import GoldenKey
-from veosnap.reference import limits, models, weights
+from veosnap.reference import coverage, limits, models, weights
 from veosnap.reference.prebuild import Prebuild
 from veosnap.reference.zoo import Project, load_config
 from veosnap.runs.check import check
@@ -88,6 +88,45 @@ def test_the_limits_vet_the_model_as_constructed_with_the_skeletons_count(monkey
         limits.check_config(toy, m))))
     assert prebuilt.take("cpu", 0) is not None
     assert seen == [limits.check_config(toy)]
+
+
+TOYS = sorted(path.name for path in Project.resolve().configs.iterdir() if not path.name.split("-")[-1].startswith("real"))
+
+
+@pytest.mark.parametrize("model", TOYS)
+def test_the_vetting_finds_on_the_constructed_model_what_the_skeleton_says(model):
+    # A check beside a prebuild takes its limits' count and its coverage from the model the thread constructed
+    # (`runs.check.Vetted`): they must be the meta skeleton's, for every model of the zoo.
+    toy = load_config(Project.resolve().configs, model)
+    skeleton = models._build_skeleton(toy)
+    found: list = []
+    prebuilt = Prebuild(toy, "float32", torch.device("cpu"), lambda: (0, lambda m: found.append(
+        (limits.check_config(toy, m), coverage.produces(m)))))
+    assert prebuilt.take("cpu", 0) is not None
+    assert found == [(limits.check_config(toy, skeleton), coverage.produces(skeleton))]
+    assert prebuilt.vetted() is None  # that vetting returned nothing: nothing to read
+
+
+def test_a_check_beside_its_prebuild_builds_no_skeleton_and_refuses_as_before(tmp_path, monkeypatch, capsys):
+    root, _ = copy_golden(tmp_path, "qwen3_moe")
+    built: list[str] = []
+    construct = models._build_skeleton
+    monkeypatch.setattr(models, "_build_skeleton", lambda toy: built.append(toy.name) or construct(toy))
+    models._SKELETONS.clear()
+    project = Project.resolve(goldens=root, hardware_class=CLASS)
+    key = GoldenKey(CLASS, "qwen3_moe", "step", "float32")
+    assert check(project, key, backends.resolve("eager")).passed
+    assert built == []
+    # A golden that does not cover what the model produces is refused from the vetting's facts as from the
+    # skeleton's: its last layer's output gone, its hashes recomputed.
+    from test_trust_goldens import _drop, forged  # noqa: PLC0415
+
+    (root / key.relpath).write_bytes(forged(key, _drop("layers.1.output")))
+    code = main(["check", "--goldens", str(root), "--hardware-class", CLASS, "--model", "qwen3_moe", "--dtype",
+                 "float32"])
+    assert code == 2
+    assert "does not cover what the model produces (no output of decoder layer 1)" in capsys.readouterr().err
+    assert built == []
 
 
 def test_a_check_takes_the_model_built_from_its_start_and_reports_as_before(tmp_path, monkeypatch):

@@ -40,7 +40,9 @@ with `--sketch auto` and checks a candidate against it, and prints one table:
                         check's build (on its thread, beside the check's reading and setup): a build slowed by
                         them (the GIL) would show here, and e2e would then hide that much of veosnap's own time
     e2e own/f+b         (plain check - build - cand f+b) / cand f+b: everything veosnap adds, end to end, as a
-                        user sees it (no phase split; includes `rest` and the noise of cand f+b)
+                        user sees it (no phase split; includes `rest` and the noise of cand f+b). The build left
+                        out is the model's own: the prebuild's vetting inside it (the limits and coverage on the
+                        model as constructed, `vet` in the path table) is counted as veosnap's
     e2e first           (--first-check) the same for one more plain check run before the timed one: the first check
                         of this size in the process (for the first size: of the process, as a `veosnap check` run
                         from the shell; the candidate alone has run before it), so its first-use costs (CUDA's lazy
@@ -105,6 +107,7 @@ sys.path.insert(0, str(ROOT))
 import veosnap.golden.background as background_module  # noqa: E402
 import veosnap.golden.codec as codec_module  # noqa: E402
 import veosnap.golden.store as store_module  # noqa: E402
+import veosnap.numerics.compare as numerics_compare_module  # noqa: E402
 import veosnap.reference.coverage as coverage_module  # noqa: E402
 import veosnap.reference.limits as limits_module  # noqa: E402
 import veosnap.reference.models as models_module  # noqa: E402
@@ -245,6 +248,8 @@ def timed(phase: str, fn: Callable, nested: bool = False, host: bool = False) ->
         if phase == "build" and not phases.build_from:
             phases.build_from = start - phases.t0
         late = Phases.probe.late if Phases.probe is not None and phase == "build" else 0.0
+        if phase == "build" and kwargs.get("vet") is not None:
+            kwargs["vet"] = vetting_timed(phases, kwargs["vet"])
         try:
             return fn(*args, **kwargs)
         finally:
@@ -257,6 +262,21 @@ def timed(phase: str, fn: Callable, nested: bool = False, host: bool = False) ->
                     phases.build_late += Phases.probe.late - late
             phases.add(phase if main else f"bg:{phase}", end - start)
             depth.n = 0
+
+    return wrapper
+
+
+def vetting_timed(phases: Phases, vet: Callable) -> Callable:
+    """A prebuild's vetting (`models.build(vet=)`), its seconds added to `vet`: veosnap's limits and coverage on
+    the model as constructed, on the build's path but not the candidate's build (`Row.plain_build_s` leaves it
+    out, so e2e own counts it)."""
+
+    def wrapper(model):  # noqa: ANN001, ANN202
+        start = time.perf_counter()
+        try:
+            return vet(model)
+        finally:
+            phases.add("vet", time.perf_counter() - start)
 
     return wrapper
 
@@ -311,7 +331,9 @@ PATH_STEPS = ("take", "run", "step", "grads", "assemble", "compare")
 def path_of(phases: Phases, check_s: float, report_s: float, fwd_bwd_s: float) -> dict[str, float]:
     """Where a plain check's time after its build went, in seconds: from the build's end to the candidate's step
     (`to step`), the step on the device against the candidate alone (`step over`), from the backward's end on
-    the device to each later step's end on the host (`+grads`, `+assemble`, `+compare`, `+end`), the report.
+    the device to each later step's end on the host (`+grads`, `+assemble`, `+read`: the compare's one wait for
+    the device, `+compare`, `+out`: the check's last layout judged, `+end`: the check returned and the device
+    idle), the report.
     Device times come from CUDA events on the host's clock (zero at the check's start, the device idle then); on
     the CPU the step's host times stand in for them."""
     marks = {label: (start, end, first, last) for label, start, end, first, last in phases.marks
@@ -328,7 +350,7 @@ def path_of(phases: Phases, check_s: float, report_s: float, fwd_bwd_s: float) -
     path = {"build from": phases.build_from, "build": phases.build_end - phases.build_from,
             "to step": first_in - phases.build_end, "step (device)": d_out - d_in,
             "step over": d_out - d_in - fwd_bwd_s, "step starts late": d_in - h_in}
-    for name in ("grads", "assemble", "compare"):
+    for name in ("grads", "assemble", "read", "compare", "out"):
         if name in marks:
             path[f"+{name}"] = marks[name][1] - d_out
     # "to step", split: the build's end to the wait's end (the check waits for the build before it snapshots the
@@ -341,8 +363,11 @@ def path_of(phases: Phases, check_s: float, report_s: float, fwd_bwd_s: float) -
     path["to step parts"] = [b - a for a, b in zip(points, points[1:])]
     path["+end"] = check_s - d_out
     path["report"] = report_s
-    path["sum"] = (phases.build_from + path["to step"] + max(d_in - h_in, 0.0) + path["step over"] + path["+end"]
-                   + report_s)
+    # The prebuild's vetting (limits and coverage on the model as constructed) is inside the build's time but is
+    # veosnap's, on the build's path: counted here, and left out of the build e2e subtracts.
+    path["vet"] = phases.get("vet")
+    path["sum"] = (phases.build_from + path["vet"] + path["to step"] + max(d_in - h_in, 0.0) + path["step over"]
+                   + path["+end"] + report_s)
     return path
 
 
@@ -375,7 +400,8 @@ def instrument() -> None:
              (engine_module, "run", "run"), (engine_module._Runner, "__init__", "runner"),
              (engine_module._Runner, "passes", "passes"),
              (engine_module, "forward_backward", "step"), (engine_module, "reduce_gradients", "grads"),
-             (engine_module, "assemble", "assemble"), (check_module, "compare", "compare")]
+             (engine_module, "assemble", "assemble"), (check_module, "compare", "compare"),
+             (numerics_compare_module, "read_together", "read"), (check_module, "_check_loaded", "out")]
     for owner, attribute, label in steps:
         if not callable(getattr(owner, attribute, None)):
             console.print(f"[yellow]not marked: {getattr(owner, '__name__', owner)}.{attribute} (moved?)[/yellow]")
@@ -589,12 +615,12 @@ def run_size(size: Size, dtype: str, workdir: Path, profile_to: Path | None = No
     # thread): what it saves.
     if first_check:
         _, first, row.first_check_s, _ = one_check(project, key, backend, only={"build"})
-        row.first_build_s = first.get("build") + first.get("bg:build")
+        row.first_build_s = first.get("build") + first.get("bg:build") - first.get("vet")
     report, phases, row.check_s, row.peak_check = one_check(project, key, backend)
     row.passed = report.passed
     if not report.passed:
         row.note += f"check {report.status}: {report.error or (report.worst and report.worst.name)}; "
-    row.build_s = phases.get("build") + phases.get("bg:build")
+    row.build_s = phases.get("build") + phases.get("bg:build") - phases.get("vet")
     row.phases = split_phases(phases)
     row.prebuilt = prebuilt(phases)
     row.own_s = own_time(row.phases, row.prebuilt)
@@ -604,7 +630,7 @@ def run_size(size: Size, dtype: str, workdir: Path, profile_to: Path | None = No
         row.serial_phases = split_phases(serial_phases)
         row.serial_own_s = own_time(row.serial_phases, prebuilt(serial_phases))
     _, plain, row.plain_check_s, _ = one_check(project, key, backend, only={"build"})
-    row.plain_build_s = plain.get("build") + plain.get("bg:build")
+    row.plain_build_s = plain.get("build") + plain.get("bg:build") - plain.get("vet")
     row.build_from_s = plain.build_from
     row.path = path_of(plain, row.plain_check_s, plain.get("report"), row.fwd_bwd_s)
     if gil_probe:
@@ -929,18 +955,19 @@ def print_table(rows: list[Row]) -> str:
     return "\n".join(md)
 
 
-PATH_COLUMNS = ("size", "dtype", "build from", "to step", "(wait/-/pristine/settings/guard/run/runner/setup/passes/step)", "step starts late", "step (device) / cand f+b", "step over",
-                "+grads", "+assemble", "+compare", "+end", "report", "sum", "e2e own",
+PATH_COLUMNS = ("size", "dtype", "build from", "vet", "to step", "(wait/-/pristine/settings/guard/run/runner/setup/passes/step)", "step starts late", "step (device) / cand f+b", "step over",
+                "+grads", "+assemble", "+read", "+compare", "+out", "+end", "report", "sum", "e2e own",
                 "GIL late: alone / in check (builds)", "build stretch (GIL probe est.)")
 
 
 def path_cells(r: Row) -> list[str]:
     p = r.path
     ms1 = lambda s: f"{s * 1e3:.1f}"  # noqa: E731
-    return [r.size, r.dtype, ms1(p["build from"]), ms1(p["to step"]),
+    return [r.size, r.dtype, ms1(p["build from"]), ms1(p.get("vet", 0.0)), ms1(p["to step"]),
             "/".join(ms1(x) for x in p.get("to step parts", [])), ms1(p["step starts late"]),
             f"{ms1(p['step (device)'])} / {ms1(r.fwd_bwd_s)}", ms1(p["step over"]),
-            *(ms1(p[k]) if k in p else "" for k in ("+grads", "+assemble", "+compare")), ms1(p["+end"]),
+            *(ms1(p[k]) if k in p else "" for k in ("+grads", "+assemble", "+read", "+compare", "+out")),
+            ms1(p["+end"]),
             ms1(p["report"]), ms1(p["sum"]), ms1(r.e2e_own_s), *gil_cells(r)]
 
 
@@ -959,7 +986,7 @@ def gil_cells(r: Row) -> list[str]:
 def print_path(rows: list[Row]) -> str:
     """The plain checks' paths (`path_of`): ms; + columns count from the backward's end on the device."""
     table = Table(title="The plain check's path after its build, ms (+: from the backward's end on the device; "
-                        "sum = build from + to step + step starts late + step over + end + report)")
+                        "sum = build from + vet + to step + step starts late + step over + end + report)")
     for col in PATH_COLUMNS:
         table.add_column(col, justify="left" if col in ("size", "dtype") else "right")
     shown = [r for r in rows if r.path]

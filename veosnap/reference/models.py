@@ -98,10 +98,12 @@ def build(
             model = _uninitialized(config, dtype)
         except Exception as exc:  # noqa: BLE001 - a config transformers accepts but cannot instantiate
             raise VeosnapError(f"{toy.path}: transformers cannot build this model ({_cause(exc)})") from None
+    # Pinned before the vetting: a check that takes the vetting's facts builds no skeleton (which pins too) before it
+    # snapshots the modeling module, even when this build fails after them.
+    pin_torch_fallbacks(model)
     if vet is not None:
         vet(model)
     weights.initialize(model, seed)
-    pin_torch_fallbacks(model)
     return model.to(device)
 
 

@@ -33,8 +33,9 @@ from . import models
 from .zoo import ToyConfig
 
 
-# What the thread builds: the golden's weight seed, and the vetting of the model as constructed (it raises to stop).
-Plan = tuple[int, Callable[[nn.Module], None]]
+# What the thread builds: the golden's weight seed, and the vetting of the model as constructed (it raises to
+# stop; what it returns, the facts it found, the check reads through `vetted`).
+Plan = tuple[int, Callable[[nn.Module], object]]
 
 
 class Prebuild:
@@ -49,6 +50,7 @@ class Prebuild:
         self._started = threading.Event()  # the build has begun, or the thread has ended
         self._model: nn.Module | None = None
         self._seed: int | None = None
+        self._vetted: object = None
         self._cancelled = False
         threading.Thread(target=self._run, name=f"veosnap-prebuild {toy.name}", daemon=True).start()
 
@@ -60,7 +62,7 @@ class Prebuild:
             seed, vet = planned
 
             def vetted(model: nn.Module) -> None:
-                vet(model)
+                self._vetted = vet(model)
                 self._started.set()
 
             model = models.build(self.toy, models.dtype_from_name(self.dtype), self.device, seed, vet=vetted)
@@ -79,6 +81,13 @@ class Prebuild:
         would slow down (the GIL); that reading has the rest of the build (the draw and the copy to the
         device, in torch) to finish in."""
         self._started.wait()
+
+    def vetted(self) -> object:
+        """What the vetting of the model as constructed returned (after `begun`); None when it did not pass, or
+        never ran. The check takes the limits' and coverage's facts from it instead of building a meta-device
+        skeleton beside the build: that construction is Python, and its GIL would stretch the build's draw."""
+        self._started.wait()
+        return self._vetted
 
     def wait(self) -> None:
         """Until the thread has ended. While it builds, transformers' init functions are patched process-wide
