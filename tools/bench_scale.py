@@ -43,6 +43,7 @@ with `--sketch auto` and checks a candidate against it, and prints one table:
                         user sees it (no phase split; includes `rest` and the noise of cand f+b). The build left
                         out is the model's own: the prebuild's vetting inside it (the limits and coverage on the
                         model as constructed, `vet` in the path table) is counted as veosnap's
+                        With --plain N, the median of N plain checks, and their range in brackets
     e2e first           (--first-check) the same for one more plain check run before the timed one: the first check
                         of this size in the process (for the first size: of the process, as a `veosnap check` run
                         from the shell; the candidate alone has run before it), so its first-use costs (CUDA's lazy
@@ -544,7 +545,8 @@ class Row:
     serial_check_s: float = 0.0  # the same check with the golden decoded first, on the main thread
     serial_own_s: float = 0.0
     serial_phases: dict = field(default_factory=dict)
-    plain_check_s: float = 0.0  # the same check with only the build timed (no syncs added)
+    plain_check_s: float = 0.0  # the same check with only the build timed (no syncs added): the median of --plain
+    plain_e2e_s: list = field(default_factory=list)  # each plain check's e2e own, seconds, in order
     plain_build_s: float = 0.0
     first_check_s: float = 0.0  # --first-check: a plain check before the timed one (the first of this size)
     first_build_s: float = 0.0
@@ -574,7 +576,8 @@ class Row:
 
 
 def run_size(size: Size, dtype: str, workdir: Path, profile_to: Path | None = None, serial: bool = True,
-             profile_stem: str = "profile", first_check: bool = False, gil_probe: bool = False) -> Row:
+             profile_stem: str = "profile", first_check: bool = False, gil_probe: bool = False,
+             plains: int = 1) -> Row:
     row = Row(size.name, dtype)
     project = make_project(workdir, size)
     key = GoldenKey(project.hardware_class, size.name, "step", dtype)
@@ -629,8 +632,16 @@ def run_size(size: Size, dtype: str, workdir: Path, profile_to: Path | None = No
         _, serial_phases, row.serial_check_s, _ = one_check(project, key, backend, serial=True)
         row.serial_phases = split_phases(serial_phases)
         row.serial_own_s = own_time(row.serial_phases, prebuilt(serial_phases))
-    _, plain, row.plain_check_s, _ = one_check(project, key, backend, only={"build"})
-    row.plain_build_s = plain.get("build") + plain.get("bg:build") - plain.get("vet")
+    # One plain check varies by a few ms from the next (a 60-150 ms step beside a 4 s build): the row shows the
+    # median of `plains` of them, its path that check's, and the range.
+    runs = []
+    for _ in range(max(plains, 1)):
+        _, plain, check_s, _ = one_check(project, key, backend, only={"build"})
+        build_s = plain.get("build") + plain.get("bg:build") - plain.get("vet")
+        runs.append((check_s - build_s - row.fwd_bwd_s, check_s, build_s, plain))
+    runs.sort(key=lambda run: run[0])
+    row.plain_e2e_s = [run[0] for run in runs]
+    _, row.plain_check_s, row.plain_build_s, plain = runs[len(runs) // 2]
     row.build_from_s = plain.build_from
     row.path = path_of(plain, row.plain_check_s, plain.get("report"), row.fwd_bwd_s)
     if gil_probe:
@@ -930,7 +941,7 @@ def cells(r: Row) -> list[str]:
             fmt_s(p["compare"]), fmt_s(p["report"]), ("-" if r.rest_s < 0 else "") + fmt_s(abs(r.rest_s)),
             f"{r.ratio:.2f}", fmt_s(r.plain_check_s) if r.plain_check_s else "", f"{ms(r.build_from_s)} ms",
             f"{fmt_s(r.build_alone_s)} / {fmt_s(r.plain_build_s)}" if r.build_alone_s else "",
-            f"{r.e2e_own_s / r.fwd_bwd_s:.2f}" if r.plain_check_s and r.fwd_bwd_s else "",
+            e2e_cell(r),
             f"{r.e2e_first_s / r.fwd_bwd_s:.2f}" if r.first_check_s and r.fwd_bwd_s else "",
             fmt_s(r.first_fwd_bwd_s),
             f"{r.own_s / r.eager_s:.2f}" if r.eager_s else "",
@@ -971,6 +982,17 @@ def path_cells(r: Row) -> list[str]:
             ms1(p["report"]), ms1(p["sum"]), ms1(r.e2e_own_s), *gil_cells(r)]
 
 
+def e2e_cell(r: Row) -> str:
+    """e2e own / cand f+b of the median plain check, and the range over them when there were several."""
+    if not (r.plain_check_s and r.fwd_bwd_s):
+        return ""
+    cell = f"{r.e2e_own_s / r.fwd_bwd_s:.2f}"
+    if len(r.plain_e2e_s) > 1:
+        cell += (f" ({r.plain_e2e_s[0] / r.fwd_bwd_s:.2f}-{r.plain_e2e_s[-1] / r.fwd_bwd_s:.2f} over "
+                 f"{len(r.plain_e2e_s)})")
+    return cell
+
+
 def gil_cells(r: Row) -> list[str]:
     """The GIL probe's lateness during a build alone and during the check's (ms), and what it estimates of how
     much the check's other threads stretched its build: the check's lateness less the alone rate over as long
@@ -1009,6 +1031,8 @@ def main() -> None:
                              "size, bfloat16 if run); several, comma-separated: $OUT/profile-SIZE-DTYPE.md each")
     parser.add_argument("--no-serial", action="store_true",
                         help="leave out the serial-decode check (the 'serial own' columns): one check less per size")
+    parser.add_argument("--plain", type=int, default=1, metavar="N",
+                        help="plain checks per row: e2e and the path table are the median one's, with the range")
     parser.add_argument("--first-check", action="store_true",
                         help="one more plain check before the timed one (the 'e2e first' column): the timed phases "
                              "then leave out the process's first-use costs, which that column shows")
@@ -1039,7 +1063,8 @@ def main() -> None:
                         if (size.name, dtype) in profiles else None
                     stem = "profile" if len(profiles) == 1 else f"profile-{size.name}-{dtype}"
                     row = run_size(size, dtype, Path(tmp), where, serial=not args.no_serial, profile_stem=stem,
-                                   first_check=args.first_check, gil_probe=args.gil_probe)
+                                   first_check=args.first_check, gil_probe=args.gil_probe,
+                                   plains=args.plain)
                 except Exception as exc:  # noqa: BLE001 - one size failing must not lose the others' rows
                     row = Row(size.name, dtype, note=f"{type(exc).__name__}: {str(exc)[:200]}")
             rows.append(row)
