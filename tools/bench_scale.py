@@ -83,6 +83,7 @@ routing). On CUDA, TF32 is off (veosnap's deterministic settings) in every phase
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -216,6 +217,7 @@ class Phases:
         self.marks: list[tuple[str, float, float, object, object]] = []
         self.t0_event = None  # a CUDA event at t0 (the device idle then): device times on the host's clock
         self.build_late = 0.0  # the GIL probe's lateness during the build (`gil_held_during_builds`)
+        self.collections: list[tuple[int, float]] = []  # Python's garbage collections in the check: (generation, s)
 
     def add(self, phase: str, seconds: float) -> None:
         self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
@@ -367,6 +369,7 @@ def path_of(phases: Phases, check_s: float, report_s: float, fwd_bwd_s: float) -
     # The prebuild's vetting (limits and coverage on the model as constructed) is inside the build's time but is
     # veosnap's, on the build's path: counted here, and left out of the build e2e subtracts.
     path["vet"] = phases.get("vet")
+    path["gc"] = [[generation, seconds] for generation, seconds in phases.collections]
     path["sum"] = (phases.build_from + path["vet"] + path["to step"] + max(d_in - h_in, 0.0) + path["step over"]
                    + path["+end"] + report_s)
     return path
@@ -547,6 +550,7 @@ class Row:
     serial_phases: dict = field(default_factory=dict)
     plain_check_s: float = 0.0  # the same check with only the build timed (no syncs added): the median of --plain
     plain_e2e_s: list = field(default_factory=list)  # each plain check's e2e own, seconds, in order
+    plain_gc_s: list = field(default_factory=list)  # ... and the seconds of garbage collection in it
     plain_build_s: float = 0.0
     first_check_s: float = 0.0  # --first-check: a plain check before the timed one (the first of this size)
     first_build_s: float = 0.0
@@ -641,6 +645,7 @@ def run_size(size: Size, dtype: str, workdir: Path, profile_to: Path | None = No
         runs.append((check_s - build_s - row.fwd_bwd_s, check_s, build_s, plain))
     runs.sort(key=lambda run: run[0])
     row.plain_e2e_s = [run[0] for run in runs]
+    row.plain_gc_s = [sum(seconds for _, seconds in run[3].collections) for run in runs]
     _, row.plain_check_s, row.plain_build_s, plain = runs[len(runs) // 2]
     row.build_from_s = plain.build_from
     row.path = path_of(plain, row.plain_check_s, plain.get("report"), row.fwd_bwd_s)
@@ -673,6 +678,15 @@ def one_check(project: Project, key: GoldenKey, backend, serial: bool = False,  
         background_module.read = read_serially
     models_module._SKELETONS.clear()  # as in a fresh `veosnap check`: the record built this config's skeleton
     Phases.active = phases
+    started_gc: dict[int, float] = {}
+
+    def collected(phase: str, info: dict) -> None:  # a collection stops every thread that wants the GIL
+        if phase == "start":
+            started_gc[info["generation"]] = time.perf_counter()
+        elif info["generation"] in started_gc:
+            phases.collections.append((info["generation"], time.perf_counter() - started_gc[info["generation"]]))
+
+    gc.callbacks.append(collected)
     try:
         with peak.measure():
             sync()
@@ -685,6 +699,7 @@ def one_check(project: Project, key: GoldenKey, backend, serial: bool = False,  
         render_text.checks([report])  # what `veosnap check` prints (`--format json` renders JSON instead)
         phases.add("report", time.perf_counter() - start)
     finally:
+        gc.callbacks.remove(collected)
         Phases.active = None
         background_module.read = saved
     return report, phases, check_s, peak.bytes
@@ -968,7 +983,7 @@ def print_table(rows: list[Row]) -> str:
 
 PATH_COLUMNS = ("size", "dtype", "build from", "vet", "to step", "(wait/-/pristine/settings/guard/run/runner/setup/passes/step)", "step starts late", "step (device) / cand f+b", "step over",
                 "+grads", "+assemble", "+read", "+compare", "+out", "+end", "report", "sum", "e2e own",
-                "GIL late: alone / in check (builds)", "build stretch (GIL probe est.)")
+                "gc: collections (gen 2) ms", "GIL late: alone / in check (builds)", "build stretch (GIL probe est.)")
 
 
 def path_cells(r: Row) -> list[str]:
@@ -979,7 +994,15 @@ def path_cells(r: Row) -> list[str]:
             f"{ms1(p['step (device)'])} / {ms1(r.fwd_bwd_s)}", ms1(p["step over"]),
             *(ms1(p[k]) if k in p else "" for k in ("+grads", "+assemble", "+read", "+compare", "+out")),
             ms1(p["+end"]),
-            ms1(p["report"]), ms1(p["sum"]), ms1(r.e2e_own_s), *gil_cells(r)]
+            ms1(p["report"]), ms1(p["sum"]), ms1(r.e2e_own_s), gc_cell(p.get("gc", [])), *gil_cells(r)]
+
+
+def gc_cell(collections: list) -> str:
+    """Python's garbage collections during the check, all (of them generation 2), ms: each stops every thread
+    that wants the GIL, the check's included."""
+    total = sum(seconds for _, seconds in collections)
+    full = [seconds for generation, seconds in collections if generation == 2]
+    return f"{total * 1e3:.1f} ({len(full)}: {sum(full) * 1e3:.1f})"
 
 
 def e2e_cell(r: Row) -> str:
@@ -989,7 +1012,7 @@ def e2e_cell(r: Row) -> str:
     cell = f"{r.e2e_own_s / r.fwd_bwd_s:.2f}"
     if len(r.plain_e2e_s) > 1:
         cell += (f" ({r.plain_e2e_s[0] / r.fwd_bwd_s:.2f}-{r.plain_e2e_s[-1] / r.fwd_bwd_s:.2f} over "
-                 f"{len(r.plain_e2e_s)})")
+                 f"{len(r.plain_e2e_s)}; gc in the slowest {r.plain_gc_s[-1] * 1e3:.0f} ms)")
     return cell
 
 
