@@ -1,7 +1,8 @@
 """Round 7's diagnosis run (docs/scale.md), kept with its log (diag.log): which threads ran, by their CPU time
 in /proc's schedstat, while a plain check's main thread was in the guard's entry and from its last layout judged
 to its return; how long the device was still busy after the return; the same checks at a 0.5 ms GIL switch
-interval. Its /proc reads cost the main thread 2-3 ms each, so its e2e figures are inflated. On the H200:
+interval. Its /proc reads cost the main thread 2-3 ms each and fall inside the intervals it times (its e2e
+figures, its guard entries and its tail are inflated by them). On the H200:
 python3 docs/results/h200-2026-12-02d/r8/threads.py llama-hd128,qwen3_moe-1b"""
 import os, sys, time, tempfile, threading, json
 from pathlib import Path
