@@ -2,6 +2,6 @@
 
 import sys
 
-from .surfaces.cli import main
+from .surfaces.cli import command
 
-sys.exit(main())
+sys.exit(command())
