@@ -3,6 +3,7 @@ a closed pipe."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
@@ -86,8 +87,6 @@ def test_the_command_freezes_its_imports_out_of_the_garbage_collector_and_main_d
     out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=True).stdout
     code, frozen = out.split()[-2:]
     assert code == "0" and int(frozen) > 100_000
-    import gc  # noqa: PLC0415
-
     before = gc.get_freeze_count()
     assert main(["ls", "--model", "llama"]) == 0
     assert gc.get_freeze_count() == before

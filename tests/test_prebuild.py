@@ -15,7 +15,7 @@ from veosnap.golden import background
 from veosnap.golden.key import GoldenKey
 from veosnap.reference import coverage, limits, models, weights
 from veosnap.reference.prebuild import Prebuild
-from veosnap.reference.zoo import Project, load_config
+from veosnap.reference.zoo import Project, list_models, load_config
 from veosnap.runs.check import check
 from veosnap.surfaces.cli import main
 
@@ -90,7 +90,7 @@ def test_the_limits_vet_the_model_as_constructed_with_the_skeletons_count(monkey
     assert seen == [limits.check_config(toy)]
 
 
-TOYS = sorted(path.name for path in Project.resolve().configs.iterdir() if not path.name.split("-")[-1].startswith("real"))
+TOYS = list_models(Project.resolve().configs, "toy")
 
 
 @pytest.mark.parametrize("model", TOYS)

@@ -126,7 +126,7 @@ def _prebuild(project: Project, key: GoldenKey, toy: ToyConfig, chosen: list[tup
         def vet(model: nn.Module) -> Vetted:  # the limits on the model as constructed, before its weights are drawn
             parameters = limits.check_config(toy, model)
             limits.check_memory(toy, parameters, tokens, models.dtype_from_name(key.dtype), device, recording=False)
-            return Vetted(toy.hash, parameters, coverage.produces(model))
+            return Vetted(parameters, coverage.produces(model))
 
         return seed, vet
 
@@ -136,9 +136,8 @@ def _prebuild(project: Project, key: GoldenKey, toy: ToyConfig, chosen: list[tup
 @dataclass(frozen=True)
 class Vetted:
     """What a check's prebuild found on the model it constructed, its limits passed: the facts the check's own
-    setup needs (the parameter count, what the model produces), for the config of `config_hash`."""
+    setup needs (the parameter count, what the model produces), for the prebuild's config."""
 
-    config_hash: str
     parameters: int
     produces: coverage.Produces
 
@@ -146,8 +145,10 @@ class Vetted:
 def _vetted(prebuilt: Prebuild | None, toy: ToyConfig) -> Vetted | None:
     """The prebuild's facts when it vetted this very config; else None (the check finds them itself, on a
     meta-device skeleton, and meets whatever the prebuild met, in its turn)."""
-    found = prebuilt.vetted() if prebuilt is not None else None
-    return found if isinstance(found, Vetted) and found.config_hash == toy.hash else None
+    if prebuilt is None or prebuilt.toy.hash != toy.hash:
+        return None
+    found = prebuilt.vetted()
+    return found if isinstance(found, Vetted) else None
 
 
 def _check_loaded(project: Project, key: GoldenKey, backend: Backend, chosen: list[tuple[str, Layout]],
