@@ -8,8 +8,8 @@ import logging
 import sys
 import threading
 import warnings
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -252,13 +252,14 @@ def pin_torch_fallbacks(model: nn.Module) -> list[str]:
 def _kernel_choice(value: object) -> Callable | None:
     """The torch function behind a transformers fallback wrapper, else None.
 
-    The wrapper may itself be wrapped (the `kernels` package's hub decorator): the `__wrapped__` chain
-    is followed to the function whose closure made the choice."""
+    The wrapper may itself be wrapped: by a decorator that keeps `__wrapped__`, or (transformers 5.25
+    with the `kernels` package, which it now installs) by a `Func` module whose forward calls the
+    function. Either chain is followed to the function whose closure made the choice."""
     if not callable(value) or getattr(value, "_veosnap_torch_only", False):
         return None
     for _ in range(8):  # a decorator chain is short; a cycle must not hang the build
-        wrapped = getattr(value, "__wrapped__", None)
-        if not callable(wrapped):
+        wrapped = _inner(value)
+        if wrapped is None:
             return None
         try:
             chosen = inspect.getclosurevars(value).nonlocals
@@ -270,6 +271,30 @@ def _kernel_choice(value: object) -> Callable | None:
             return wrapped
         value = wrapped
     return None
+
+
+def _inner(value: object) -> Callable | None:
+    """What a wrapper calls: its `__wrapped__`, or the function a kernels `Func` module's forward closes over."""
+    wrapped = getattr(value, "__wrapped__", None)
+    if callable(wrapped):
+        return wrapped
+    if isinstance(value, nn.Module):
+        try:
+            inner = inspect.getclosurevars(type(value).forward).nonlocals.get("func")
+        except (TypeError, ValueError, AttributeError):
+            return None
+        return inner if callable(inner) else None
+    return None
+
+
+def unwrapped(value: object) -> object:
+    """The innermost function behind a chain of wrappers (decorators, the kernels package's `Func` modules)."""
+    for _ in range(8):
+        inner = _inner(value)
+        if inner is None:
+            break
+        value = inner
+    return value
 
 
 def _torch_only(torch_function: Callable, name: str) -> Callable:
@@ -317,7 +342,7 @@ class KeepFloat64(TorchFunctionMode):
     function, just more precisely, under this mode.
     """
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         first = args[0] if args else None
         if func in _FACTORIES:
