@@ -154,6 +154,22 @@ def reproduces_committed() -> bool:
     return recorded_here(*PROBE) == committed.read_bytes()
 
 
+def skip_on_other_versions() -> None:
+    """Skip a test that holds what the recorder writes against the committed goldens where torch or transformers
+    here is not what recorded them (the pinned set, constraints/tested.txt): a new transformers may add config
+    fields or move the reference's numbers. `veosnap drift` measures what it moves (docs/versions.md)."""
+    import transformers
+
+    kept = store.read_manifest(committed_golden(*PROBE)).provenance
+    here = {"torch": torch.__version__, "transformers": transformers.__version__}
+    other = [f"{name} {getattr(kept, name)} ({version} here)" for name, version in here.items()
+             if getattr(kept, name) != version]
+    if other:
+        pytest.skip(f"goldens/{CLASS} were recorded with {', '.join(other)}: what the recorder writes is held "
+                    "against them on the tested versions only (constraints/tested.txt; `veosnap drift` shows what "
+                    "these versions move)")
+
+
 def skip_unless_reproduced() -> None:
     """Skip the rest of a test that compares with the committed goldens' bytes where this machine does
     not reproduce them, naming why: other versions, other bits, another device. Fail where none of those

@@ -17,7 +17,7 @@ import faults
 import pytest
 import torch
 import zstandard
-from golden_repo import alike_everywhere, built_once, skip_unless_reproduced
+from golden_repo import alike_everywhere, built_once, skip_on_other_versions, skip_unless_reproduced
 
 from veosnap.candidates import backends
 from veosnap.errors import GoldenError, VeosnapError
@@ -97,6 +97,7 @@ def test_sketch_always_stores_every_sketchable_tensor_as_a_sketch_in_schema_2(tw
 
 
 def test_the_toy_zoo_stays_whole_and_byte_identical_under_auto(tmp_path):
+    skip_on_other_versions()
     fresh = project_at(tmp_path / "fresh")
     for model in ("llama", "qwen3_moe"):
         golden = store.read(record(fresh, model, "float32").path)  # auto
