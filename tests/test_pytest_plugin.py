@@ -298,6 +298,25 @@ def test_a_hardware_class_without_goldens_skips_with_the_reason(project: Path) -
     assert f"no goldens for hardware class {other}" in run.output
 
 
+def test_goldens_of_other_versions_get_one_note_at_the_end_of_the_run(project: Path) -> None:
+    from dataclasses import replace
+
+    from veosnap.golden import codec, store
+
+    for path in (LLAMA, QWEN3_MOE):
+        golden = store.read(project / path, project / "goldens")
+        golden.manifest.provenance = replace(golden.manifest.provenance, transformers="5.0.0")
+        store.write_bytes(codec.encode(golden), project / path)
+    for args in ((), ("-n", "2")):
+        run = pytest_in(project, *args)
+        assert run.ret == 0, run.output
+        assert "3 passed" in run.output
+        assert run.output.count("other versions than their goldens") == 1, run.output
+        import transformers
+        assert (f"note: 3 of 3 checks ran on other versions than their goldens: transformers {transformers.__version__} "
+                "here, 5.0.0 in the golden.") in run.output
+
+
 @bookkeeping
 def test_under_xdist_only_the_unused_golden_is_deleted(project: Path) -> None:
     pytest.importorskip("xdist")

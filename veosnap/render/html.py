@@ -188,6 +188,8 @@ def page(doc: Mapping[str, Any], text: str, sections: Sequence[Sequence[RowsSect
         f'<body data-passed="{_bool(doc["passed"])}">',
         f'<header><h1>{escape(title)}</h1><p class="summary" id="summary">{escape(summary)}</p>',
     ]
+    if doc.get("versions_note"):
+        parts.append(f'<p class="note" id="versions-note">{escape(doc["versions_note"])}</p>')
     if len(results) > 1:
         parts.append('<ul class="toc">' + "".join(
             f'<li><a href="#check-{i}"><span class="status {_status_class(r)}">{escape(r["status"])}</span> '

@@ -17,9 +17,10 @@ from ..golden import names
 from ..numerics.compare import TensorResult
 from ..numerics.fmt import json_number
 from ..runs.diff import DiffReport, FieldChange, GoldenDiff
+from ..runs.drift import DriftReport
 from ..runs.matrix import Matrix
 from ..runs.verdict import CheckReport
-from .view import estimate_note, next_step, sketch_note
+from .view import drift_rows, estimate_note, next_step, sketch_note, versions_note
 
 
 def check_dict(report: CheckReport) -> dict:
@@ -80,7 +81,8 @@ def _encoder_place(name: str) -> dict:
 
 def checks(reports: list[CheckReport]) -> str:
     """`passed` and `results` (one entry per check)."""
-    return json.dumps({"passed": all(r.passed for r in reports), "results": [check_dict(r) for r in reports]}, indent=2)
+    return json.dumps({"passed": all(r.passed for r in reports), "versions_note": versions_note(reports) or None,
+                       "results": [check_dict(r) for r in reports]}, indent=2)
 
 
 def _fields(changes: list[FieldChange]) -> list[dict]:
@@ -149,3 +151,13 @@ def matrix_dict(m: Matrix) -> dict:
 def matrix(m: Matrix) -> str:
     """`passed`, `counts`, `columns`, `rows`, `cells` (one per check)."""
     return json.dumps(matrix_dict(m), indent=2)
+
+
+def drift(report: DriftReport) -> str:
+    """A drift report: the versions, then every golden's drift (status, worst tensor, first moved layer)."""
+    return json.dumps({
+        "versions": [{"package": v.package, "golden": v.golden, "here": v.here} for v in report.versions],
+        "moved": len(report.moved),
+        "goldens": [{**asdict(row), "ratio": json_number(d.worst.ratio) if d.worst else None}
+                    for row, d in zip(drift_rows(report), report.drifts)],
+    }, indent=2)

@@ -1,8 +1,9 @@
-"""A goldens diff as a pull-request comment: a verdict and one table row per golden first, details folded."""
+"""Pull-request comments: a goldens diff (a verdict and one table row per golden first, details folded) and a\ndrift report (one table row per golden)."""
 
 from __future__ import annotations
 
 from ..runs.diff import DiffReport
+from ..runs.drift import DriftReport
 from . import view
 
 
@@ -62,3 +63,14 @@ def _details(c: view.GoldenChange) -> list[str]:
             out.append(f"| `{t.name}` | {_cell(moved)} | {t.error} | {t.bound} |")
     out.append("")
     return out
+
+
+def drift(report: DriftReport) -> str:
+    """A drift report as a table: one row per golden, moved ones first."""
+    rows = sorted(view.drift_rows(report), key=lambda r: (view.DRIFT_ORDER.index(r.status), r.golden))
+    out = [f"### veosnap: {_cell(view.drift_headline(report))}", "",
+           "| golden | drift | worst tensor (x stored bound) | first moved layer | routes |", "|---|---|---|---|---|"]
+    for r in rows:
+        status = f"**{r.status}**" if r.status == "moved" else r.status
+        out.append(f"| `{r.golden}` | {status} | {_cell(r.worst)} | {_cell(r.first_layer)} | {_cell(r.routes)} |")
+    return "\n".join(out) + "\n"

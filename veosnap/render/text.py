@@ -10,6 +10,7 @@ from rich.table import Table
 
 from ..golden.codec import Golden
 from ..runs.diff import DiffReport, GoldenDiff
+from ..runs.drift import DriftReport
 from ..runs.matrix import Matrix
 from ..runs.verdict import CheckReport
 from . import view
@@ -55,6 +56,9 @@ def checks(reports: list[CheckReport], width: int = 180, color: bool = False, sh
         if v.next:  # one line however long, so it copies and runs as printed
             out.append(f"  {v.next}")
         out.append("")
+    note = view.versions_note(reports)
+    if note:
+        out.append(note)
     out.append(view.checks_summary(reports))
     return "\n".join(out) + "\n"
 
@@ -135,3 +139,15 @@ def golden(g: Golden, full: bool = False) -> str:
     if not v.full:
         lines.append(f"  ... {v.hidden} gradients or updates (--full lists them)")
     return "\n".join(lines)
+
+
+def drift(report: DriftReport) -> str:
+    """A drift report: a headline, then one line per golden (moved ones first)."""
+    rows = sorted(view.drift_rows(report), key=lambda r: (view.DRIFT_ORDER.index(r.status), r.golden))
+    lines = [view.drift_headline(report)]
+    width = max((len(r.golden) for r in rows), default=0)
+    for r in rows:
+        where = f"; first moved: {r.first_layer}" if r.first_layer else ""
+        routes = f"; routes: {r.routes}" if r.routes else ""
+        lines.append(f"{r.status:12s} {r.golden:{width}s}  {r.worst}{where}{routes}")
+    return "\n".join(lines) + "\n"

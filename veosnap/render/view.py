@@ -22,8 +22,9 @@ from ..numerics.compare import TensorResult
 from ..reference.coverage import routes_not_captured
 from ..runs.check import excuse_figures
 from ..runs.diff import DiffReport, FieldChange, GoldenDiff, TrailChange
+from ..runs.drift import DriftReport
 from ..runs.matrix import Cell, Matrix
-from ..runs.verdict import CheckReport, drift_text
+from ..runs.verdict import CheckReport
 
 SHOWN_ROWS = 12  # rows of a failed check's table: every failing tensor, then the closest passing ones
 SHOWN_PASSING = 3  # a passed check shows only its closest calls
@@ -84,10 +85,8 @@ def check_view(report: CheckReport, shown: int = SHOWN_ROWS) -> CheckView:
     if report.error:
         view.lines.append(f"error: {report.error}")
         return view
-    if report.structure_line:
+    if report.structure_line:  # a structure change names the versions where they differ; numbers say it once a run
         view.lines.append(report.structure_line)
-    elif report.versions:
-        view.lines.append(f"note: versions differ from the golden's provenance: {drift_text(report.versions)}")
     view.lines += [route.message() for route in report.routes
                    if not route.passed or route.near_tie_flips or route.unreadable]
     if report.route_replay:
@@ -175,6 +174,24 @@ def worst_rows_sections(report: CheckReport, shown: int = SHOWN_ROWS) -> list[Ro
         sections.append(RowsSection("Worst parameter rows", "Failing gradients or updates, worst first, each with its "
                                     "worst output rows.", params[:shown], len(params) - shown))
     return sections
+
+
+def versions_note(reports: list[CheckReport]) -> str:
+    """Once a run: which checks ran on other versions than their goldens were recorded with, and what to do
+    ('' when none did)."""
+    drifted = [r for r in reports if r.versions and not r.skipped]
+    return versions_line(len(drifted), len(reports), [str(v) for r in drifted for v in r.versions])
+
+
+def versions_line(drifted: int, checks: int, versions: list[str]) -> str:
+    """The version note of a run in which `drifted` of `checks` checks ran on other versions than their goldens
+    (`versions`: `transformers 5.25.0 here, 5.24.0 in the golden`, repeats allowed)."""
+    if not drifted:
+        return ""
+    return (f"note: {drifted} of {checks} checks ran on other versions than their goldens: "
+            f"{'; '.join(sorted(dict.fromkeys(versions)))}. To tell an upstream change from a bug in your candidate: "
+            "`veosnap drift` (what these versions move in the reference, docs/versions.md); to adopt them: "
+            "`veosnap refresh --reason ...`")
 
 
 def checks_summary(reports: list[CheckReport]) -> str:
@@ -449,3 +466,45 @@ def golden_view(g: Golden, full: bool = False) -> GoldenView:
         t = g.tensors[name]
         tensors.append((name, str(t.dtype).removeprefix("torch."), str(list(t.shape)), bound))
     return GoldenView(facts, tensors, len(every), full, len(every) - len(shown))
+
+
+# --- a drift report -------------------------------------------------------------------------------------
+
+
+DRIFT_ORDER = ("moved", "not recorded", "noise", "same")
+
+
+@dataclass(frozen=True)
+class DriftRow:
+    """One golden of a drift report as every renderer shows it."""
+
+    golden: str
+    status: str  # same | noise | moved | not recorded
+    worst: str  # the worst tensor and its move in units of its stored bound, or why it was not recorded
+    first_layer: str
+    routes: str
+
+
+def drift_rows(report: DriftReport) -> list[DriftRow]:
+    rows = []
+    for d in report.drifts:
+        worst = d.worst
+        if d.problem:
+            shown = d.problem
+        elif worst is None:
+            shown = "bit-identical"
+        else:
+            shown = f"{worst.name} {fmt.times(worst.ratio)} bound" + (f" ({worst.problem})" if worst.problem else "")
+        routes = "; ".join(r.message() for r in d.diff.routes) if d.diff and d.diff.routes else ""
+        rows.append(DriftRow(str(d.key), d.status, shown, d.first_layer or "", routes))
+    return rows
+
+
+def drift_headline(report: DriftReport) -> str:
+    versions = "; ".join(map(str, report.versions)) or "the same versions as the goldens"
+    counts = {status: sum(d.status == status for d in report.drifts) for status in ("moved", "noise", "same",
+                                                                                    "not recorded")}
+    shown = ", ".join(f"{n} {status}" for status, n in counts.items() if n)
+    devices = "".join(f" (recorded on {old}, here {new}: their rounding differs, so noise is expected)"
+                      for old, new in report.devices)
+    return f"drift of {len(report.drifts)} goldens under {versions}{devices}: {shown or 'nothing selected'}"

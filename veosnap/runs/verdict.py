@@ -97,12 +97,7 @@ class CheckReport:
     def first_divergence(self) -> str | None:
         """The earliest block, in forward order (encoders, then the language model's decoder layers), whose
         output exceeds its bound."""
-        failing = self._failing(names.LayerOutput) + self._failing(names.EncoderOutput)
-        if not failing:
-            return None
-        parsed, first = min(failing, key=lambda pair: _forward_order(pair[0]))
-        where = parsed.describe() if isinstance(parsed, names.EncoderOutput) else f"layer {parsed.layer}"
-        return f"{where} ({first.name}, {fmt.times(first.ratio)} bound)"
+        return first_diverging([(t.name, t.ratio) for t in self.tensors if not t.passed])
 
     @property
     def first_gradient_divergence(self) -> str | None:
@@ -121,6 +116,18 @@ class CheckReport:
 
     def _forward_failed(self) -> bool:
         return any(not t.passed and names.parse(t.name) in (names.LOSS, names.LOGITS) for t in self.tensors)
+
+
+def first_diverging(over: list[tuple[str, float]]) -> str | None:
+    """Of tensors over their bound, as (name, ratio): the earliest block in forward order (encoders, then the
+    decoder layers) whose output is among them, as `layer 3 (<name>, 12x bound)`; None if no block output is."""
+    blocks = [(parsed, name, ratio) for name, ratio in over
+              if isinstance(parsed := names.parse(name), (names.LayerOutput, names.EncoderOutput))]
+    if not blocks:
+        return None
+    parsed, name, ratio = min(blocks, key=lambda row: _forward_order(row[0]))
+    where = parsed.describe() if isinstance(parsed, names.EncoderOutput) else f"layer {parsed.layer}"
+    return f"{where} ({name}, {fmt.times(ratio)} bound)"
 
 
 def _forward_order(name: names.TensorName) -> tuple:

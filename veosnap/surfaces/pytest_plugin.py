@@ -118,16 +118,21 @@ class _Outcome:
     written: set[str] = field(default_factory=set)  # ... of which the bytes changed (created or updated)
     candidates: int = 0  # candidate checks run under --snapshot-update
     not_recordable: str = ""
+    checks: int = 0  # candidate checks that ran to a report
+    drifted: int = 0  # ... on other versions than their golden's provenance
+    versions: set[str] = field(default_factory=set)  # those differences, said once at the end
 
     def to_wire(self) -> dict[str, Any]:
         return {"used": sorted(self.used), "reached": sorted(self.reached), "items": sorted(self.items),
                 "recorded": sorted(self.recorded), "written": sorted(self.written),
-                "candidates": self.candidates, "not_recordable": self.not_recordable}
+                "candidates": self.candidates, "not_recordable": self.not_recordable,
+                "checks": self.checks, "drifted": self.drifted, "versions": sorted(self.versions)}
 
     def merge_wire(self, data: dict[str, Any]) -> None:
-        for name in ("used", "reached", "items", "recorded", "written"):
+        for name in ("used", "reached", "items", "recorded", "written", "versions"):
             getattr(self, name).update(data.get(name, ()))
-        self.candidates += int(data.get("candidates", 0))
+        for name in ("candidates", "checks", "drifted"):
+            setattr(self, name, getattr(self, name) + int(data.get(name, 0)))
         self.not_recordable = self.not_recordable or data.get("not_recordable", "")
 
 
@@ -300,7 +305,9 @@ class VeosnapSession:
             self.outcome.candidates += 1
         candidate = CandidateCheck(project, key, resolved, layout, missing=self._missing_message(request, key, path))
         snapshot = self.assertion(request, update=False)  # a candidate never writes
-        if snapshot(name=name) == candidate:
+        matched = snapshot(name=name) == candidate
+        self._count(candidate.report)
+        if matched:
             assert candidate.report is not None
             if candidate.report.skipped:
                 pytest.skip(f"veosnap: {backend} on {model}: {candidate.report.skipped}")
@@ -313,6 +320,15 @@ class VeosnapSession:
             message += ("\n(--snapshot-update records goldens from the HF eager reference only; "
                         "this candidate was checked, not written)")
         raise GoldenMismatch(message, candidate.report)
+
+    def _count(self, report: CheckReport | None) -> None:
+        """A check that ran: counted, and its version differences kept for the run's one note."""
+        if report is None or report.skipped:
+            return
+        self.outcome.checks += 1
+        if report.versions:
+            self.outcome.drifted += 1
+            self.outcome.versions.update(str(v) for v in report.versions)
 
     def _write_html(self, request: pytest.FixtureRequest, report: CheckReport) -> str:
         """With --veosnap-html DIR: the failing check's page, written to DIR/<node id>.html; the line saying so."""
@@ -434,6 +450,10 @@ class VeosnapSession:
                          f"{len(out.written)} written, {len(out.recorded) - len(out.written)} unchanged.")
         if out.not_recordable:
             lines.append(out.not_recordable + ".")
+        if out.drifted:
+            from ..render.view import versions_line
+
+            lines.append(versions_line(out.drifted, out.checks, sorted(out.versions)))
         if self.update and out.candidates:
             lines.append(f"{out.candidates} candidate check(s) ran under --snapshot-update: checked against the "
                          "goldens, never written (goldens are recorded from the HF eager reference only).")
