@@ -187,6 +187,30 @@ def cmd_diff(args: argparse.Namespace) -> int:
     return EXIT_FAILED if args.fail_on_change and result.material else EXIT_OK
 
 
+def cmd_drift(args: argparse.Namespace) -> int:
+    from ..runs.drift import drift
+
+    project = _project(args)
+    if args.model and args.tier is not None:
+        raise VeosnapError("--model and --tier do not go together (--model NAME reaches a model of any tier)")
+    models = set(args.model or project.models(args.tier or "toy"))
+    keys = [key for key, _ in store.scan(project.goldens).goldens
+            if key.hardware_class == project.hardware_class and key.model in models
+            and (not args.dtype or key.dtype in args.dtype) and (not args.scenario or key.scenario in args.scenario)]
+    if not keys:
+        raise VeosnapError(f"{project.goldens}: no {project.hardware_class} goldens match the selection to record again")
+
+    def progress(i: int, total: int, key: GoldenKey) -> None:
+        print(f"[{i + 1}/{total}] recording {key} under this machine's versions", file=sys.stderr, flush=True)
+
+    with _candidates_print_to_stderr():
+        report = drift(project, keys, progress=progress)
+    render = {"text": render_text.drift, "markdown": render_markdown.drift, "json": render_json.drift}[args.format]
+    out = render(report)
+    sys.stdout.write(out if out.endswith("\n") else out + "\n")
+    return EXIT_FAILED if args.fail_on_move and report.moved else EXIT_OK
+
+
 def cmd_refresh(args: argparse.Namespace) -> int:
     from ..runs.record import parse_excuses
     from ..runs.refresh import refresh
@@ -400,6 +424,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fail-on-change", action="store_true",
                    help="exit 1 on a material change (tensor over 1x bound, routes, config/inputs, goldens added/removed)")
     commands["diff"] = cmd_diff
+
+    p = sub.add_parser("drift", help="what the torch and transformers installed here move in the goldens, "
+                                      "recorded again in memory (nothing written)")
+    _common(p), _selectors(p)
+    p.add_argument("--scenario", action="append", choices=SCENARIOS, help="repeatable; default: every scenario")
+    p.add_argument("--format", choices=("text", "markdown", "json"), default="text",
+                   help="text: one line per golden, moved first (default); markdown: a table for a pull request "
+                        "or the docs; json: every golden's status, worst tensor and first moved layer")
+    p.add_argument("--fail-on-move", action="store_true",
+                   help="exit 1 when a golden moved beyond its bounds, routes differently or records other tensors")
+    commands["drift"] = cmd_drift
 
     p = sub.add_parser("refresh", help="re-record goldens that moved beyond noise, with an approval reason")
     _common(p), _selectors(p)
