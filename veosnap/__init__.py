@@ -19,7 +19,10 @@ from __future__ import annotations
 from importlib import import_module
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+from . import _moved
 from .errors import Unsupported, VeosnapError
+
+_moved.install()  # module paths of the last release still import, warning where they moved
 
 __version__ = "0.1.0"
 __all__ = ["record", "check", "register_backend", "register_layout", "Unsupported", "forward_only", "Candidate",
