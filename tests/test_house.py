@@ -1,9 +1,11 @@
 """The house rules of the package, checked on its source: subpackages depend one way, never on another
-package's private names, and `import veosnap` stays cheap."""
+package's private names, no module imports another that imports it back, nothing inside imports the
+package face (`veosnap/__init__.py`), and `import veosnap` stays cheap."""
 
 from __future__ import annotations
 
 import ast
+import graphlib
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "veosnap"
 # Each package may import only from packages to its left (and the shared top-level modules).
 ORDER = ["golden", "numerics", "reference", "candidates", "runs", "render", "surfaces"]
-SHARED = {"errors"}
+SHARED = {"errors", "about"}
 
 
 def imports(path: Path) -> list[tuple[str, list[str], int]]:
@@ -55,6 +57,44 @@ def test_packages_depend_one_way_and_never_on_private_names():
             if there != here and any(n.startswith("_") and not n.endswith("__") for n in names + target.split(".")[2:]):
                 broken.append(f"{path.relative_to(ROOT)}:{line} imports a private name of {target}: {names}")
     assert broken == []
+
+
+def module_imports() -> dict[str, set[str]]:
+    """Every module of the package -> the package's modules it imports, wherever in it (a function's lazy
+    import included: it closes a circle as well, only later)."""
+    modules = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+               for p in PACKAGE.rglob("*.py")}
+    found = {}
+    for module, path in modules.items():
+        imported = set()
+        for target, names, _ in imports(path):
+            submodules = {f"{target}.{n}" for n in names} & modules.keys()  # `from . import backends`
+            imported |= submodules
+            if len(submodules) < len(names) or not names:
+                imported.add(target)
+        found[module] = imported - {module}
+    return found
+
+
+def test_nothing_inside_the_package_imports_its_face():
+    # The face re-exports the subpackages; a module that imports it depends on all of them.
+    inside = sorted(m for m, imported in module_imports().items() if "veosnap" in imported and m != "veosnap")
+    assert not inside, "import the package face (veosnap/__init__.py): " + ", ".join(inside)
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    graph = module_imports()
+    graph["veosnap"] = set()  # the face's own lazy imports of the subpackages are its job; importing it is not
+    circles = []
+    while True:
+        try:
+            tuple(graphlib.TopologicalSorter(graph).static_order())
+            break
+        except graphlib.CycleError as exc:
+            circle = exc.args[1]  # [a, b, ..., a]: each imports the one before it
+            circles.append(" -> ".join(reversed(circle)))
+            graph[circle[1]].discard(circle[0])  # break this circle to find the next
+    assert not circles, "import circles (a -> b: a imports b):\n" + "\n".join(circles)
 
 
 def test_importing_veosnap_and_its_pytest_plugin_loads_no_torch():

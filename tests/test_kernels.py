@@ -396,7 +396,7 @@ def test_liger_says_which_modules_and_functions_it_replaced(repo_project: Projec
     from veosnap.candidates.kernels import liger
 
     model = models.build(load_config(repo_project.configs, "qwen3_moe"), torch.float32)
-    with backends._restoring_modules("transformers.models.qwen3_moe.modeling_qwen3_moe",
+    with support.restoring_modules("transformers.models.qwen3_moe.modeling_qwen3_moe",
                                      "transformers.loss.loss_utils", "torch.nn.functional"):
         note = "; ".join(liger.apply(model))
     assert "LigerRMSNorm.forward on " in note and "model.layers.{0-1}.input_layernorm" in note

@@ -20,16 +20,17 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from . import _moved
+from .about import __version__
 from .errors import Unsupported, VeosnapError
 
 _moved.install()  # module paths of the last release still import, warning where they moved
 
-__version__ = "0.1.0"
 __all__ = ["record", "check", "register_backend", "register_layout", "Unsupported", "forward_only", "Candidate",
            "Adapted", "parallelizes", "context", "Context", "GoldenKey", "Project", "VeosnapError", "__version__"]
 
 if TYPE_CHECKING:
-    from .candidates.backends import Adapted, Candidate, forward_only, parallelizes
+    from .candidates.backends import parallelizes
+    from .candidates.candidate import Adapted, Candidate, forward_only
     from .candidates.context import Context
     from .candidates.layouts.protocol import Layout
     from .golden.key import GoldenKey
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
     from .runs.record import RecordOutcome
     from .runs.verdict import CheckReport
 
-_LAZY = {"forward_only": ".candidates.backends", "Candidate": ".candidates.backends", "Adapted": ".candidates.backends",
+_LAZY = {"forward_only": ".candidates.candidate", "Candidate": ".candidates.candidate", "Adapted": ".candidates.candidate",
          "parallelizes": ".candidates.backends", "Context": ".candidates.context", "GoldenKey": ".golden.key",
          "Project": ".reference.zoo"}
 

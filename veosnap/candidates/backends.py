@@ -37,72 +37,22 @@ import inspect
 import re
 import warnings
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
 
 from ..errors import Unsupported, VeosnapError
 from ..reference.zoo import shown
-from . import context, pristine, specs
+from . import context, specs
+from .candidate import Adapted, Candidate, forward_only  # noqa: F401 - Adapted: the backend API, importable here too
+from .kernels import fa4, fla, liger, quack
 from .kernels.support import gpu_library
-
-if TYPE_CHECKING:
-    from ..reference.inputs import Batch
 
 BackendFn = Callable[..., object]
 ENTRY_POINT_GROUP = "veosnap.backends"
-
-
-@dataclass(frozen=True)
-class Adapted:
-    """A batch in a candidate's own form: the model's keyword arguments, and where each output token
-    stands in the batch it was adapted from.
-
-    `positions[i]` is, for token slot `i` of the adapted call's outputs (row-major over its
-    `[rows, positions]`), the flat index `row * width + position` in the batch the adapter was given,
-    or -1 for a slot that stands for none (padding the adapted form added). Logits, layer outputs and
-    routes are put back through it, so the comparison stays on the golden's tokens; the loss is the
-    model's own, over the same predictions (labels in `kwargs`, pre-shifted if the framework wants).
-    """
-
-    kwargs: dict[str, Any]
-    positions: torch.Tensor  # [adapted rows * adapted positions] int64
-
-
-# fn(batch, ctx) -> Adapted: the batch (on the candidate's device) in the candidate's own form.
-AdaptBatch = Callable[["Batch", context.Context], Adapted]
-# fn(model) -> {parameter name: full gradient}: a collective every rank calls.
-FullGradients = Callable[[nn.Module], Mapping[str, torch.Tensor]]
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """The model a backend made, and what veosnap must know to run it.
-
-    - `forward_only`: why it cannot run backward here ('' when it can); gradients are then unchecked.
-    - `adapt_batch`: `fn(batch, ctx) -> Adapted`, called once per pass of the layout with the batch that
-      pass runs; the model is called with the adapted kwargs.
-    - `full_gradients`: `fn(model) -> {parameter name: full gradient}`, for parameters the candidate
-      shards outside DTensor (a framework's expert-parallel shards held as plain local tensors); every
-      rank calls it, rank 0's answer is compared. Parameters it leaves out are read as usual
-      (`DTensor.full_tensor()`, or the tensor itself).
-    - `notes` go into the check's report (what the backend replaced, what its kernels ran); a generator
-      backend may append to the list after its `yield`, when the check's passes have run.
-    """
-
-    model: nn.Module
-    forward_only: str = ""
-    adapt_batch: AdaptBatch | None = None
-    full_gradients: FullGradients | None = None
-    notes: list[str] = field(default_factory=list)
-
-
-def forward_only(model: nn.Module, reason: str) -> Candidate:
-    """What a backend returns when `model` runs forward but not backward here (say why)."""
-    return Candidate(model, forward_only=reason)
 
 
 def parallelizes(fn: BackendFn) -> BackendFn:
@@ -400,20 +350,11 @@ def compile_(model: nn.Module) -> Iterator[nn.Module]:
         torch._dynamo.reset()
 
 
-@contextmanager
-def _restoring_modules(*module_names: str) -> Iterator[None]:
-    """Within the block, module attributes and the classes they define may be patched; then restored.
-
-    `pristine.kept` on just these modules (and transformers' registries): what every check does after
-    its candidate anyway, done here by a backend that patches on purpose, so its own patches are undone
-    as part of it and not reported as left behind.
-    """
-    with pristine.kept(*module_names, watched=False):
-        yield
-
-
-# Kernel libraries, one module each in kernels/: each registers its backend when imported.
-from .kernels import fa4, fla, liger, quack
+# Kernel libraries, one module each in kernels/, registered here where the registry is.
+register(fa4.NAME, fa4.fa4, requires=fa4.requires)
+register(fla.NAME, fla.fla, requires=fla.requires)
+register(liger.NAME, liger.liger, requires=liger.requires)
+register(quack.NAME, quack.quack, requires=quack.requires)
 
 # --- resolving specs -------------------------------------------------------------------------------
 

@@ -28,7 +28,7 @@ sketch is stored in float32 (float64 for a float64 tensor, the noise run). Sums 
 order, so the same tensor gives the same bytes on one machine, and a bit-identical candidate has
 error exactly 0. A row's stripes are added pairwise (`pairwise_sum`): the CUDA kernel
 (`sketch_triton`, imported lazily) adds them in that very order, so its values are these bits
-(its sums of squares agree within float rounding); both take `mix32` and the constants from here.
+(its sums of squares agree within float rounding); both take `mix32` and the constants from `sketch_rule`.
 
 Comparison: a group's error is `||sketch(c_G) - sketch(g_G)|| / (sqrt(n_G) * tau)`, n_G the rows
 counted in the group and tau the RMS of the golden's exact row norms, so with one row per group it
@@ -62,31 +62,21 @@ from ..golden.sketches import (  # the stored form lives with the golden; re-exp
     row_layout,
 )
 from .readback import Later
+from .sketch_rule import (
+    STRIPE_MULT,
+    WORD_MULT,
+    RowSketch,
+    accumulation_dtype,
+    mix32,
+    pairwise_sum,
+    seed_key,
+)
 
 __all__ = ["GoldenSketch", "SketchSpec", "row_layout", "M32", "MAX_ROWS", "METHOD", "MODES", "SUFFIXES", "WIDTHS",
-           "HARD_LIMIT", "TARGET_BYTES"]
+           "HARD_LIMIT", "TARGET_BYTES", "mix32", "seed_key", "accumulation_dtype", "RowSketch", "pairwise_sum"]
 
-SEED_SALT = 0x5EED5EED
-STRIPE_MULT = 0x9E3779B9
-WORD_MULT = 0x85EBCA6B
 # Rows per chunk of the torch path are chosen so its temporaries stay near this many elements.
 CHUNK_ELEMENTS = 1 << 19
-
-
-def mix32(x):  # noqa: ANN001, ANN201 - a Python int, a torch int64 tensor, or a Triton uint32 tensor
-    """A bijective 32-bit mixer (Wellons' lowbias32). Operators only: the Triton kernel compiles this
-    very function on uint32; here it runs on Python ints or int64 tensors holding 32-bit values."""
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & 0xFFFFFFFF
-    x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & 0xFFFFFFFF
-    x = x ^ (x >> 16)
-    return x
-
-
-def seed_key(seed: int) -> int:
-    """S of the rule: the 32-bit key every row key derives from."""
-    return mix32((seed ^ SEED_SALT) & M32)
 
 
 def seed_for(name: str, seed: int = 0) -> int:
@@ -95,22 +85,10 @@ def seed_for(name: str, seed: int = 0) -> int:
     return (zlib.crc32(name.encode()) ^ (seed * 0x9E3779B1)) & M32
 
 
-
-
 def as_rows(x: torch.Tensor) -> torch.Tensor:
     """`x` as a (rows, columns) view (a copy only when its layout does not allow a view)."""
     rows, columns = row_layout(x.shape)
     return x.reshape(rows, columns)
-
-
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float64 for float32/float64 inputs (a float32 sum over thousands of stripes would round at the
-    float32 floor of the metric), float32 for 16-bit inputs."""
-    if dtype in (torch.float32, torch.float64):
-        return torch.float64
-    if dtype in (torch.bfloat16, torch.float16):
-        return torch.float32
-    raise VeosnapError(f"cannot sketch a {str(dtype).removeprefix('torch.')} tensor (floating tensors only)")
 
 
 def storage_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -119,27 +97,6 @@ def storage_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 # --- per-row sketches (the device-side reduction) ---------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RowSketch:
-    """Every row's sketch and exact sum of squares, in the accumulation dtype, on the input's device."""
-
-    values: torch.Tensor  # (rows, width)
-    sumsq: torch.Tensor  # (rows,)
-
-
-def pairwise_sum(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """Sum over `dim` by adding neighbours pairwise: a fixed order whatever the thread count, and
-    rounding that grows with log2 of the length rather than with the length."""
-    t = t.movedim(dim, 0)
-    if t.shape[0] == 0:
-        return torch.zeros(t.shape[1:], dtype=t.dtype, device=t.device)
-    while t.shape[0] > 1:
-        half = t.shape[0] // 2
-        summed = t[0 : 2 * half : 2] + t[1 : 2 * half : 2]
-        t = torch.cat([summed, t[2 * half :]]) if t.shape[0] % 2 else summed
-    return t[0]
 
 
 def rowsketch(x2d: torch.Tensor, width: int, seed: int, *, row_offset: int = 0, col_offset: int = 0,

@@ -1,7 +1,7 @@
 """The row-sketch kernel for CUDA, in Triton (imported lazily by `sketch.rowsketch`; CUDA only).
 
 It computes `sketch.rowsketch_torch`'s values bit for bit (up to the sign of an exact zero) and its
-sums of squares within float rounding, from the same rule: `mix32` is the very function of `sketch`
+sums of squares within float rounding, from the same rule: `mix32` is the very function of `sketch_rule`
 compiled by Triton, and the constants come from there too.
 
 The tile. A program owns BLOCK_R rows and a run of a row's stripes, which it walks S stripes (a
@@ -14,7 +14,7 @@ its buckets' elements in rotated order (a gather inside one stripe: the cache li
 load) and flips their signs by an XOR of the sign bit; the S stripes of a step are independent
 loads, so S * E of them are in flight per lane and row.
 
-The order of the sums. The torch path adds a row's stripes pairwise (`sketch.pairwise_sum`), and so
+The order of the sums. The torch path adds a row's stripes pairwise (`sketch_rule.pairwise_sum`), and so
 does this kernel: a step's S stripes as a binary tree, the steps of a program as a binary tree (a
 loop of two rounds per level, adding into zeros), and a row's programs (aligned runs of a power of
 two of steps) pairwise on the host. The pairwise sum of aligned power-of-two chunks is the pairwise
@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import sketch as rule
+from . import sketch_rule as rule
 
 if os.environ.get("TRITON_INTERPRET") == "1":  # the CPU runs the kernel in Triton's interpreter (tests)
     import triton.runtime.interpreter as _interpreter

@@ -2,7 +2,7 @@
 
 A process in which candidates ran, or a pytest session whose tests may patch anything, cannot prove that
 transformers' classes and torch's functions are the originals. `FreshRecorder` records there instead, in
-one long-lived child (`python -m veosnap.runs.isolated`) that imports only veosnap, torch and
+one long-lived child (`python -m veosnap.runs.isolated_child`) that imports only veosnap, torch and
 transformers: it reads one JSON request per line on stdin, writes the golden's bytes to the file the
 request names, and answers one JSON line on its own channel (`{"ok": true}` or `{"error": "<one line>"}`).
 Asked to judge, the child also runs the recorder's fragility check there (`record.judge_variants`): the variants
@@ -24,15 +24,15 @@ import os
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict
 from pathlib import Path
 
-import veosnap
-
+from ..about import IMPORT_ROOT
 from ..errors import VeosnapError
 from ..golden.key import GoldenKey
 from ..reference.zoo import Project
-from .record import Judgment
+from .verdict import Judgment
+
+CHILD = "veosnap.runs.isolated_child"  # the child's module (it imports the recorder, which imports this one)
 
 
 class FreshRecorder:
@@ -57,10 +57,10 @@ class FreshRecorder:
             self._log = Path(self._dir.name) / "recorder.log"
             self._env, self.pristine = _environment(), True
             env = dict(os.environ)
-            paths = [str(Path(veosnap.__file__).resolve().parent.parent)]
+            paths = [str(IMPORT_ROOT)]
             env["PYTHONPATH"] = os.pathsep.join([*paths, *filter(None, [env.get("PYTHONPATH")])])
             with open(self._log, "ab") as log:
-                self._proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE,
+                self._proc = subprocess.Popen([sys.executable, "-m", CHILD], stdin=subprocess.PIPE,
                                               stdout=subprocess.PIPE, stderr=log, env=env, text=True)
         return self._proc
 
@@ -144,38 +144,3 @@ def record_judged(project: Project, key: GoldenKey, seed: int = 0, allow_near_ti
             atexit.register(lambda: _SHARED is not None and _SHARED.close())
         _SHARED = FreshRecorder()
     return _SHARED.record_judged(project, key, seed, allow_near_ties, sketch=sketch)
-
-
-def main() -> int:
-    """The child: answer requests until stdin closes; nothing but answers goes to the channel."""
-    channel = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)  # whatever else prints (warnings, progress) goes to the log, not the channel
-    sys.stdout = sys.stderr
-    from ..candidates import pristine
-    from ..golden import codec
-    from .record import build_golden, judge_variants
-
-    for line in sys.stdin:
-        request = json.loads(line)
-        try:
-            os.chdir(request.get("cwd", os.getcwd()))  # a reused child: where the caller is now
-            project = Project(Path(request["goldens"]), Path(request["configs"]), Path(request["testdata"]),
-                              request["hardware_class"])
-            golden = build_golden(project, GoldenKey.from_name(request["key"]), seed=request["seed"],
-                                  allow_near_ties=request["allow_near_ties"], sketch=request.get("sketch", "auto"))
-            Path(request["out"]).write_bytes(codec.encode(golden))
-            judged = judge_variants(project, golden) if request.get("judge") else []
-            reply = {"ok": True, "judgments": [asdict(j) for j in judged]}
-        except VeosnapError as exc:
-            reply = {"error": str(exc)}
-        except Exception as exc:  # noqa: BLE001 - reported to the parent in one line
-            from ..errors import describe
-
-            reply = {"error": f"{request.get('key')}: recording failed ({describe(exc)})"}
-        reply["pristine"] = not pristine.touched()
-        channel.write(json.dumps(reply) + "\n")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

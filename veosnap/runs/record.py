@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from .. import __version__
+from ..about import __version__
 from ..candidates import pristine
 from ..errors import GoldenError, Unsupported, VeosnapError
 from ..golden import codec, names, store
@@ -59,7 +59,7 @@ from ..reference.determinism import deterministic
 from ..reference.probes import RouteRecord, unread_routers
 from ..reference.reduce import WHOLE, CandidateReducer, RecordReducer, Reducer
 from ..reference.zoo import Project, ToyConfig, load_config, writable
-from .verdict import CheckReport
+from .verdict import CheckReport, Judgment
 
 
 @dataclass(frozen=True)
@@ -368,26 +368,6 @@ def stored_bytes(project: Project, new: Golden) -> tuple[bytes, str]:
 # itself); the experts kernels are tried on MoE models only.
 VARIANTS = ("eager", *EXCUSABLE)
 _MOE_ONLY = ("grouped_mm", "batched_mm")
-
-
-@dataclass(frozen=True)
-class Judgment:
-    """One variant of the fragility check against a new golden."""
-
-    variant: str
-    status: str  # "passed", "failed" or "not run"
-    figures: str = ""  # failed: its routing difference or worst tensors with their ratios; not run: why
-    tensor: str = ""  # failed: its worst tensor over the bound (a route name when only its routing differs)
-    ratio: float | None = None  # that tensor's error/bound ratio (None: not finite, or a routing difference)
-
-    @property
-    def failed(self) -> bool:
-        return self.status == "failed"
-
-    def line(self) -> str:
-        """The fragility line: the variant, then its figures."""
-        name = "eager (the reference itself, run again)" if self.variant == "eager" else self.variant
-        return f"{name}: {self.figures}"
 
 
 def judgment(variant: str, report: CheckReport) -> Judgment:

@@ -150,3 +150,24 @@ def _backward_order(grad: names.Grad, name: str) -> tuple[int, int, int, str]:
         block = _BLOCK_RE.search(grad.param)
         return (3, -names.ENCODERS.index(grad.encoder), -int(block.group(1)) if block else -(1 << 30), name)
     return (4 if "embed" in name else 0 if "lm_head" in name else 1, 0, 0, name)
+
+
+@dataclass(frozen=True)
+class Judgment:
+    """One variant of the recorder's fragility check against a new golden: what its check's report says of it
+    (`record.judgment`); here, below both the recorder and its fresh process (`isolated`), which pass it."""
+
+    variant: str
+    status: str  # "passed", "failed" or "not run"
+    figures: str = ""  # failed: its routing difference or worst tensors with their ratios; not run: why
+    tensor: str = ""  # failed: its worst tensor over the bound (a route name when only its routing differs)
+    ratio: float | None = None  # that tensor's error/bound ratio (None: not finite, or a routing difference)
+
+    @property
+    def failed(self) -> bool:
+        return self.status == "failed"
+
+    def line(self) -> str:
+        """The fragility line: the variant, then its figures."""
+        name = "eager (the reference itself, run again)" if self.variant == "eager" else self.variant
+        return f"{name}: {self.figures}"

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
-from .. import __version__
+from ..about import __version__
 from ..candidates import backends, guard
 from ..candidates.layouts import registry as layouts
 from ..errors import GoldenError, VeosnapError

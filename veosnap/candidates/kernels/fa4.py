@@ -36,8 +36,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...errors import Unsupported
-from .. import backends
-from .support import Ran, gpu_library, installed
+from ..candidate import Candidate
+from .support import Ran, decline, gpu_library, installed
 
 NAME = "fa4"
 IMPLEMENTATION = "veosnap_fa4"  # its key in transformers' AttentionInterface (no "flash": see below)
@@ -83,18 +83,13 @@ def known_issue(version: str, capability: tuple[int, int] | None, head_dims: set
             f"(docs/findings/fa4-sm90-backward-head-dim.md, tools/repro_fa4.py)")
 
 
-def fa4(model: nn.Module) -> Iterator[nn.Module]:
+def fa4(model: nn.Module) -> Iterator[Candidate]:
     """Every attention module through flash-attn 4's dense and varlen kernels (GPU, float16/bfloat16)."""
-    reason = requires()
-    if reason:
-        raise Unsupported(reason)
+    decline(requires())
     yield from switch(model, library())
 
 
-backends.register(NAME, fa4, requires=requires)
-
-
-def switch(model: nn.Module, kernels: Kernels) -> Iterator[nn.Module | backends.Candidate]:
+def switch(model: nn.Module, kernels: Kernels) -> Iterator[Candidate]:
     """Switch `model`'s attention to `kernels` for the check, say what ran, and undo the registration."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
@@ -119,15 +114,10 @@ def switch(model: nn.Module, kernels: Kernels) -> Iterator[nn.Module | backends.
             raise Unsupported(f"{type(model).__name__} cannot switch attention: {str(exc).split('. ')[0]}") from None
         if model.config._attn_implementation != IMPLEMENTATION:
             raise Unsupported(f"{type(model).__name__} does not use transformers' attention interface")
-        notes = [f"attention: {kernels.label}"]
-        candidate: nn.Module | backends.Candidate = backends.Candidate(model, notes=notes)
+        forward_only = ""
         if param.device.type == "cuda" and torch.cuda.get_device_capability(param.device) < kernels.backward_capability:
-            want = ".".join(map(str, kernels.backward_capability))
-            candidate = backends.Candidate(model, forward_only=f"{kernels.label} has no backward before sm{want}",
-                                           notes=notes)
-        yield candidate
-        ran.require_some()
-        notes.append(ran.line())
+            forward_only = f"{kernels.label} has no backward before sm{'.'.join(map(str, kernels.backward_capability))}"
+        notes = yield from ran.candidate(model, f"attention: {kernels.label}", forward_only)
         capability = torch.cuda.get_device_capability(param.device) if param.device.type == "cuda" else None
         issue = known_issue(kernels.version, capability, head_dims)
         if issue:

@@ -24,9 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ...errors import Unsupported
-from .. import backends
-from .support import Ran, gpu_library, installed
+from ..candidate import Candidate
+from .support import Ran, decline, gpu_library, installed, restoring_modules
 
 NAME = "fla"
 DELTA_RULE = "torch_chunk_gated_delta_rule"  # the modeling functions a gated DeltaNet layer calls
@@ -51,18 +50,10 @@ def library() -> Kernels:
     return Kernels(chunk_gated_delta_rule, causal_conv1d, label=f"fla {installed('flash-linear-attention')}")
 
 
-def fla(model: nn.Module) -> Iterator[nn.Module]:
+def fla(model: nn.Module) -> Iterator[Candidate]:
     """The gated DeltaNet layers through fla's chunk_gated_delta_rule and causal_conv1d (GPU)."""
-    reason = requires()
-    if reason:
-        raise Unsupported(reason)
-    layers = delta_rule_layers(model)  # before importing fla, which takes seconds
-    if not layers:
-        raise Unsupported(_none_here(model))
+    decline(requires() or _without_layers(model))  # before importing fla, which takes seconds
     yield from switch(model, library())
-
-
-backends.register(NAME, fla, requires=requires)
 
 
 def delta_rule_layers(model: nn.Module) -> dict[str, nn.Module]:
@@ -76,16 +67,18 @@ def _called(cls: type) -> tuple[str, ...]:
     return code.co_names if code is not None else ()
 
 
-def _none_here(model: nn.Module) -> str:
+def _without_layers(model: nn.Module) -> str | None:
+    """Why fla changes nothing in `model` (None: it has gated DeltaNet layers)."""
+    if delta_rule_layers(model):
+        return None
     return (f"fla replaces gated DeltaNet (linear-attention) layers; {type(model).__name__} has none "
             f"(Qwen3.5 and Qwen3-Next have them)")
 
 
-def switch(model: nn.Module, kernels: Kernels) -> Iterator[nn.Module | backends.Candidate]:
+def switch(model: nn.Module, kernels: Kernels) -> Iterator[Candidate]:
     """Run `model`'s gated DeltaNet layers on `kernels` for the check; say what ran; restore the functions."""
+    decline(_without_layers(model))
     layers = delta_rule_layers(model)
-    if not layers:
-        raise Unsupported(_none_here(model))
     ran = Ran(NAME, model, "gated DeltaNet layers")
     current: list[nn.Module | None] = [None]  # the layer whose forward is running
     hooks = []
@@ -96,16 +89,13 @@ def switch(model: nn.Module, kernels: Kernels) -> Iterator[nn.Module | backends.
         hooks.append(parent.register_forward_pre_hook(_pass_sequence_boundaries, with_kwargs=True))
     modules = sorted({type(layer).__module__ for layer in layers.values()})
     try:
-        with backends._restoring_modules(*modules):
+        with restoring_modules(*modules):
             for name in modules:
                 module = sys.modules[name]
                 setattr(module, DELTA_RULE, _delta_rule(kernels, ran, current))
                 if callable(getattr(module, CONV, None)):
                     setattr(module, CONV, _conv(kernels, ran, current))
-            notes = [f"linear attention: {kernels.label} (chunk_gated_delta_rule, causal_conv1d)"]
-            yield backends.Candidate(model, notes=notes)
-            ran.require_some()
-            notes.append(ran.line())
+            yield from ran.candidate(model, f"linear attention: {kernels.label} (chunk_gated_delta_rule, causal_conv1d)")
     finally:
         for hook in hooks:
             hook.remove()

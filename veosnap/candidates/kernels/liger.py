@@ -18,8 +18,8 @@ from collections.abc import Iterator
 from torch import nn
 
 from ...errors import Unsupported
-from .. import backends
-from .support import compact, gpu_library, installed
+from ..candidate import Candidate
+from .support import compact, decline, gpu_library, installed, restoring_modules
 
 NAME = "liger"
 OPTIONS = {"fused_linear_cross_entropy": False, "cross_entropy": True}
@@ -27,14 +27,12 @@ PATCHED = ("transformers.loss.loss_utils", "torch.nn.functional")  # beside the 
 requires = gpu_library("liger-kernel", "liger-kernel", "pip install liger-kernel")
 
 
-def liger(model: nn.Module) -> Iterator[nn.Module]:
+def liger(model: nn.Module) -> Iterator[Candidate]:
     """liger-kernel's patches for this model type; GPU only; what it replaced is in the report."""
-    reason = requires()
-    if reason:
-        raise Unsupported(reason)
-    with backends._restoring_modules(*PATCHED, type(model).__module__):
+    decline(requires())
+    with restoring_modules(*PATCHED, type(model).__module__):
         replaced = apply(model)
-        yield backends.Candidate(model, notes=[f"liger {installed('liger-kernel')} replaced: {'; '.join(replaced)}"])
+        yield Candidate(model, notes=[f"liger {installed('liger-kernel')} replaced: {'; '.join(replaced)}"])
 
 
 def apply(model: nn.Module) -> list[str]:
@@ -51,9 +49,6 @@ def apply(model: nn.Module) -> list[str]:
     if not replaced:
         raise RuntimeError(f"liger-kernel {installed('liger-kernel')} changed nothing in {type(model).__name__}")
     return replaced
-
-
-backends.register(NAME, liger, requires=requires)
 
 
 def _snapshot(model: nn.Module, module_names: tuple[str, ...]) -> dict:

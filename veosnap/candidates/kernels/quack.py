@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...errors import Unsupported
-from .. import backends
-from .support import Ran, gpu_library, installed
+from ..candidate import Candidate
+from .support import Ran, decline, gpu_library, installed
 
 NAME = "quack"
 IMPLEMENTATION = "quack"  # its key in transformers' ExpertsInterface
@@ -49,17 +49,10 @@ def library() -> Kernels:
     return Kernels(functools.partial(gemm, tuned=False), label=f"quack {installed('quack-kernels')} grouped GEMM")
 
 
-def quack(model: nn.Module) -> Iterator[nn.Module]:
+def quack(model: nn.Module) -> Iterator[Candidate]:
     """Every MoE experts module through quack's grouped GEMM, forward and backward (GPU, 16-bit)."""
-    reason = requires()
-    if reason:
-        raise Unsupported(reason)
-    if not experts_modules(model):
-        raise Unsupported(_dense(model))
+    decline(requires() or _dense(model))  # before importing quack, which compiles through the CuTe DSL
     yield from switch(model, library())
-
-
-backends.register(NAME, quack, requires=requires)
 
 
 def experts_modules(model: nn.Module) -> list[nn.Module]:
@@ -67,16 +60,18 @@ def experts_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if hasattr(m, "_is_expert_parallel") and hasattr(m, "has_gate")]
 
 
-def _dense(model: nn.Module) -> str:
+def _dense(model: nn.Module) -> str | None:
+    """Why quack changes nothing in `model` (None: it has MoE experts modules)."""
+    if experts_modules(model):
+        return None
     return f"{type(model).__name__} has no MoE experts module (quack replaces the experts' GEMMs)"
 
 
-def switch(model: nn.Module, kernels: Kernels) -> Iterator[nn.Module | backends.Candidate]:
+def switch(model: nn.Module, kernels: Kernels) -> Iterator[Candidate]:
     """Switch `model`'s experts to `kernels` for the check, say what ran, and unregister after."""
     from transformers.integrations.moe import ExpertsInterface
 
-    if not experts_modules(model):
-        raise Unsupported(_dense(model))
+    decline(_dense(model))
     dtype = next(model.parameters()).dtype
     if dtype not in kernels.dtypes:
         names = "/".join(str(d).removeprefix("torch.") for d in kernels.dtypes)
@@ -87,10 +82,7 @@ def switch(model: nn.Module, kernels: Kernels) -> Iterator[nn.Module | backends.
     ExpertsInterface.register(IMPLEMENTATION, experts_forward(kernels, ran))
     try:
         model.set_experts_implementation(IMPLEMENTATION)
-        notes = [f"experts: {kernels.label}, forward and backward"]
-        yield backends.Candidate(model, notes=notes)
-        ran.require_some()
-        notes.append(ran.line())
+        yield from ran.candidate(model, f"experts: {kernels.label}, forward and backward")
     finally:
         if saved is None:
             table.pop(IMPLEMENTATION, None)

@@ -3,20 +3,27 @@ what its kernels ran during a check.
 
 `gpu_library(...)` builds a backend's `requires()`: a CUDA GPU of at least a compute capability and an
 installed distribution, checked without importing the library (the support matrix asks every
-backend, on every machine). `Ran` counts, per module of the model, which kernel entry points ran; its
-`line()` is the report's note ("fa4 ran for 4 attention modules (model.layers.{0-3}.self_attn):
-flash_attn_varlen_func 8x") and `require_some()` fails a check in which the library ran nothing.
+backend, on every machine); `decline(reason)` skips the check with it. `Ran` counts, per module of the
+model, which kernel entry points ran; its `line()` is the report's note ("fa4 ran for 4 attention
+modules (model.layers.{0-3}.self_attn): flash_attn_varlen_func 8x") and `require_some()` fails a
+check in which the library ran nothing; `candidate(...)` yields the candidate and does both after.
+`restoring_modules(...)` undoes a library's process-wide patches when the check is done.
 """
 
 from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Generator, Iterable, Iterator
+from contextlib import contextmanager
 from importlib import metadata
 
 import torch
 from torch import nn
+
+from ...errors import Unsupported
+from .. import pristine
+from ..candidate import Candidate
 
 
 def gpu_library(what: str, distribution: str, install: str, capability: tuple[int, int] = (0, 0)
@@ -37,6 +44,24 @@ def gpu_library(what: str, distribution: str, install: str, capability: tuple[in
         return None
 
     return requires
+
+
+def decline(reason: str | None) -> None:
+    """Skip the check (`Unsupported`) when there is a `reason`: the machine or the model has no use for the library."""
+    if reason:
+        raise Unsupported(reason)
+
+
+@contextmanager
+def restoring_modules(*module_names: str) -> Iterator[None]:
+    """Within the block, module attributes and the classes they define may be patched; then restored.
+
+    `pristine.kept` on just these modules (and transformers' registries): what every check does after
+    its candidate anyway, done here by a backend that patches on purpose, so its own patches are undone
+    as part of it and not reported as left behind.
+    """
+    with pristine.kept(*module_names, watched=False):
+        yield
 
 
 def installed(distribution: str) -> str:
@@ -72,6 +97,15 @@ class Ran:
         where = f" ({compact(self.modules)})" if self.modules else ""
         count = f"{len(self.modules)} " if self.modules else ""
         return f"{self.library} ran for {count}{self.kind}{where}: {entries}{extra}"
+
+    def candidate(self, model: nn.Module, note: str, forward_only: str = "") -> Generator[Candidate, None, list[str]]:
+        """Yield `model` as the candidate, its report's notes saying `note`; once the check has run, fail it where
+        the library ran nothing, else add what ran to the notes (`line`), and return the notes."""
+        notes = [note]
+        yield Candidate(model, forward_only=forward_only, notes=notes)
+        self.require_some()
+        notes.append(self.line())
+        return notes
 
     def require_some(self) -> None:
         """Fail the check when the library's kernels never ran: the candidate was the reference."""

@@ -38,8 +38,7 @@ except ImportError:  # Windows: no stale-directory cleanup
 
 import torch
 
-import veosnap
-
+from ...about import IMPORT_ROOT
 from ...golden.key import GoldenKey
 from ...numerics.sketch import CandidateSketch, SketchProblem
 from ...reference.capture import Capture
@@ -93,7 +92,7 @@ def run(project: Project, key: GoldenKey, backend: str, layouts: list[str], npro
                *(arg for spec in layouts for arg in ("--layout", spec)), "--out", str(out), "--timeout", str(timeout_s)]
         env = dict(os.environ)
         # The ranks import this very veosnap, and the backend's and layouts' modules wherever the parent found them.
-        paths = [str(Path(veosnap.__file__).resolve().parent.parent), *(p for p in sys.path if p and Path(p).is_dir())]
+        paths = [str(IMPORT_ROOT), *(p for p in sys.path if p and Path(p).is_dir())]
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
         env.setdefault("OMP_NUM_THREADS", "1")
         # torchrun's and the ranks' own temp files go inside OUT, so they go with it however the run ends;
