@@ -126,10 +126,7 @@ def read_sidecar(directory: Path) -> tuple[str, BatchRecipe, int | None]:
     path = directory / SIDECAR
     if not path.is_file():
         return "toy", BatchRecipe(), None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise VeosnapError(f"{path}: not valid JSON ({exc})") from None
+    data = read_json(path)
     if not isinstance(data, dict):
         raise VeosnapError(f"{path}: expected an object like {{\"tier\": \"real\"}}")
     unknown = sorted(set(data) - set(SIDECAR_FIELDS))
@@ -142,6 +139,14 @@ def read_sidecar(directory: Path) -> tuple[str, BatchRecipe, int | None]:
     if budget is not None and (type(budget) not in (int, float) or not 0 < budget <= 64):
         raise VeosnapError(f"{path}: golden_budget_mib must be a number of MiB in (0, 64], not {budget!r}")
     return tier, _recipe(path, data.get("batch")), None if budget is None else int(budget * 2**20)
+
+
+def read_json(path: Path) -> object:
+    """The JSON document in `path`, with a one-line error naming the file when it cannot be read as one."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise VeosnapError(f"{path}: not valid JSON ({exc})") from None
 
 
 def _recipe(path: Path, value: object) -> BatchRecipe:
@@ -172,10 +177,7 @@ def load_config(configs_dir: Path, name: str) -> ToyConfig:
         zoo = "" if same_dir(configs_dir, bundled) else f"; bundled: {', '.join(list_models(bundled)) or 'none'}"
         raise VeosnapError(f"{configs_dir / name / 'config.json'}: no such toy config (models in {configs_dir}: "
                            f"{known}{zoo})")
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise VeosnapError(f"{path}: not valid JSON ({exc})") from None
+    config = read_json(path)
     if not isinstance(config, dict) or "model_type" not in config:
         raise VeosnapError(f"{path}: a HF config needs a 'model_type' field")
     tier, batch, budget = read_sidecar(path.parent)
@@ -232,9 +234,8 @@ class Project:
     ) -> Project:
         """A project whose goldens are written: `goldens` if given, else `./goldens` (created on the first
         write), never the bundled goldens (configs and test data still default to the bundled zoo)."""
-        return cls(goldens=writable(Path(goldens) if goldens is not None else default_goldens(recording=True)),
-                   configs=resolve_dir("toy_configs", configs), testdata=resolve_dir("testdata", testdata),
-                   hardware_class=hardware.resolve(hardware_class))
+        return cls.resolve(writable(Path(goldens) if goldens is not None else default_goldens(recording=True)),
+                           configs, testdata, hardware_class)
 
     def models(self, tier: str = "toy") -> list[str]:
         """The zoo models of `tier`: the toys unless asked (`real`, `all`)."""
