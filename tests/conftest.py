@@ -58,7 +58,7 @@ def scratch_project(tmp_path: Path) -> Project:
                            testdata=tmp_path / "testdata", hardware_class=CLASS)
 
 
-# --- sharing one GPU among parallel pytest processes (tools/gpu_pytest.sh --jobs N) ------------------
+# --- sharing one GPU among parallel pytest processes (tools/gpu/gpu_pytest.sh --jobs N) ------------------
 # Each slice is its own pytest process on the one GPU. Its caching allocator keeps the peak of any test it
 # ran until the process ends, so one slice's big test could starve the others for the rest of the run
 # (the H200's first --jobs 10 run: CUBLAS_STATUS_ALLOC_FAILED in another slice's cublasCreate). So after a

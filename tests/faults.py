@@ -248,7 +248,7 @@ FAULTS = {
 }
 # Precision regressions: exact in float32, judged by the bfloat16 goldens. FP8 probabilities are far
 # outside bf16 noise and fail; bf16 accumulators in attention add about 1.5x the reference's own
-# bf16 noise and stay inside the bound (tools/calibrate_tolerance.py prints both).
+# bf16 noise and stay inside the bound (tools/measure/calibrate_tolerance.py prints both).
 PRECISION_FAULTS = {"fp8_attention_probabilities": "fails", "low_precision_attention": "within bound"}
 
 

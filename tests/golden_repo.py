@@ -56,7 +56,7 @@ def committed_golden(model: str, dtype: str = "float32", scenario: str = "step")
     path = golden_path(model, dtype, scenario)
     if not path.is_file():
         pytest.skip(f"no committed {CLASS} golden {path.relative_to(REPO)}: record this class's goldens on this "
-                    "hardware (python tools/gpu_session.py record, or tools/gpu_pytest.sh --record)")
+                    "hardware (python tools/gpu/gpu_session.py record, or tools/gpu/gpu_pytest.sh --record)")
     return path
 
 

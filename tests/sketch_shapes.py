@@ -1,7 +1,7 @@
 """Golden tensor shapes of real-width models, computed from their configs (nothing is allocated).
 
 Used by tests/test_sketch.py (the planner's budget at about 1B parameters) and by
-tools/sketch_accuracy.py (the sizes table of docs/sketch.md). Parameter names follow transformers 5
+tools/measure/sketch_accuracy.py (the sizes table of docs/sketch.md). Parameter names follow transformers 5
 (fused experts: `mlp.experts.gate_up_proj` (E, 2 * moe_inter, hidden), `mlp.experts.down_proj`
 (E, hidden, moe_inter)), as the toy goldens show.
 """

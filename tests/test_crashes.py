@@ -1,6 +1,6 @@
 """Crashes and concurrency never lose a golden or show a torn one.
 
-The kills and races run in tools/kill_and_race.py (a subprocess, so its forks never copy pytest's state);
+The kills and races run in tools/measure/kill_and_race.py (a subprocess, so its forks never copy pytest's state);
 these tests run it small enough for CI and judge its counts.
 """
 
@@ -26,7 +26,7 @@ SOURCE = golden_path("llama")
 
 def faults(tmp_path: Path, *argv: str) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, str(REPO / "tools" / "kill_and_race.py"), *argv, "--dir", str(tmp_path),
+    done = subprocess.run([sys.executable, str(REPO / "tools" / "measure" / "kill_and_race.py"), *argv, "--dir", str(tmp_path),
                            "--json"],
                           capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr

@@ -1,4 +1,4 @@
-"""tools/device_tree.py sets aside the golden folders a device call does not need and puts them back,
+"""tools/gpu/device_tree.py sets aside the golden folders a device call does not need and puts them back,
 with git seeing nothing changed (a fresh git repository stands in for the project)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from golden_repo import REPO
 
-spec = importlib.util.spec_from_file_location("device_tree", REPO / "tools" / "device_tree.py")
+spec = importlib.util.spec_from_file_location("device_tree", REPO / "tools" / "gpu" / "device_tree.py")
 device_tree = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(device_tree)
 

@@ -185,11 +185,11 @@ def test_committed_goldens_record_again_byte_identical(scratch_project, monkeypa
 
 
 def test_gpu_real_records_an_excused_golden_as_record_does(scratch_project, planted, monkeypatch):
-    """tools/gpu_real.py's record unit (in this process: the planted variant exists here only) writes the
+    """tools/gpu/gpu_real.py's record unit (in this process: the planted variant exists here only) writes the
     golden with its excuse, and the variant's report, a cell of its matrix, still fails with the note."""
     from pathlib import Path
 
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "tools"))
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "tools" / "gpu"))
     gpu_real = pytest.importorskip("gpu_real")
     pristine_here(monkeypatch)
     unit = gpu_real.Unit("record", "gpt_oss", "float32", excuses=(("grouped_mm", REASON),))

@@ -62,7 +62,7 @@ def committed() -> list:
             for model in ZOO.models() for scenario in scenarios.applicable(load_config(ZOO.configs, model).config)
             for dtype in ("float32", "bfloat16")}
     real = {(model, "step", "float32") for model in ("qwen3-real", "qwen3_moe-real-small")}
-    # every real-shape config in both dtypes, recorded on the H200 by tools/gpu_real.py (docs/gpu.md)
+    # every real-shape config in both dtypes, recorded on the H200 by tools/gpu/gpu_real.py (docs/gpu.md)
     real_gpu = {(model, "step", dtype) for model in list_models(ZOO.configs, "real")
                 for dtype in ("float32", "bfloat16")}  # gpt_oss-real bfloat16 is recorded with its excuse
     for cls, expected in (("cpu", toys | real), ("cuda-sm90", toys | real_gpu)):

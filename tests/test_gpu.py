@@ -1,6 +1,6 @@
 """What only a CUDA machine can check: the GPU kernels against this class's goldens, the cpu goldens
 checked across classes, and the sketch's Triton kernel on the device. On the CPU every test here skips
-with the reason; `tools/gpu_pytest.sh` runs the whole suite on the GPU box (docs/gpu.md).
+with the reason; `tools/gpu/gpu_pytest.sh` runs the whole suite on the GPU box (docs/gpu.md).
 
 The backends and models are the cells docs/gpu.md measured passing on an H200; the CPU counterparts of
 these tests (flex_attention forward only, liger skipped) are in test_backends.py.

@@ -1,4 +1,4 @@
-"""tools/gpu_kernels.py on the CPU: wheels installed with `pip --target DIR` and put on PYTHONPATH keep
+"""tools/gpu/gpu_kernels.py on the CPU: wheels installed with `pip --target DIR` and put on PYTHONPATH keep
 working when they expose a package through a `.pth` file (as nvidia-cutlass-dsl exposes `cutlass`), in
 the script and in the worker processes it starts."""
 
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_tool():
-    spec = importlib.util.spec_from_file_location("gpu_kernels_tool", ROOT / "tools" / "gpu_kernels.py")
+    spec = importlib.util.spec_from_file_location("gpu_kernels_tool", ROOT / "tools" / "gpu" / "gpu_kernels.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

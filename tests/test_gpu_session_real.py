@@ -1,4 +1,4 @@
-"""The CPU side of tools/gpu_session.py's real-shape phases: what comes back from the GPU machine
+"""The CPU side of tools/gpu/gpu_session.py's real-shape phases: what comes back from the GPU machine
 (tars of at most 15 MiB, at most 8 files, failing cells' reports) and the table for docs/gpu.md.
 The phases themselves need CUDA and say so here."""
 
@@ -15,13 +15,13 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT / "tools" / "gpu"))
 gpu_session = pytest.importorskip("gpu_session")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here: the phases would run (minutes each), not skip")
 def test_without_cuda_the_real_phases_skip_with_the_reason(tmp_path, capsys):
-    done = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_session.py"), "record-real", "--out", str(tmp_path)],
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu" / "gpu_session.py"), "record-real", "--out", str(tmp_path)],
                           capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0 and "skipped, no CUDA device" in done.stdout, done.stderr
     for phase in ("matrix-real", "layouts-real"):  # the same main, in this process (a fresh interpreter is ~9 s)
@@ -83,13 +83,13 @@ def _first_two(inner):  # noqa: ANN001, ANN202 - the budget runs out after two c
     return run
 
 
-# --- tools/gpu_real.py: the real tier recorded and checked in one command, worker processes sharing a GPU ---
+# --- tools/gpu/gpu_real.py: the real tier recorded and checked in one command, worker processes sharing a GPU ---
 
 gpu_real = pytest.importorskip("gpu_real")
 
 
 def plan_of(capsys, *args: str) -> tuple[int, str]:
-    """`tools/gpu_real.py --plan ARGS` (no GPU needed): its exit status and what it printed."""
+    """`tools/gpu/gpu_real.py --plan ARGS` (no GPU needed): its exit status and what it printed."""
     code = gpu_real.main(["--plan", *args])
     return code, capsys.readouterr().out
 
@@ -97,7 +97,7 @@ def plan_of(capsys, *args: str) -> tuple[int, str]:
 def test_gpu_real_without_cuda_skips_and_plans(tmp_path, capsys):
     # "without CUDA" on every machine: on a GPU box the bare command would record the whole real tier
     no_gpu = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_real.py"), "--out", str(tmp_path)],
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu" / "gpu_real.py"), "--out", str(tmp_path)],
                           capture_output=True, text=True, cwd=ROOT, env=no_gpu)
     assert done.returncode == 0 and "skipped, no CUDA device" in done.stdout, done.stderr
     assert list(tmp_path.iterdir()) == []

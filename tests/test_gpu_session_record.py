@@ -1,4 +1,4 @@
-"""The CPU side of `tools/gpu_session.py record`: the lead's one device call records the zoo's goldens of the
+"""The CPU side of `tools/gpu/gpu_session.py record`: the lead's one device call records the zoo's goldens of the
 GPU's class in parallel processes (`--jobs`), for chosen models (`--model`), and brings them back in tars of
 at most 15 MiB. Here it records this machine's class into a scratch project, as it would on the GPU."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT / "tools" / "gpu"))
 gpu_session = pytest.importorskip("gpu_session")
 
 
@@ -53,12 +53,12 @@ def test_past_the_budget_nothing_starts_and_the_rest_is_printed_as_a_command(scr
     gpu_session.phase_record(scratch_project, out, ["llama"], ["step"], budget_s=-1)
     data = json.loads((out / "record.json").read_text())
     assert data["left"] == [["llama", "step"]] and data["tars"] == []
-    assert "python tools/gpu_session.py record --model llama" in capsys.readouterr().out
+    assert "python tools/gpu/gpu_session.py record --model llama" in capsys.readouterr().out
     assert not (scratch_project.goldens / scratch_project.hardware_class / "llama").exists()
 
 
 def test_without_cuda_record_skips_on_a_cpu_machine(tmp_path):
-    done = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_session.py"), "record", "--jobs", "4",
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu" / "gpu_session.py"), "record", "--jobs", "4",
                            "--out", str(tmp_path)], capture_output=True, text=True, cwd=ROOT,
                           env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""})
     assert done.returncode == 0 and "skipped, no CUDA device" in done.stdout, done.stderr

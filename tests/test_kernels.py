@@ -44,7 +44,7 @@ def run(project: Project, model: str, spec: str, dtype: str = "float32", layouts
 # --- where they cannot run -----------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU machine runs these backends (tools/gpu_kernels.py)")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU machine runs these backends (tools/gpu/gpu_kernels.py)")
 @pytest.mark.parametrize("name", LIBRARIES)
 def test_each_library_skips_on_a_cpu_with_the_reason(repo_project: Project, name: str) -> None:
     assert backends.unavailable_here(name).endswith("needs a CUDA GPU")

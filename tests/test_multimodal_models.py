@@ -14,9 +14,9 @@ from __future__ import annotations
 import functools
 import os
 import re
-import sys
 from pathlib import Path
 
+import findings
 import pytest
 
 from veosnap.candidates import backends
@@ -77,10 +77,7 @@ def cpu_flex_wrong_here() -> bool:
     """Whether torch's compiled flex_attention gives wrong rows on this CPU (lengths not a multiple of 16: seen
     with torch 2.13 on an AVX2 machine, not on the machines that recorded the goldens;
     docs/findings/torch-flex-attention-cpu.md). qwen3_vl_moe's vision tower runs such lengths."""
-    sys.path.insert(0, str(ROOT / "tools"))
-    import repro_flex_cpu
-
-    return repro_flex_cpu.cpu_flex_is_wrong_here()
+    return findings.load("repro_flex_cpu.py").cpu_flex_is_wrong_here()
 
 
 @pytest.fixture(scope="module")

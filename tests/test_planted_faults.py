@@ -32,7 +32,7 @@ def run(project, model: str, dtype: str, fault: str) -> CheckReport:  # noqa: AN
 
 
 def dtypes_for(fault: str) -> list:
-    # Small bugs hide under bfloat16 noise by design (tools/calibrate_tolerance.py shows by how much).
+    # Small bugs hide under bfloat16 noise by design (tools/measure/calibrate_tolerance.py shows by how much).
     size = faults.FAULTS[fault][0]
     return ["float32", "bfloat16"] if size == "large" else ["float32"]
 

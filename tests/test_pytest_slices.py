@@ -1,4 +1,4 @@
-"""tools/pytest_slices.py: the test files spread over parallel pytest processes (tools/gpu_pytest.sh --jobs N),
+"""tools/gpu/pytest_slices.py: the test files spread over parallel pytest processes (tools/gpu/gpu_pytest.sh --jobs N),
 and one table of their junit reports."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from golden_repo import REPO
 
-spec = importlib.util.spec_from_file_location("pytest_slices", REPO / "tools" / "pytest_slices.py")
+spec = importlib.util.spec_from_file_location("pytest_slices", REPO / "tools" / "gpu" / "pytest_slices.py")
 slices = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(slices)
 

@@ -1,31 +1,19 @@
-"""tools/repro_fa4.py on the CPU: it skips cleanly without CUDA, and its measuring (float64 reference,
+"""The reproduction of docs/findings/fa4-sm90-backward-head-dim.md (`repro_fa4.py`, run from the doc) on the CPU: it skips cleanly without CUDA, and its measuring (float64 reference,
 bf16 sdpa yardstick, the verdict) says ok for a right attention and WRONG for one whose backward is
 off, run through a torch stand-in for flash_attn.cute's two entry points."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
+import findings
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def load_tool():
-    spec = importlib.util.spec_from_file_location("repro_fa4_tool", ROOT / "tools" / "repro_fa4.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-tool = load_tool()
+tool = findings.load("repro_fa4.py")
 
 
 def stand_in(dq_scale: float = 1.0) -> SimpleNamespace:
@@ -83,12 +71,14 @@ def test_the_accumulator_rounding_column_flags_the_head_dims_that_disagree():
 
 
 def test_without_cuda_it_says_why_and_exits_0(tmp_path):
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OUT": str(tmp_path)}
-    result = subprocess.run([sys.executable, str(ROOT / "tools" / "repro_fa4.py")], env=env, capture_output=True,
-                            text=True, timeout=120)
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OUT": str(out)}
+    script = findings.write("repro_fa4.py", tmp_path)
+    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("skip: repro_fa4 needs a CUDA GPU")
-    assert not list(tmp_path.iterdir())
+    assert not list(out.iterdir())
 
 
 FAKE_CUTE = '''
@@ -144,8 +134,9 @@ def test_the_whole_script_on_a_stand_in_package_finds_both_faults(tmp_path):
     # The cases asserted on below: the real-width ones (hd128, 1,536 tokens) cost minutes of float64 on a CPU.
     cases = ["toy llama/qwen/mixtral", "toy hd16 without GQA", "toy deepseek_v3: hd24 (v 16 padded", "toy hd16 GQA, zero",
              "hd64 GQA 16:4"]
-    result = subprocess.run([sys.executable, str(ROOT / "tools" / "repro_fa4.py"), "--out", str(tmp_path / "out"),
-                             "--budget", "3600", *(f"--case={c}" for c in cases)], env=env, capture_output=True,
+    script = findings.write("repro_fa4.py", tmp_path)
+    result = subprocess.run([sys.executable, str(script), "--out", str(tmp_path / "out"), "--budget", "3600",
+                             *(f"--case={c}" for c in cases)], env=env, capture_output=True,
                             text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     rows = {r["case"]: r for r in __import__("json").loads((tmp_path / "out" / "repro_fa4.json").read_text())["rows"]}

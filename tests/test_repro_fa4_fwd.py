@@ -1,23 +1,19 @@
-"""tools/repro_fa4_fwd.py on the CPU: through torch stand-ins for flash_attn.cute's two entry points, a dense
+"""The reproduction of docs/findings/transformers-flash-packed-rows.md (`repro_fa4_fwd.py`, run from the doc) on the CPU: through torch stand-ins for flash_attn.cute's two entry points, a dense
 call of a packed row is WRONG against the per-sequence reference and right against plain causal attention,
 and the varlen call with boundaries from the position ids is right: the verdicts the H200 run is read by."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
+import findings
 import pytest
 import reference_kernels as rk
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("repro_fa4_fwd_tool", ROOT / "tools" / "repro_fa4_fwd.py")
-tool = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(tool)
+tool = findings.load("repro_fa4_fwd.py")
 KERNELS = SimpleNamespace(flash_attn_func=rk.flash_dense, flash_attn_varlen_func=rk.flash_varlen)
 
 
@@ -35,7 +31,7 @@ def test_a_dense_call_of_a_packed_row_is_wrong_only_against_the_per_sequence_ref
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the tool runs its cases (docs/gpu.md)")
-def test_without_cuda_it_says_so_and_exits_0() -> None:
-    done = subprocess.run([sys.executable, str(ROOT / "tools" / "repro_fa4_fwd.py")], capture_output=True, text=True,
-                          timeout=120)
+def test_without_cuda_it_says_so_and_exits_0(tmp_path) -> None:
+    script = findings.write("repro_fa4_fwd.py", tmp_path)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "no CUDA GPU" in done.stdout

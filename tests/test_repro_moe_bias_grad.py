@@ -1,29 +1,17 @@
-"""tools/repro_moe_bias_grad.py on the CPU, at a narrow width: it reproduces the finding (grouped_mm's
+"""The reproduction of docs/findings/transformers-grouped-mm-bias-grad-bf16.md (`repro_moe_bias_grad.py`, run
+from the doc) on the CPU, at a narrow width: it reproduces the finding (grouped_mm's
 bfloat16 bias gradients several times eager's error), writes repro.json after every stage so a run cut
 short leaves what it measured, and skips a CUDA device it does not have with a line."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
+import findings
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
 pytest.importorskip("transformers.models.gpt_oss")
-
-
-def load_tool():
-    spec = importlib.util.spec_from_file_location("repro_moe_bias_grad_tool", ROOT / "tools" / "repro_moe_bias_grad.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-tool = load_tool()
+tool = findings.load("repro_moe_bias_grad.py")
 
 
 def test_grouped_mm_bias_grads_are_worse_than_eager_and_the_result_is_saved(tmp_path):

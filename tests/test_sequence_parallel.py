@@ -174,7 +174,7 @@ def test_torch_and_veosnap_gather_a_strided_shard_alike() -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                    str(ROOT / "tools" / "gpu_parallel.py"), "--repro", "--out", str(out)],
+                    str(ROOT / "tools" / "gpu" / "gpu_parallel.py"), "--repro", "--out", str(out)],
                    env=env, check=True, capture_output=True, timeout=120)
     result = json.loads((out / "strided.json").read_text())
     (out / "strided.json").unlink()

@@ -424,7 +424,7 @@ INTERPRETED = textwrap.dedent("""
 
 def test_the_triton_kernel_computes_the_torch_paths_values_in_the_interpreter():
     pytest.importorskip("triton", reason="triton is not installed (it comes with CUDA torch); the kernel is "
-                                         "checked on the GPU by tools/bench_sketch.py")
+                                         "checked on the GPU by tools/bench/bench_sketch.py")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", INTERPRETED], capture_output=True, text=True, env=env, timeout=300,
                           check=False)

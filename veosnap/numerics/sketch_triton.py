@@ -24,7 +24,7 @@ chunk). Sums of squares are added per lane, then across the tile: the same bits 
 one launch configuration (so shards of one configuration agree), within rounding of the torch path.
 No atomics: a sketch is reproducible bit for bit on one machine.
 
-The launch parameters live in one table, `CONFIGS`, keyed by (dtype, width); `tools/bench_sketch.py`
+The launch parameters live in one table, `CONFIGS`, keyed by (dtype, width); `tools/bench/bench_sketch.py`
 checks the kernel against the torch path on the GPU and sweeps them.
 """
 
@@ -100,14 +100,14 @@ class Config:
 # Chosen by reasoning (docs/sketch.md, "The kernel") before any GPU sweep: 16 bytes per lane and
 # stripe (8 bfloat16 buckets: each (row, stripe) hash serves 8 elements, and a warp's load touches
 # 32 / Q rows), 4 stripes in flight per step (about 96 registers: 5 programs of 4 warps per SM).
-# tools/bench_sketch.py sweeps them on the GPU and prints the best per (dtype, width) as such an
+# tools/bench/bench_sketch.py sweeps them on the GPU and prints the best per (dtype, width) as such an
 # entry: adopting it is a one-line change here, and the values a sketch computes do not change.
 CONFIGS: dict[tuple[torch.dtype, int | None], Config] = {
     (torch.bfloat16, None): Config(vec_bytes=16, s=4),
     (torch.float16, None): Config(vec_bytes=16, s=4),
     (torch.float32, None): Config(vec_bytes=16, s=4),
     (torch.float64, None): Config(vec_bytes=32, s=2),
-    # From tools/bench_sketch.py's sweep on an H200 (torch 2.11, triton 3.6, 2026-11-30): the best total
+    # From tools/bench/bench_sketch.py's sweep on an H200 (torch 2.11, triton 3.6, 2026-11-30): the best total
     # time per (dtype, width) over the benchmark's shapes (docs/sketch.md has the table).
     (torch.bfloat16, 32): Config(vec_bytes=8, s=8, block_r=32, warps=4, stages=1, maxnreg=0, levels=5),
     (torch.bfloat16, 64): Config(vec_bytes=8, s=8, block_r=16, warps=4, stages=1, maxnreg=0, levels=5),
@@ -296,7 +296,7 @@ def launch_plan(rows: int, stripes: int, width: int, element_size: int, config: 
 
 def launch(x2d: torch.Tensor, width: int, seed: int, *, row_offset: int = 0, col_offset: int = 0,
            config: Config | None = None) -> tuple[rule.RowSketch, object]:
-    """`rowsketch`, also returning the compiled kernel (registers, spills: tools/bench_sketch.py)."""
+    """`rowsketch`, also returning the compiled kernel (registers, spills: tools/bench/bench_sketch.py)."""
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()  # the kernel reads rows of unit stride; goldens' tensors already are
     rows, columns = x2d.shape

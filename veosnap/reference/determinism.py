@@ -36,7 +36,7 @@ def deterministic() -> Iterator[dict]:
 def one_thread() -> Iterator[None]:
     """Torch on one CPU thread within the block."""
     # Golden tensors are small: handing each op to a thread pool costs more than the op itself,
-    # ten times more on a loaded 2-core machine (measured with tools/bench_diff.py).
+    # ten times more on a loaded 2-core machine (measured with tools/bench/bench_diff.py).
     saved = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -549,7 +549,7 @@ def _check_placeholders(batch: Batch, placeholders: dict[str, int], family: medi
         if not torch.equal(counts, expected):
             raise VeosnapError(f"{getattr(config, 'model_type', '?')}: the test data's {kind} placeholders "
                                f"({counts.tolist()} per row) do not match its media ({expected.tolist()}); "
-                               f"regenerate testdata/ with tools/make_multimodal_testdata.py")
+                               f"regenerate testdata/ with tools/data/make_multimodal_testdata.py")
 
 
 def with_rope_positions(batch: Batch, model: torch.nn.Module) -> Batch:

@@ -18,10 +18,10 @@ raw media in `testdata/multimodal.parquet` with a fixed rule of its own, in plai
 Why our own and not the HF processor classes: the processors differ between transformers releases (PIL
 versus torchvision backends, fast versus slow), their resize is not bit-stable across those backends,
 and Whisper's extractor pads every clip to 30 s. A golden stores the tensors this module makes, so the
-rule only has to be deterministic; `tools/try_new_models.py` compares it with the HF processors
-constructed locally (identical patch order; values equal where no resize happens).
+rule only has to be deterministic; issue 15's trial script compared it with the HF processors constructed
+locally (identical patch order; values equal where no resize happens; docs/models.md).
 
-`reference.inputs` builds a golden's multimodal batch with it; `tools/make_multimodal_testdata.py` writes
+`reference.inputs` builds a golden's multimodal batch with it; `tools/data/make_multimodal_testdata.py` writes
 the test data's token sequences with its placeholder counts.
 """
 

@@ -80,7 +80,7 @@ def known_issue(version: str, capability: tuple[int, int] | None, head_dims: set
         return None
     return (f"known flash-attn {version} bug on sm90: wrong backward (dq; dk/dv with GQA) for head dim "
             f"{', '.join(map(str, bad))}, not a multiple of 32; expect failing gradients "
-            f"(docs/findings/fa4-sm90-backward-head-dim.md, tools/repro_fa4.py)")
+            f"(docs/findings/fa4-sm90-backward-head-dim.md, and its repro_fa4.py)")
 
 
 def fa4(model: nn.Module) -> Iterator[Candidate]:
