@@ -26,7 +26,8 @@ SOURCE = golden_path("llama")
 
 def faults(tmp_path: Path, *argv: str) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, str(REPO / "tools" / "measure" / "kill_and_race.py"), *argv, "--dir", str(tmp_path),
+    script = REPO / "tools" / "measure" / "kill_and_race.py"
+    done = subprocess.run([sys.executable, str(script), *argv, "--dir", str(tmp_path),
                            "--json"],
                           capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr

@@ -21,7 +21,8 @@ gpu_session = pytest.importorskip("gpu_session")
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here: the phases would run (minutes each), not skip")
 def test_without_cuda_the_real_phases_skip_with_the_reason(tmp_path, capsys):
-    done = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu" / "gpu_session.py"), "record-real", "--out", str(tmp_path)],
+    script = ROOT / "tools" / "gpu" / "gpu_session.py"
+    done = subprocess.run([sys.executable, str(script), "record-real", "--out", str(tmp_path)],
                           capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0 and "skipped, no CUDA device" in done.stdout, done.stderr
     for phase in ("matrix-real", "layouts-real"):  # the same main, in this process (a fresh interpreter is ~9 s)

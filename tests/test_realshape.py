@@ -104,7 +104,8 @@ def test_derived_sequences_are_deterministic_and_spread_over_the_vocabulary():
 
 def test_the_testdata_script_reproduces_the_committed_table(tmp_path):
     out = tmp_path / "realshape.parquet"
-    subprocess.run([sys.executable, str(ROOT / "tools" / "data" / "make_realshape_testdata.py"), "--out", str(out)], check=True,
+    script = ROOT / "tools" / "data" / "make_realshape_testdata.py"
+    subprocess.run([sys.executable, str(script), "--out", str(out)], check=True,
                    capture_output=True)
     assert pq.read_table(out).to_pydict() == pq.read_table(ROOT / "testdata" / "realshape.parquet").to_pydict()
 

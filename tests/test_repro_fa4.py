@@ -1,4 +1,5 @@
-"""The reproduction of docs/findings/fa4-sm90-backward-head-dim.md (`repro_fa4.py`, run from the doc) on the CPU: it skips cleanly without CUDA, and its measuring (float64 reference,
+"""The reproduction of docs/findings/fa4-sm90-backward-head-dim.md (`repro_fa4.py`, run from the doc) on the CPU:
+it skips cleanly without CUDA, and its measuring (float64 reference,
 bf16 sdpa yardstick, the verdict) says ok for a right attention and WRONG for one whose backward is
 off, run through a torch stand-in for flash_attn.cute's two entry points."""
 

@@ -1,4 +1,5 @@
-"""The reproduction of docs/findings/transformers-flash-packed-rows.md (`repro_fa4_fwd.py`, run from the doc) on the CPU: through torch stand-ins for flash_attn.cute's two entry points, a dense
+"""The reproduction of docs/findings/transformers-flash-packed-rows.md (`repro_fa4_fwd.py`, run from the doc) on the
+CPU: through torch stand-ins for flash_attn.cute's two entry points, a dense
 call of a packed row is WRONG against the per-sequence reference and right against plain causal attention,
 and the varlen call with boundaries from the position ids is right: the verdicts the H200 run is read by."""
 

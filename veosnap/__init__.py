@@ -38,7 +38,8 @@ if TYPE_CHECKING:
     from .runs.record import RecordOutcome
     from .runs.verdict import CheckReport
 
-_LAZY = {"forward_only": ".candidates.candidate", "Candidate": ".candidates.candidate", "Adapted": ".candidates.candidate",
+_LAZY = {"forward_only": ".candidates.candidate", "Candidate": ".candidates.candidate",
+         "Adapted": ".candidates.candidate",
          "parallelizes": ".candidates.backends", "Context": ".candidates.context", "GoldenKey": ".golden.key",
          "Project": ".reference.zoo"}
 

@@ -174,8 +174,8 @@ SIZES = {s.name: s for s in (
     # Llama-3.2-1B's own config (tied embeddings) at 12 of its 16 layers: 1.0B parameters, most of them in the
     # layers, as in the models users train (all 16 need ~142 GiB to record with the float64 twin, by veosnap's
     # estimate: over the H200's 140).
-    Size("llama-1b-12l", "llama", {**LLAMA_1B, "num_hidden_layers": 12, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
-                                   "rope_parameters": {**LLAMA_ROPE, "factor": 32.0}},
+    Size("llama-1b-12l", "llama", {**LLAMA_1B, "num_hidden_layers": 12, "rms_norm_eps": 1e-5,
+                                   "tie_word_embeddings": True, "rope_parameters": {**LLAMA_ROPE, "factor": 32.0}},
          row_tokens=(2048, 2040, 2048, 2000)),
     Size("qwen3_moe-1b", "qwen3_moe", {"hidden_size": 2048, "intermediate_size": 6144, "head_dim": 128,
                                        "num_attention_heads": 32, "num_key_value_heads": 4, "num_hidden_layers": 1,

@@ -52,7 +52,8 @@ SETS = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[2] / "testdata" / "realshape.parquet")
+    parser.add_argument("--out", type=Path,
+                        default=Path(__file__).resolve().parents[2] / "testdata" / "realshape.parquet")
     parser.add_argument("--show", action="store_true", help="print the id sets for veosnap.json files")
     args = parser.parse_args()
     table = lengths()

@@ -22,7 +22,8 @@ FIRST_TOKEN = 3
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[2] / "testdata" / "sequences.parquet")
+    parser.add_argument("--out", type=Path,
+                        default=Path(__file__).resolve().parents[2] / "testdata" / "sequences.parquet")
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(20261130)
     rows = [torch.randint(FIRST_TOKEN, VOCAB, (n,), generator=gen).tolist() for n in LENGTHS]

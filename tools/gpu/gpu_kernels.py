@@ -209,7 +209,8 @@ def scratch_linear_attention(project, scratch: Path) -> tuple[object, dict] | No
 # (bfloat16) / 0.09 s (float32) per billion parameters x thousand positions; 1 s fixed per check).
 # The libraries' first-call costs, per worker process:
 LIB_FIRST_S = {  # import and first JIT compile of the library (fa4's first call per shape: about 2.5 s per
-    # kernel, measured by repro_fa4.py (docs/findings/fa4-sm90-backward-head-dim.md) on the H200; forward, backward, postprocess and preprocess)
+    # kernel, measured by repro_fa4.py (docs/findings/fa4-sm90-backward-head-dim.md) on the H200; forward, backward,
+    # postprocess and preprocess)
     "fa4": 10.0, "flash_attention_4": 10.0, "quack": 10.0, "fa4+quack": 20.0, "fla": 20.0, "liger": 5.0,
     "eager": 0.0,
 }

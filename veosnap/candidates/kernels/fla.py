@@ -95,7 +95,8 @@ def switch(model: nn.Module, kernels: Kernels) -> Iterator[Candidate]:
                 setattr(module, DELTA_RULE, _delta_rule(kernels, ran, current))
                 if callable(getattr(module, CONV, None)):
                     setattr(module, CONV, _conv(kernels, ran, current))
-            yield from ran.candidate(model, f"linear attention: {kernels.label} (chunk_gated_delta_rule, causal_conv1d)")
+            note = f"linear attention: {kernels.label} (chunk_gated_delta_rule, causal_conv1d)"
+            yield from ran.candidate(model, note)
     finally:
         for hook in hooks:
             hook.remove()
