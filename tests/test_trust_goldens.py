@@ -81,7 +81,9 @@ NO_HASH = "no manifest hash: its bounds and trail cannot be trusted"
 def test_item1_a_golden_without_a_manifest_hash_is_refused_by_read_check_and_verify(capsys, goldens, how):
     g = committed(LLAMA)
     manifest = json.loads(g.manifest.to_json())
-    manifest["tolerance"] = {name: [noise, bound * 1000] for name, (noise, bound) in manifest["tolerance"].items()}
+    alpha, floor = manifest["alpha"], manifest["floor"]
+    manifest["tolerance"] = {name: [noise * 1000, alpha * noise * 1000 + floor]
+                             for name, (noise, bound) in manifest["tolerance"].items()}
     if how == "empty":
         manifest["manifest_hash"] = ""
     else:
@@ -179,8 +181,12 @@ def test_item2_a_golden_that_says_why_a_tensor_is_absent_is_accepted(capsys, gol
 # --- item 3: diff and refresh ---------------------------------------------------------------------
 
 def _loosen(factor: float):  # noqa: ANN202
+    # A bound is alpha x noise + floor, and the reader refuses one edited apart from its noise: a forger scales
+    # the noise and remakes the bound (a bound scaled alone is refused; test_trust_schema.py).
     def edit(g: Golden) -> None:
-        g.manifest.tolerance = {n: Tolerance(t.noise, t.bound * factor) for n, t in g.manifest.tolerance.items()}
+        m = g.manifest
+        g.manifest.tolerance = {n: Tolerance(noise, float(m.alpha * noise + m.floor)) for n, t in m.tolerance.items()
+                                for noise in [max(0.0, (t.bound * factor - m.floor) / m.alpha)]}
 
     return edit
 
@@ -217,7 +223,11 @@ def test_item3_a_tightened_bound_alone_is_metadata(tmp_path):
 
 @pytest.mark.parametrize("field", ["alpha", "floor", "tie_epsilon"])
 def test_item3_a_changed_tolerance_rule_is_material(tmp_path, capsys, field):
-    base, head = two_trees(tmp_path, lambda g: setattr(g.manifest, field, getattr(g.manifest, field) * 2))
+    def edit(g: Golden) -> None:
+        setattr(g.manifest, field, getattr(g.manifest, field) * 2)
+        _loosen(1.0)(g)  # the bounds made again from the noise under the new rule, as the reader requires
+
+    base, head = two_trees(tmp_path, edit)
     assert main(["diff", str(base), str(head), "--fail-on-change"]) == 1
     assert f"tolerance rule changed ({field})" in capsys.readouterr().out
 

@@ -262,6 +262,30 @@ def _check_tensor_set(golden: Golden, source: object) -> None:
     MoE layer's expert ids and margins; an extra or missing tensor would blame the candidate for it."""
     check_tensor_names(golden.manifest, set(golden.tensors), set(golden.sketches), source)
     check_inputs(golden.input_tensors(), golden.manifest, source)
+    check_derived(golden, source)
+
+
+def check_derived(golden: Golden, source: object) -> None:
+    """Fields the manifest stores that other stored fields determine agree with them (`schema`'s derived
+    fields): each MoE layer's `min_margin` is its margin tensor's smallest over the real tokens (a train
+    golden's may be smaller: it is over every step, the tensor the first's), and a sketched tensor counts
+    the rows its kind counts. A forger who moves one without the other is refused here, not in review."""
+    real = golden.tensors["inputs.attention_mask"].reshape(-1).bool()
+    for layer, stored in golden.manifest.min_margin.items():
+        margin = golden.tensors[str(names.Route(layer, "margin"))].reshape(-1)
+        if margin.numel() != real.numel():
+            raise GoldenError(source, f"tensor 'routes.{layer}.margin' has {margin.numel()} values for "
+                                      f"{real.numel()} token positions")
+        smallest = float(margin[real].min()) if bool(real.any()) else stored
+        train = golden.key.scenario == "train"
+        if stored > smallest or (stored != smallest and not train):
+            raise GoldenError(source, f"min_margin of layer {layer} is {stored!r}, but its routes.{layer}.margin "
+                                      f"is {smallest!r} at least over the real tokens (edited apart from it)")
+    for name, sketch in golden.sketches.items():
+        counted = int(real.sum()) if names.parse(name).token_rows else sketch.spec.sketched_rows
+        if sketch.rows_counted != counted:
+            raise GoldenError(source, f"sketched tensor {name!r}: rows_counted {sketch.rows_counted} but it counts "
+                                      f"{counted} rows (edited apart from its inputs)")
 
 
 def check_stored_names(manifest: Manifest, stored: set[str], source: object) -> None:

@@ -218,6 +218,13 @@ class Manifest:
         if manifest.manifest_hash != manifest.own_hash():
             raise GoldenError(source, "manifest hash mismatch: the manifest was edited after recording "
                                       "(corrupt or edited)")
+        for name, tol in sorted(manifest.tolerance.items()):
+            # A bound is made from its noise and the rule (`numerics.tolerance.tolerance_for`, `schema`): one
+            # that is not was edited apart from them, hashes recomputed.
+            made = float(manifest.alpha * tol.noise + manifest.floor)
+            if tol.bound != made:
+                raise GoldenError(source, f"tolerance of {name!r}: bound {tol.bound!r} is not alpha x noise + floor "
+                                          f"({made!r}): edited apart from its noise")
         return manifest
 
 
@@ -375,6 +382,9 @@ def _excused(data: dict, tolerance: dict[str, Tolerance], route_layers: set[int]
         excuse = _section(Excuse, value, where, {"reason": str, "tensor": str, "ratio": _optional_ratio})
         if not excuse.reason.strip():
             raise ValueError(f"{where} has an empty reason (an excuse says why)")
+        if excuse.ratio is not None and excuse.ratio <= 1:
+            raise ValueError(f"{where}: ratio {excuse.ratio!r} says {variant} passed (within 1x bound); an excuse is "
+                             "only for a variant that fails")
         route = names.try_parse(excuse.tensor)
         if excuse.tensor not in tolerance and not (isinstance(route, names.Route) and route.layer in route_layers):
             raise ValueError(f"{where}.tensor {excuse.tensor!r} is not a tensor or route of this golden")

@@ -272,7 +272,21 @@ class GoldenSketch:
                 raise VeosnapError(f"{where}: #support is {describe(support)}, expected int64 [{spec.support}]")
             if support.numel() and (support[0] < 0 or support[-1] >= spec.rows or (support[1:] <= support[:-1]).any()):
                 raise VeosnapError(f"{where}: #support is not sorted distinct rows in 0..{spec.rows - 1}")
+        tau = tau_of(norms, entry.rows_counted)
+        if not math.isclose(entry.tau, tau, rel_tol=TAU_REL_TOL, abs_tol=0.0):
+            raise VeosnapError(f"{where}: tau {entry.tau!r} is not the RMS of its #norms over {entry.rows_counted} "
+                               f"counted rows ({tau!r}): edited apart from them")
         return cls(spec, values, norms, support, entry.tau, entry.rows_counted, entry.dtype)
+
+
+# tau is computed in float64 from the group sums of squares, the norms stored in float32: recomputed from
+# them it agrees within float32 rounding (7e-10 relative on the committed real-shape goldens).
+TAU_REL_TOL = 1e-5
+
+
+def tau_of(norms: torch.Tensor, rows_counted: int) -> float:
+    """tau as the recorder makes it: the RMS row norm over the counted rows, from the groups' norms."""
+    return math.sqrt(float(norms.double().pow(2).sum()) / rows_counted) if rows_counted else 0.0
 
 
 def describe(t: torch.Tensor) -> str:

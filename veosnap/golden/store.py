@@ -22,6 +22,8 @@ import os
 import stat
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,6 +94,27 @@ def write_bytes(data: bytes, path: Path, root: Path | None = None) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+@contextmanager
+def locked(root: Path) -> Iterator[None]:
+    """An exclusive lock on a goldens directory for a read-change-write of a golden in it (`refresh`): a second
+    refresh waits for the first, then reads what it wrote and appends its own approval, instead of both
+    reading the old golden and the last write dropping the other's approval. An advisory lock on the
+    directory itself (no lock file is left behind); without fcntl (Windows), no lock."""
+    if fcntl is None:
+        yield
+        return
+    try:
+        Path(root).mkdir(parents=True, exist_ok=True)  # a first refresh creates it, as its write would
+        fd = os.open(root, os.O_RDONLY)
+    except OSError as exc:
+        raise GoldenError(root, f"cannot lock the goldens directory ({exc.strerror or exc})") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def check_writable(path: Path, root: Path) -> None:

@@ -120,6 +120,17 @@ def list_models(configs_dir: Path, tier: str = "all") -> list[str]:
     return [n for n in names if read_sidecar(configs_dir / n)[0] == tier]
 
 
+def read_json(path: Path) -> object:
+    """A config file's JSON, or one line naming the file: unreadable, not JSON, or nested too deep for the
+    parser (100,000 `[` raise RecursionError, not a JSON error)."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise VeosnapError(f"{path}: not valid JSON ({exc})") from None
+    except RecursionError:
+        raise VeosnapError(f"{path}: not usable JSON (nested too deeply to parse)") from None
+
+
 def read_sidecar(directory: Path) -> tuple[str, BatchRecipe, int | None]:
     """The tier, batch recipe and golden budget (bytes) a config directory's `veosnap.json` declares
     (toy defaults without one)."""

@@ -114,6 +114,7 @@ def golden_diff_dict(d: GoldenDiff) -> dict:
                   for c in d.trail],
         "loosened": [{"name": t.name, "old_bound": t.old_bound, "new_bound": t.new_bound} for t in d.loosened],
         "absent": _fields(d.absent),
+        "fields": [{"field": f.field, "where": f.where, "detail": f.detail} for f in d.fields],
         "why": d.why_material(),
     }
 

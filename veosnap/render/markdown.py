@@ -46,6 +46,7 @@ def _details(c: view.GoldenChange) -> list[str]:
     out = [f"- approved: {_cell(a)}" for a in c.approvals]
     out += [f"- **trail**: {_cell(t)}" for t in c.trail]
     out += [f"- **bound loosened**: {_cell(t)}" for t in c.loosened]
+    out += [f"- **material**: {_cell(line)}" for line in c.fields]
     out += [f"- **absent** `{f.field}`: `{view.short(f.old)}` → `{view.short(f.new)}`" for f in c.absent]
     out += [f"- manifest `{f.field}`: `{view.short(f.old)}` → `{view.short(f.new)}`" for f in c.manifest]
     out += [f"- routes: {r}" for r in c.routes]

@@ -88,6 +88,7 @@ def _change_lines(change: view.GoldenChange) -> list[str]:
     lines += [f"  loosened    {t}" for t in change.loosened]
     if change.loosened_hidden:
         lines.append(f"  loosened    ... {change.loosened_hidden} more bounds grew (--format json lists every one)")
+    lines += [f"  material    {line}" for line in change.fields]
     lines += [f"  absent      {view.change_text(c)}" for c in change.absent]
     lines += [f"  manifest    {view.change_text(c)}" for c in change.manifest]
     if change.manifest_hidden:

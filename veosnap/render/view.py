@@ -235,6 +235,7 @@ class GoldenChange:
     loosened_hidden: int
     trail: list[str]  # changes to the approval trail other than appended approvals
     absent: list[FieldChange]
+    fields: list[str]  # schema fields loosened or changed (`GoldenDiff.fields`), as `where: detail`
     largest: str  # the largest move, for a summary table
     route_cell: str  # routes, for a summary table
     reasons: str  # the approvals' reasons, for a summary table
@@ -299,6 +300,7 @@ def golden_change(d: GoldenDiff, shown: int | None = SHOWN_TENSORS, fields: int 
         tolerance=_tolerance_line(d), provenance=d.provenance,
         loosened=[loosened_text(t) for t in loose_kept], loosened_hidden=len(loosened) - len(loose_kept),
         trail=[trail_text(c) for c in d.trail_rewritten], absent=d.absent,
+        fields=[f"{f.where}: {f.detail}" for f in d.fields],
         largest=f"`{worst.name}` {fmt.times(worst.ratio)} bound" if worst else "—",
         route_cell=(f"{len(d.routes)} of {d.route_layers} layers changed" if d.routes
                     else "same" if d.route_layers else "—"),

@@ -33,7 +33,7 @@ from ..golden import background, names, store
 from ..golden.background import PendingGolden, errors_after
 from ..golden.codec import Golden
 from ..golden.key import GoldenKey
-from ..golden.manifest import Excuse
+from ..golden.manifest import Excuse, rerecord
 from ..numerics import fmt
 from ..numerics.compare import TensorResult, compare_route_sets, compare_tensors, same_route_tokens, structure_changes
 from ..reference import coverage, hardware, limits, models, scenarios
@@ -217,6 +217,8 @@ def _check_loaded(project: Project, key: GoldenKey, backend: Backend, chosen: li
                  *(["--nproc", str(nproc)] if spawned and nproc != DEFAULT_NPROC else []),
                  *(["--timeout", f"{timeout_s:g}"] if timeout_s != DEFAULT_TIMEOUT_S else [])]  # every layout
     for report in ordered:
+        if not cross_class:
+            refuse_passing_excuse(golden, report)
         report.notes[:0] = list(head_notes)
         report.selection = list(selection)
         report.portable_backend = portable if portable != backend.spec else ""
@@ -376,6 +378,18 @@ def excused_notes(golden: Golden, spec: str) -> list[str]:
             notes.append(f"{variant} fails this golden, known at record time: {excuse.reason} (then: "
                          f"{excuse_figures(excuse)})")
     return notes
+
+
+def refuse_passing_excuse(golden: Golden, report: CheckReport) -> None:
+    """An excuse is only for a variant that fails the golden (`record --excuse` refuses one for a variant that
+    passes): a check of the excused variant itself, as the recorder ran it (alone, single layout), that passes
+    shows the excuse stale or forged, and is an error naming it, not a pass."""
+    excuse = golden.manifest.excused.get(report.backend)
+    if excuse is None or report.layout != "single" or report.skipped or not report.passed:
+        return
+    report.error = (f"the golden excuses {report.backend} ({excuse.reason!r}, then {excuse_figures(excuse)}), but "
+                    f"{report.backend} passes it: the excuse is stale or forged, and an excuse is only for a variant "
+                    f"that fails; {rerecord(golden.key)}")
 
 
 def excuse_figures(excuse: Excuse) -> str:

@@ -29,7 +29,7 @@ from typing import Protocol
 import torch
 
 from ..errors import VeosnapError
-from ..golden import codec, names, store
+from ..golden import codec, names, schema, store
 from ..golden.codec import Golden
 from ..golden.key import GoldenKey
 from ..golden.manifest import Approval, json_object
@@ -129,6 +129,15 @@ class FieldChange:
     new: str | None
 
 
+@dataclass(frozen=True)
+class FieldLoosening:
+    """A stored field whose change could let a bug pass, found by walking the schema (`golden.schema`)."""
+
+    field: str  # the schema path (`routes.*.margin`, `sketch.tensors.*.tau`, `reference.seed`)
+    where: str  # the concrete one (`routes.0.margin`, `sketch.tensors.logits.tau`)
+    detail: str  # what changed, and why it matters
+
+
 @dataclass
 class GoldenDiff:
     """How one golden present on both sides changed."""
@@ -147,6 +156,7 @@ class GoldenDiff:
     approvals: list[Approval] = field(default_factory=list)  # approvals the new side appended
     trail: list[TrailChange] = field(default_factory=list)  # every change to the approval trail
     absent: list[FieldChange] = field(default_factory=list)  # tensors the golden says it leaves out, and why
+    fields: list[FieldLoosening] = field(default_factory=list)  # schema fields loosened (or identity changed)
 
     def ranked(self) -> list[TensorMove]:
         """Moved tensors, largest move first."""
@@ -164,8 +174,8 @@ class GoldenDiff:
 
     @property
     def loosened(self) -> list[ToleranceChange]:
-        """Bounds that grew: each would let a larger error pass."""
-        return [t for t in self.tolerance if t.new_bound > t.old_bound]
+        """Bounds (or the noise they are made of) that grew: each would let a larger error pass."""
+        return [t for t in self.tolerance if t.new_bound > t.old_bound or t.new_noise > t.old_noise]
 
     @property
     def trail_rewritten(self) -> list[TrailChange]:
@@ -193,7 +203,29 @@ class GoldenDiff:
         if self.trail_rewritten:
             kinds = ", ".join(dict.fromkeys(c.kind for c in self.trail_rewritten))
             why.append(f"approval trail rewritten ({kinds})")
+        if self.fields:
+            why.append("loosened or changed: " + ", ".join(dict.fromkeys(f.where for f in self.fields)))
         return why
+
+    def material_fields(self) -> set[str]:
+        """The schema paths (`golden.schema.FIELDS`) of every material change: which stored field moved."""
+        found = {f.field for f in self.fields}
+        for t in self.tensors:
+            if t.material:
+                found.add("sketch.tensors.*.spec.*" if t.problem.startswith("re-sketched") else _tensor_field(t.name))
+        found |= {_tensor_field(name) for name in (*self.tensors_added, *self.tensors_removed)}
+        if self.routes:
+            found.add("routes.*.experts")
+        found |= {"config" if c.field == "config_hash" else "inputs.*" for c in self.identity_changed}
+        for t in self.loosened:
+            found |= ({"tolerance.*.bound"} if t.new_bound > t.old_bound else set()) | \
+                     ({"tolerance.*.noise"} if t.new_noise > t.old_noise else set())
+        found |= {c.field for c in self.tolerance_rule}
+        if self.absent:
+            found.add("absent[].*")
+        if self.trail_rewritten:
+            found.add("approvals[].*")
+        return found
 
     @property
     def material(self) -> bool:
@@ -266,7 +298,77 @@ def diff_goldens(old: Golden, new: Golden) -> GoldenDiff:
     out.absent = _dict_changes("absent", _absences(om), _absences(nm))
     out.trail = trail_changes(om.approvals, nm.approvals, om.payload_hash)
     out.approvals = [c.approval for c in out.trail if c.kind in ("added", "forged", "inserted")]
+    out.fields = schema_changes(old, new, mask)
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# Walking the schema
+
+
+def schema_changes(old: Golden, new: Golden, mask: torch.Tensor) -> list[FieldLoosening]:
+    """Every stored field (`golden.schema`) whose change could let a bug pass, judged by its rule. The rules
+    `moved`, `routes`, `grows` (bounds), `rule`, `form` and `trail` are the structured comparisons above
+    (tensors, routes, tolerance, the trail); `changes`, `added`, `tau` and `near_ties` are judged here;
+    `derived` fields never change alone (the reader cross-checks them) and `metadata` never counts."""
+    a, b = schema.flatten(json.loads(old.manifest.to_json())), schema.flatten(json.loads(new.manifest.to_json()))
+    found: list[FieldLoosening] = []
+    for where in sorted(a.keys() | b.keys()):
+        pattern = (b.get(where) or a[where])[0]
+        entry = schema.field_of(pattern)
+        if entry is None:
+            # A field the schema does not know cannot be judged: material, so it is reviewed (and a test fails).
+            found.append(FieldLoosening(pattern, where, "a field the schema does not list"))
+            continue
+        before, after = a.get(where, (None, None))[1], b.get(where, (None, None))[1]
+        if before == after or entry.path in ("config", "absent[].*"):  # config and absences: their own lines
+            continue
+        if entry.rule == "changes":
+            found.append(FieldLoosening(entry.path, where, f"{_show(before)} -> {_show(after)}"))
+        elif entry.rule == "added" and after is not None:
+            found.append(FieldLoosening(entry.path, where, f"{_show(before) if before is not None else '(absent)'} -> "
+                                                           f"{_show(after)}"))
+    found += _tau_changes(old, new)
+    found += _near_tie_changes(old, new, mask)
+    return found
+
+
+def _tau_changes(old: Golden, new: Golden) -> list[FieldLoosening]:
+    """Sketched tensors whose tau grew by more than their bound: a sketch's errors are in units of tau, so a
+    grown tau reads every candidate's error that many times smaller."""
+    found = []
+    for name in sorted(old.sketches.keys() & new.sketches.keys()):
+        before, after = old.sketches[name].tau, new.sketches[name].tau
+        bound = old.manifest.tolerance[name].bound
+        if after > before * (1 + bound) if before > 0 else after > 0:
+            factor = after / before if before > 0 else math.inf
+            found.append(FieldLoosening("sketch.tensors.*.tau", f"sketch.tensors.{name}.tau",
+                                        f"{before:.6g} -> {after:.6g} ({factor:.3g}x, beyond its bound {bound:.2g}): "
+                                        "errors read that much smaller"))
+    return found
+
+
+def _near_tie_changes(old: Golden, new: Golden, mask: torch.Tensor) -> list[FieldLoosening]:
+    """MoE layers where real tokens the old golden routed clearly are near-ties in the new one (margin under
+    its tie epsilon): a candidate's flip of them would pass as a near-tie."""
+    found = []
+    for layer in sorted(set(old.route_layers()) & set(new.route_layers())):
+        name = str(names.Route(layer, "margin"))
+        a, b = old.tensors[name].reshape(-1), new.tensors[name].reshape(-1)
+        if a.shape != b.shape or a.numel() != mask.numel():
+            continue  # routes reshaped: the routes rule says so
+        newly = mask & (a >= old.manifest.tie_epsilon) & (b < new.manifest.tie_epsilon)
+        if bool(newly.any()):
+            found.append(FieldLoosening("routes.*.margin", name,
+                                        f"{int(newly.sum())} of {int(mask.sum())} real tokens routed clearly before "
+                                        f"are near-ties now (margin under {new.manifest.tie_epsilon:g}): their flips "
+                                        "would pass"))
+    return found
+
+
+def _tensor_field(name: str) -> str:
+    entry = schema.field_of(name, tensor=True)
+    return entry.path if entry is not None else name
 
 
 def _form(golden: Golden, name: str) -> str:
@@ -399,7 +501,8 @@ def _field(name: str, old: object, new: object) -> FieldChange | None:
 
 
 def _flatten(prefix: str, value: object, out: dict[str, object]) -> dict[str, object]:
-    if isinstance(value, dict) and value:
+    if isinstance(value, dict) and (value or prefix.count(".") == 0):
+        # An empty map is no field (a golden without excuses has none): not "{} -> (absent)".
         for k, v in value.items():
             _flatten(f"{prefix}.{k}" if prefix else str(k), v, out)
     else:

@@ -19,11 +19,11 @@ from pathlib import Path
 from ..errors import GoldenError, VeosnapError
 from ..golden import store
 from ..golden.codec import Golden
-from ..golden.key import GoldenKey
+from ..golden.key import SCENARIOS, GoldenKey
 from ..golden.manifest import Approval
 from ..numerics import fmt
 from ..reference import hardware
-from ..reference.zoo import Project, writable
+from ..reference.zoo import Project, load_config, writable
 from .diff import GoldenDiff, diff_goldens
 from .record import encode_checked, recorded, settle
 
@@ -103,6 +103,13 @@ def refresh(project: Project, model: str, dtype: str, reason: str, force: bool =
     writable(project.goldens)
     path = store.path_for(project.goldens, key)
     store.check_writable(path, project.goldens)
+    with store.locked(project.goldens):  # from reading the old golden to writing the new one
+        return _refresh(project, key, path, reason, force, seed, allow_near_ties, allow_fragile, sketch, excuses)
+
+
+def _refresh(project: Project, key: GoldenKey, path: Path, reason: str, force: bool, seed: int | None,
+             allow_near_ties: bool, allow_fragile: bool, sketch: str | None,
+             excuses: dict[str, str] | None) -> RefreshOutcome:
     old = _read_old(project, key, force, reason)
     if seed is None:  # keep the weights the old golden was recorded with
         seed = old.manifest.reference.seed if old is not None else 0
@@ -136,6 +143,26 @@ def refresh(project: Project, model: str, dtype: str, reason: str, force: bool =
     new.manifest.approvals = [*old.manifest.approvals, Approval(reason, old.manifest.payload_hash)]
     store.write_bytes(encode_checked(new, path), path, project.goldens)
     return RefreshOutcome(key, path, "rewrote", "; ".join(why) or "forced (--force)", diff_goldens(old, new))
+
+
+def stale(project: Project, model: str, dtypes: list[str]) -> list[GoldenKey]:
+    """The goldens of `model` (of `dtypes`, every scenario, this project's class) recorded from another config
+    than the model's config today: a refresh of the model rewrites them all, or they stay stale."""
+    toy = load_config(project.configs, model)
+    found = []
+    for scenario in SCENARIOS:
+        for dtype in dtypes:
+            key = GoldenKey(project.hardware_class, model, scenario, dtype)
+            path = store.path_for(project.goldens, key)
+            if key.recorded != key or not path.is_file():
+                continue
+            try:
+                manifest = store.read_manifest(path, project.goldens)
+            except GoldenError:
+                continue  # unreadable: a refresh of it says so, verify too
+            if manifest.config_hash != toy.hash:
+                found.append(key)
+    return found
 
 
 def _reasons(golden: Golden) -> dict[str, str]:

@@ -20,6 +20,7 @@ from ..golden import store
 from ..golden.codec import Golden
 from ..golden.key import SUFFIX, GoldenKey
 from ..reference import coverage
+from ..reference.zoo import load_config
 
 
 @dataclass(frozen=True)
@@ -53,8 +54,24 @@ def consistency_problem(g: Golden) -> str:
     return ""
 
 
-def verify_file(path: Path, root: Path | None = None) -> VerifyResult:
-    """Read and check one golden (under `root` when it was found there); its key is the one its path names."""
+def stale_problem(g: Golden, configs: Path) -> str:
+    """Why a sound golden is stale: recorded from another config than its model's in `configs` today ('' when
+    it is not, or `configs` has no config of that model)."""
+    try:
+        toy = load_config(configs, g.key.model)
+    except VeosnapError:
+        return ""  # no config to hold it against here (verify checks the file; check refuses a missing config)
+    if toy.hash == g.manifest.config_hash:
+        return ""
+    scenario = "" if g.key.scenario == "step" else f" --scenario {g.key.scenario}"
+    return (f"recorded from another config than {toy.path} today (config hash {g.manifest.config_hash[:19]}..., today "
+            f"{toy.hash[:19]}...): stale; re-record it with `veosnap refresh --reason \"...\" --model {g.key.model} "
+            f"--dtype {g.key.dtype}{scenario}`")
+
+
+def verify_file(path: Path, root: Path | None = None, configs: Path | None = None) -> VerifyResult:
+    """Read and check one golden (under `root` when it was found there); its key is the one its path names.
+    With `configs`, a golden recorded from another config than its model's there today is bad (stale)."""
     path = Path(path)
     expected = store.key_of(path, root)
     if expected is None:
@@ -67,7 +84,8 @@ def verify_file(path: Path, root: Path | None = None) -> VerifyResult:
     except VeosnapError as exc:
         return VerifyResult(path, expected, str(exc).removeprefix(f"{path}: "))
     excused = tuple(f"{variant}: {e.reason}" for variant, e in sorted(g.manifest.excused.items()))
-    return VerifyResult(path, expected, consistency_problem(g), excused)
+    problem = consistency_problem(g) or (stale_problem(g, configs) if configs is not None else "")
+    return VerifyResult(path, expected, problem, excused)
 
 
 def collect(paths: list[Path]) -> list[tuple[Path, Path | None]]:
@@ -91,6 +109,7 @@ def collect(paths: list[Path]) -> list[tuple[Path, Path | None]]:
     return found
 
 
-def verify(paths: list[Path]) -> list[VerifyResult]:
-    """Verify every golden named by `paths` (files, or goldens directories)."""
-    return [verify_file(path, root) for path, root in collect(paths)]
+def verify(paths: list[Path], configs: Path | None = None) -> list[VerifyResult]:
+    """Verify every golden named by `paths` (files, or goldens directories); with `configs`, each against its
+    model's config there too (a golden recorded from another config is stale)."""
+    return [verify_file(path, root, configs) for path, root in collect(paths)]

@@ -214,11 +214,22 @@ def cmd_drift(args: argparse.Namespace) -> int:
 def cmd_refresh(args: argparse.Namespace) -> int:
     from ..runs.record import parse_excuses
     from ..runs.refresh import refresh
+    from ..runs.refresh import stale as refresh_stale
 
     excuses = parse_excuses(args.excuse) if args.excuse else None
     project = _recording_project(args)
     for model, dtype in _selection(args, project):
-        for scenario in _scenarios(args, project, model, recording=True):
+        chosen = _scenarios(args, project, model, recording=True)
+        stale = [key.scenario for key in refresh_stale(project, model, [dtype]) if key.scenario not in chosen]
+        if args.scenario is None:
+            chosen += stale  # every golden recorded from another config than today's, unless scenarios are named
+        else:
+            for scenario in stale:
+                key = GoldenKey(project.hardware_class, model, scenario, dtype)
+                print(f"veosnap: warning: {store.path_for(project.goldens, key)}: recorded from another config than "
+                      f"today's, left as it is (--scenario {' '.join(args.scenario)}); refresh it with --scenario "
+                      f"{scenario}", file=sys.stderr)
+        for scenario in chosen:
             outcome = refresh(project, model, dtype, args.reason, force=args.force, scenario=scenario,
                               allow_near_ties=args.allow_near_ties, allow_fragile=args.allow_fragile,
                               sketch=args.sketch, excuses=excuses)
@@ -232,7 +243,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from ..runs.verify import verify
 
     paths = args.paths or [Path(args.goldens) if args.goldens else default_goldens()]
-    results = verify(paths)
+    results = verify(paths, configs=_project(args).configs)  # each golden against its model's config today
     bad = [r for r in results if not r.ok]
     for r in results:
         if not r.ok or r.excused:  # a sound golden recorded despite a failing variant says so
@@ -453,6 +464,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="check golden files for corruption and inconsistency")
     p.add_argument("paths", metavar="PATH", nargs="*", type=Path, help="golden files or directories (default: the goldens dir)")
     p.add_argument("--goldens", metavar="DIR", help="goldens directory (default: ./goldens, else the bundled zoo)")
+    p.add_argument("--configs", metavar="DIR",
+                   help="toy configs the goldens must be recorded from (default: ./toy_configs, else bundled); a "
+                        "golden recorded from another config than its model's there is bad (stale)")
+    p.set_defaults(testdata=None, hardware_class=None)
     commands["verify"] = cmd_verify
 
     p = sub.add_parser("show", help="print a golden's manifest and tensors")
