@@ -121,6 +121,10 @@ FIELDS: tuple[Field, ...] = (
        check="the real tokens for a token tensor, else the rows sketched"),
     _f("sketch.tensors.*.dtype", "changes", "any change", _SKETCH, _SK),
     # --- tensors
+    # a sketched tensor's parts first: `grad.x#sketch` is a part, not a gradient
+    _t("*#sketch", "moved", "any move", _SKETCH, _SK),
+    _t("*#norms", "derived", "up", "golden.sketches", _SK, check="their RMS is the entry's tau"),
+    _t("*#support", "form", "other rows", _SKETCH, _SK),
     _t("inputs.*", "changes", "any change", "reference.inputs (the batch every candidate runs)"),
     _t("loss", "moved", "any move", _TENSORS, _ALL - _TR),
     _t("logits", "moved", "any move", _TENSORS, _ALL - _TR),
@@ -134,9 +138,6 @@ FIELDS: tuple[Field, ...] = (
     _t("routes.*.weights", "moved", "any move", _TENSORS, _MOE),
     _t("routes.*.experts", "routes", "any flip", "numerics.routes.compare_routes", _MOE),
     _t("routes.*.margin", "near_ties", "down (under the tie epsilon)", "numerics.routes.compare_routes", _MOE),
-    _t("*#sketch", "moved", "any move", _SKETCH, _SK),
-    _t("*#norms", "derived", "up", "golden.sketches", _SK, check="their RMS is the entry's tau"),
-    _t("*#support", "form", "other rows", _SKETCH, _SK),
 )
 
 

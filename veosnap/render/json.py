@@ -115,6 +115,7 @@ def golden_diff_dict(d: GoldenDiff) -> dict:
         "loosened": [{"name": t.name, "old_bound": t.old_bound, "new_bound": t.new_bound} for t in d.loosened],
         "absent": _fields(d.absent),
         "fields": [{"field": f.field, "where": f.where, "detail": f.detail} for f in d.fields],
+        "material_fields": sorted(d.material_fields()),  # the schema paths (golden.schema) of every material change
         "why": d.why_material(),
     }
 

@@ -204,7 +204,9 @@ class GoldenDiff:
             kinds = ", ".join(dict.fromkeys(c.kind for c in self.trail_rewritten))
             why.append(f"approval trail rewritten ({kinds})")
         if self.fields:
-            why.append("loosened or changed: " + ", ".join(dict.fromkeys(f.where for f in self.fields)))
+            wheres = list(dict.fromkeys(f.where for f in self.fields))
+            more = f" and {len(wheres) - 3} more" if len(wheres) > 3 else ""
+            why.append("loosened or changed: " + ", ".join(wheres[:3]) + more)
         return why
 
     def material_fields(self) -> set[str]:
@@ -212,7 +214,8 @@ class GoldenDiff:
         found = {f.field for f in self.fields}
         for t in self.tensors:
             if t.material:
-                found.add("sketch.tensors.*.spec.*" if t.problem.startswith("re-sketched") else _tensor_field(t.name))
+                found.add("*#support" if "(other support rows)" in t.problem else "sketch.tensors.*.spec.*"
+                          if t.problem.startswith("re-sketched") else "*#sketch" if t.width else _tensor_field(t.name))
         found |= {_tensor_field(name) for name in (*self.tensors_added, *self.tensors_removed)}
         if self.routes:
             found.add("routes.*.experts")
