@@ -18,28 +18,56 @@ from veosnap.surfaces import cli
 LLAMA = GoldenKey(CLASS, "llama", "step", "float32")  # refresh re-records: this machine's class
 
 
-def test_config_change_refresh_and_diff_show_only_that_model_moved(tmp_path, capsys, monkeypatch):
+def test_config_change_refresh_rewrites_every_stale_golden_and_diff_shows_each_material(tmp_path, capsys, monkeypatch):
+    """Issue 36: after a config edit, `refresh --model llama` rewrote step-* only and left train-* recorded from the
+    old config (verify said 0 bad). Now every golden of the model recorded from another config is rewritten, as
+    the docs' recipe says, and the diff shows each as material."""
     project = git_repo(tmp_path)
     config = project.configs / "llama" / "config.json"
     config.write_text(config.read_text().replace('"silu"', '"gelu"'))
     monkeypatch.chdir(tmp_path)
+    train = GoldenKey(CLASS, "llama", "train", "float32")
+
+    assert cli.main(["verify", "--goldens", "goldens", "--configs", "toy_configs"]) == 1
+    stale = [line for line in capsys.readouterr().out.splitlines() if "recorded from another config" in line]
+    assert sorted(line.split(":")[0] for line in stale) == sorted(
+        f"goldens/{CLASS}/llama/{s}-{d}.safetensors.zst" for s in ("step", "train") for d in ("bfloat16", "float32"))
 
     assert cli.main(["refresh", "--reason", "llama switches to gelu", "--model", "llama", "--dtype", "float32"]) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"rewrote   goldens/{LLAMA.relpath}")  # the project in the current directory
+    assert f"rewrote   goldens/{train.relpath}" in out  # every scenario recorded from the old config
     assert "config.hidden_act: silu -> gelu" in out
     commit(tmp_path, "llama: gelu")
 
     assert cli.main(["diff", "HEAD~1", "--format", "json", "--fail-on-change"]) == 1
     doc = json.loads(capsys.readouterr().out)
-    (changed,) = doc["changed"]
-    assert changed["key"] == str(LLAMA) and changed["material"]
-    assert len(changed["tensors"]) == changed["compared"]  # every compared tensor moved...
-    assert min(t["ratio"] for t in changed["tensors"]) > 100  # ...by large multiples of its bound
-    assert [a["reason"] for a in changed["approvals"]] == ["llama switches to gelu"]
-    assert {"field": "config.hidden_act", "old": "silu", "new": "gelu"} in changed["manifest"]
-    others = len(store.list_goldens(project.goldens)) - 1
+    step, trained = sorted(doc["changed"], key=lambda c: c["key"])
+    assert (step["key"], trained["key"]) == (str(LLAMA), str(train))
+    for changed in (step, trained):  # per golden: material, config changed
+        assert changed["material"] and "config changed" in changed["why"] and "config" in changed["material_fields"]
+        assert [a["reason"] for a in changed["approvals"]] == ["llama switches to gelu"]
+        assert {"field": "config.hidden_act", "old": "silu", "new": "gelu"} in changed["manifest"]
+    assert len(step["tensors"]) == step["compared"]  # every compared tensor moved...
+    assert min(t["ratio"] for t in step["tensors"]) > 100  # ...by large multiples of its bound
+    others = len(store.list_goldens(project.goldens)) - 2
     assert len(doc["unchanged"]) == others and not doc["added"] and not doc["removed"]
+    # the bfloat16 goldens were not asked for (--dtype float32): still stale, and verify says so
+    assert cli.main(["verify", "--goldens", "goldens", "--configs", "toy_configs"]) == 1
+    assert capsys.readouterr().out.count("recorded from another config") == 2
+
+
+def test_a_refresh_of_named_scenarios_says_which_goldens_it_leaves_stale(tmp_path, capsys, monkeypatch):
+    project = copy_zoo(tmp_path)
+    config = project.configs / "llama" / "config.json"
+    config.write_text(config.read_text().replace('"silu"', '"gelu"'))
+    monkeypatch.chdir(tmp_path)
+
+    assert cli.main(["refresh", "--reason", "gelu", "--model", "llama", "--dtype", "float32", "--scenario", "step"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith(f"rewrote   goldens/{LLAMA.relpath}") and "train-float32" not in out
+    assert err == (f"veosnap: warning: goldens/{CLASS}/llama/train-float32.safetensors.zst: recorded from another "
+                   "config than today's, left as it is (--scenario step); refresh it with --scenario train\n")
 
 
 def test_refresh_of_an_unchanged_model_leaves_the_file_byte_identical(tmp_path):
