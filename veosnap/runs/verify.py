@@ -20,7 +20,7 @@ from ..golden import store
 from ..golden.codec import Golden
 from ..golden.key import SUFFIX, GoldenKey
 from ..reference import coverage
-from ..reference.zoo import load_config
+from ..reference.zoo import load_config, same_dir
 
 
 @dataclass(frozen=True)
@@ -61,8 +61,8 @@ def stale_problem(g: Golden, configs: Path) -> str:
         toy = load_config(configs, g.key.model)
     except VeosnapError:
         return ""  # no config to hold it against here (verify checks the file; check refuses a missing config)
-    if toy.hash == g.manifest.config_hash:
-        return ""
+    if toy.hash == g.manifest.config_hash or not same_dir(toy.path.parent.parent, configs):
+        return ""  # current, or only the bundled zoo's config of that name: not the one it was recorded from
     scenario = "" if g.key.scenario == "step" else f" --scenario {g.key.scenario}"
     return (f"recorded from another config than {toy.path} today (config hash {g.manifest.config_hash[:19]}..., today "
             f"{toy.hash[:19]}...): stale; re-record it with `veosnap refresh --reason \"...\" --model {g.key.model} "
