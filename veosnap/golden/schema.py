@@ -53,11 +53,6 @@ class Field:
         if (self.rule == "derived") != bool(self.check):
             raise ValueError(f"schema field {self.path}: a derived field says what it is checked against, no other")
 
-    @property
-    def material(self) -> bool:
-        """Whether a change of it can be material (derived ones never change alone, metadata never counts)."""
-        return self.rule not in ("derived", "metadata")
-
     def matches(self, path: str) -> bool:
         return fnmatch.fnmatchcase(path, self.path.replace("[]", "[[][]]"))
 
@@ -116,7 +111,7 @@ FIELDS: tuple[Field, ...] = (
     _f("sketch.tensors.*.spec.rows", "derived", "any change", "golden.sketches", _SK, check="the spec's shape"),
     _f("sketch.tensors.*.spec.columns", "derived", "any change", "golden.sketches", _SK, check="the spec's shape"),
     _f("sketch.tensors.*.spec.*", "form", "a coarser group or narrower width", _SKETCH, _SK),
-    _f("sketch.tensors.*.tau", "tau", "up", _SKETCH + " (errors are in units of tau)", _SK,),
+    _f("sketch.tensors.*.tau", "tau", "up", _SKETCH + " (errors are in units of tau)", _SK),
     _f("sketch.tensors.*.rows_counted", "derived", "any change", _SKETCH, _SK,
        check="the real tokens for a token tensor, else the rows sketched"),
     _f("sketch.tensors.*.dtype", "changes", "any change", _SKETCH, _SK),
