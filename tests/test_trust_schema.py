@@ -433,3 +433,17 @@ def test_attack2_sketch_tau_times_1e6_is_refused_and_with_its_norms_material(tmp
     out = capsys.readouterr().out
     sketched = len(fresh(key).sketches)
     assert out.count("  material    sketch.tensors.") == sketched and "(1e+06x, beyond its bound" in out
+
+
+def test_a_bound_edited_apart_from_its_noise_is_refused_in_one_line(tmp_path, capsys):
+    """Every bound is alpha x noise + floor: one loosened alone (hashes recomputed) is refused when read."""
+    key = REPRESENTATIVES[schema.WHOLE]
+
+    def bound_alone(g: Golden) -> None:
+        g.manifest.tolerance = {**g.manifest.tolerance, "logits": replace(g.manifest.tolerance["logits"],
+                                                                           bound=g.manifest.tolerance["logits"].bound * 1000)}
+
+    base, head = base_and_head(tmp_path, key, bound_alone)
+    assert main(["diff", str(base), str(head), "--fail-on-change"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "tolerance of 'logits': bound" in err and "is not alpha x noise + floor" in err
