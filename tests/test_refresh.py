@@ -63,7 +63,8 @@ def test_a_refresh_of_named_scenarios_says_which_goldens_it_leaves_stale(tmp_pat
     config.write_text(config.read_text().replace('"silu"', '"gelu"'))
     monkeypatch.chdir(tmp_path)
 
-    assert cli.main(["refresh", "--reason", "gelu", "--model", "llama", "--dtype", "float32", "--scenario", "step"]) == 0
+    named = ["--model", "llama", "--dtype", "float32", "--scenario", "step"]
+    assert cli.main(["refresh", "--reason", "gelu", *named]) == 0
     out, err = capsys.readouterr()
     assert out.startswith(f"rewrote   goldens/{LLAMA.relpath}") and "train-float32" not in out
     assert err == (f"veosnap: warning: goldens/{CLASS}/llama/train-float32.safetensors.zst: recorded from another "

@@ -31,7 +31,7 @@ import zstandard
 from golden_repo import REPO
 from safetensors.torch import save as st_save
 
-from veosnap.golden import codec, names, schema, store
+from veosnap.golden import codec, names, schema
 from veosnap.golden.codec import Golden
 from veosnap.golden.key import GoldenKey
 from veosnap.golden.manifest import Absence, Approval, Excuse, Manifest, config_hash
@@ -137,7 +137,7 @@ def _spec_seed(g: Golden) -> None:
 def _moved(pattern: str) -> Callable[[Golden], None]:
     """A whole tensor matching `pattern` moved far beyond its bound."""
     def edit(g: Golden) -> None:
-        name = next((n for n in sorted(g.tensors) if fnmatch(n, pattern)), None)
+        name = next((n for n in sorted(g.tensors) if _entry_of(n) == pattern), None)
         if name is None:
             raise NotHeld
         t = g.tensors[name]
@@ -145,9 +145,10 @@ def _moved(pattern: str) -> Callable[[Golden], None]:
     return edit
 
 
-def fnmatch(name: str, pattern: str) -> bool:
+def _entry_of(name: str) -> str | None:
+    """The schema path a tensor name falls under."""
     entry = schema.field_of(name, tensor=True)
-    return entry is not None and entry.path == pattern
+    return entry.path if entry is not None else None
 
 
 def _input(g: Golden) -> None:
@@ -249,8 +250,8 @@ def _schema_version(doc: dict) -> None:
     doc["schema_version"] = 1 if "sketch" in doc else 2
 
 
-# schema path -> (forgery of the golden, or of its manifest JSON; what the reader's refusal names, for a
-# derived field; for metadata: None and "")
+# schema path -> (the forgery: of the golden, or of its manifest JSON (`_json`); for a derived field, what the
+# reader's one-line refusal names, else "")
 FORGERIES: dict[str, tuple[Callable, str]] = {
     "key.*": (_key, "key"),
     "config": (_config, ""),
@@ -440,8 +441,8 @@ def test_a_bound_edited_apart_from_its_noise_is_refused_in_one_line(tmp_path, ca
     key = REPRESENTATIVES[schema.WHOLE]
 
     def bound_alone(g: Golden) -> None:
-        g.manifest.tolerance = {**g.manifest.tolerance, "logits": replace(g.manifest.tolerance["logits"],
-                                                                           bound=g.manifest.tolerance["logits"].bound * 1000)}
+        logits = g.manifest.tolerance["logits"]
+        g.manifest.tolerance = {**g.manifest.tolerance, "logits": replace(logits, bound=logits.bound * 1000)}
 
     base, head = base_and_head(tmp_path, key, bound_alone)
     assert main(["diff", str(base), str(head), "--fail-on-change"]) == 2
