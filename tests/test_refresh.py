@@ -70,6 +70,17 @@ def test_a_refresh_of_named_scenarios_says_which_goldens_it_leaves_stale(tmp_pat
     assert err == (f"veosnap: warning: goldens/{CLASS}/llama/train-float32.safetensors.zst: recorded from another "
                    "config than today's, left as it is (--scenario step); refresh it with --scenario train\n")
 
+    # diff names every golden of the model left recorded from the old config, as material
+    base = copy_zoo(tmp_path / "base")
+    assert cli.main(["diff", str(base.goldens), "goldens", "--fail-on-change", "--format", "json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert [c["key"] for c in doc["changed"]] == [str(LLAMA)]
+    assert sorted(s["key"] for s in doc["stale"]) == [f"{CLASS}/llama/{s}-{d}" for s, d in
+                                                      (("step", "bfloat16"), ("train", "bfloat16"), ("train", "float32"))]
+    assert cli.main(["diff", str(base.goldens), "goldens"]) == 0
+    assert f"stale    {CLASS}/llama/train-float32  recorded from the config {LLAMA} moved away from" in \
+        capsys.readouterr().out
+
 
 def test_refresh_of_an_unchanged_model_leaves_the_file_byte_identical(tmp_path):
     project = copy_zoo(tmp_path)

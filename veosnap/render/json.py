@@ -128,6 +128,7 @@ def diff(report: DiffReport) -> str:
         "added": [str(k) for k in report.added],
         "removed": [str(k) for k in report.removed],
         "unchanged": [str(k) for k in report.unchanged],
+        "stale": [{"key": str(k), "config_moved_in": str(by)} for k, by in report.stale],
         "changed": [golden_diff_dict(d) for d in report.changed],
     }
     return json.dumps(doc, indent=2)

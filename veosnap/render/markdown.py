@@ -30,6 +30,8 @@ def diff(report: DiffReport) -> str:
         out.append(f"| `{key}` | **added** | | | | |")
     for key in report.removed:
         out.append(f"| `{key}` | **removed** | | | | |")
+    for key, by in report.stale:
+        out.append(f"| `{key}` | **stale**: recorded from the config `{by}` moved away from | | | | |")
     changes = [view.golden_change(d, shown=None, fields=None) for d in report.changed]
     for c in changes:
         verdict = f"**{c.verdict}**" if c.material else c.verdict

@@ -68,6 +68,7 @@ def diff(report: DiffReport, shown: int = view.SHOWN_TENSORS) -> str:
     lines = [f"goldens {report.base} -> {report.head}: {view.diff_headline(report)}"]
     lines += [f"added    {key}" for key in report.added]
     lines += [f"removed  {key}" for key in report.removed]
+    lines += [f"stale    {view.stale_text(key, by)}" for key, by in report.stale]
     for d in report.changed:
         change = view.golden_change(d, shown)
         lines.append(f"changed  {change.key}  {change.summary}")

@@ -275,8 +275,14 @@ def loosened_text(t: object) -> str:
 
 def diff_headline(report: DiffReport) -> str:
     material = sum(d.material for d in report.changed)
+    stale = f" ({len(report.stale)} stale: recorded from the old config)" if report.stale else ""
     return (f"{len(report.changed)} changed ({material} material), {len(report.added)} added, "
-            f"{len(report.removed)} removed, {len(report.unchanged)} unchanged")
+            f"{len(report.removed)} removed, {len(report.unchanged)} unchanged{stale}")
+
+
+def stale_text(key: object, by: object) -> str:
+    """An unchanged golden left recorded from the config another golden of its model moved away from."""
+    return f"{key}  recorded from the config {by} moved away from (refresh it too)"
 
 
 def golden_change(d: GoldenDiff, shown: int | None = SHOWN_TENSORS, fields: int | None = SHOWN_FIELDS) -> GoldenChange:

@@ -19,6 +19,7 @@ Git revisions are read with `git ls-tree` and one `git cat-file --batch`; the tr
 from __future__ import annotations
 
 import difflib
+import io
 import json
 import math
 import subprocess
@@ -254,10 +255,13 @@ class DiffReport:
     removed: list[GoldenKey] = field(default_factory=list)
     changed: list[GoldenDiff] = field(default_factory=list)
     unchanged: list[GoldenKey] = field(default_factory=list)
+    # Unchanged goldens of a model whose other goldens moved to another config: still recorded from the old one
+    # (a refresh of some scenarios or dtypes only). Each with the changed golden that says so.
+    stale: list[tuple[GoldenKey, GoldenKey]] = field(default_factory=list)
 
     @property
     def material(self) -> bool:
-        return bool(self.added or self.removed) or any(d.material for d in self.changed)
+        return bool(self.added or self.removed or self.stale) or any(d.material for d in self.changed)
 
     @property
     def empty(self) -> bool:
@@ -699,12 +703,32 @@ def _diff_trees(base: Tree, head: Tree) -> DiffReport:
             old_golden = store.check_key(codec.decode(old_bytes, base.source(key)), key, base.source(key))
             new_golden = store.check_key(codec.decode(new_bytes, head.source(key)), key, head.source(key))
             report.changed.append(diff_goldens(old_golden, new_golden))
+        report.stale = _stale(report, head)
         return report
     finally:
         for tree in (base, head):
             close = getattr(tree, "close", None)
             if close:
                 close()
+
+
+def _stale(report: DiffReport, head: Tree) -> list[tuple[GoldenKey, GoldenKey]]:
+    """Unchanged goldens still recorded from a config that a changed golden of the same model (and class) moved
+    away from: the config changed, and these were not recorded again."""
+    moved: dict[tuple[str, str], tuple[str, GoldenKey]] = {}  # (class, model) -> (old config hash, changed golden)
+    for d in report.changed:
+        change = next((c for c in d.manifest if c.field == "config_hash"), None)
+        if change is not None and change.old is not None:
+            moved.setdefault((d.key.hardware_class, d.key.model), (change.old, d.key))
+    stale = []
+    for key in report.unchanged:
+        if (key.hardware_class, key.model) not in moved:
+            continue
+        old_hash, by = moved[(key.hardware_class, key.model)]
+        manifest = codec.read_manifest(io.BytesIO(head.read(key)), head.source(key))
+        if manifest.config_hash == old_hash:
+            stale.append((key, by))
+    return stale
 
 
 def diff(base: str | None, head: str | None, goldens_dir: Path) -> DiffReport:
