@@ -5,7 +5,8 @@ so every field whose change could let a bug pass must be material there. Rather 
 comparison to remember its fields, this module lists them all, manifest fields by their JSON path
 (`*`: any key of a map, `[]`: any entry of a list) and tensors by their name pattern, each with
 
-- `rule`: how `veosnap diff` judges a change of it (`runs.diff` has one function per rule):
+- `rule`: how `veosnap diff` judges a change of it (`runs.diff.schema_changes` walks the manifest's fields
+  and judges `changes`, `added`, `tau` and `near_ties`; the others are its structured comparisons):
   `moved` (a tensor measured in its old bound), `routes` (tokens sent to other experts), `near_ties`
   (tokens whose margin fell under the tie epsilon), `grows` (a larger value is material), `tau` (grows
   beyond the tensor's own bound), `rule` (alpha, floor, tie epsilon: any change), `changes` (identity:
