@@ -152,14 +152,6 @@ def read_sidecar(directory: Path) -> tuple[str, BatchRecipe, int | None]:
     return tier, _recipe(path, data.get("batch")), None if budget is None else int(budget * 2**20)
 
 
-def read_json(path: Path) -> object:
-    """The JSON document in `path`, with a one-line error naming the file when it cannot be read as one."""
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise VeosnapError(f"{path}: not valid JSON ({exc})") from None
-
-
 def _recipe(path: Path, value: object) -> BatchRecipe:
     if value is None:
         return BatchRecipe()
