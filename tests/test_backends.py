@@ -110,7 +110,7 @@ def test_liger_patches_are_undone_even_when_process_wide() -> None:
         modeling.apply_rotary_pos_emb = None
         modeling.LlamaRMSNorm.forward = None
         modeling.added_by_patch = lambda: None
-    assert left == [f"{modeling.__name__}.added_by_patch", f"{modeling.__name__}.apply_rotary_pos_emb",
+    assert left.patches == [f"{modeling.__name__}.added_by_patch", f"{modeling.__name__}.apply_rotary_pos_emb",
                     f"{modeling.__name__}.LlamaRMSNorm.forward"]
     assert modeling.apply_rotary_pos_emb is before_fn
     assert modeling.LlamaRMSNorm.forward is before_forward

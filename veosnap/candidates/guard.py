@@ -198,6 +198,11 @@ def _watch(run: _Run, timeout_s: float, extra_s: float, line: str) -> None:
     _watched.put((run, timeout_s, extra_s, line))
 
 
+def watchdog() -> threading.Thread | None:
+    """The watchdog thread, once started (veosnap's own: not a thread of the candidate it watches)."""
+    return _watcher
+
+
 def _watch_runs() -> None:
     while True:
         _watchdog(*_watched.get())

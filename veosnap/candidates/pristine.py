@@ -19,7 +19,10 @@ from __future__ import annotations
 import importlib
 import sys
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Iterator
+
+from . import guard, threads
 
 # Modules whose attributes, and whose classes' attributes, a candidate might patch, in report order;
 # the model family's modeling module is added per check.
@@ -33,6 +36,7 @@ _REGISTRY_INSTANCES = (("transformers.modeling_utils", "ALL_ATTENTION_FUNCTIONS"
 _touched = False
 _left_behind = 0  # how many times a candidate left patches behind (restored) in this process
 _MISSING = object()
+_last: list = []  # the last snapshot restored: the reference as an earlier candidate's threads found it
 
 
 def touched() -> bool:
@@ -133,24 +137,59 @@ def _snapshot(module_names: tuple[str, ...]) -> list:
     return saved
 
 
+@dataclass
+class Leftovers:
+    """What a candidate left behind: the patches restored (`module.attr`, `module.Class.attr`,
+    `AttentionInterface['name']`), and the threads it left running that veosnap stopped."""
+
+    candidate: str = ""
+    patches: list[str] = field(default_factory=list)
+    stopped: threads.Stopped | None = None
+    tainted: str = ""  # why the run is void: another candidate's thread patched the reference around it
+
+    def __bool__(self) -> bool:
+        return bool(self.patches or self.stopped)
+
+    def notes(self) -> list[str]:
+        """The report's notes on them, naming the candidate."""
+        found = [self.stopped.note()] if self.stopped else []
+        if self.patches:
+            found.append(f"candidate {self.candidate} left patches behind (restored): {', '.join(self.patches)}")
+        return found
+
+
 @contextmanager
-def kept(*modules: str, watched: bool = True) -> Iterator[list[str]]:
-    """Within the block a candidate may patch; after it, everything is restored and the yielded list holds
-    what it left behind (`module.attr`, `module.Class.attr`, `AttentionInterface['name']`).
+def kept(*modules: str, watched: bool = True, candidate: str = "") -> Iterator[Leftovers]:
+    """Within the block a candidate may patch; after it, everything is restored and the yielded `Leftovers`
+    holds what it left behind.
 
     `modules`: more modules to watch (the model family's modeling module); `watched=False` watches only those.
+    `candidate`: the candidate's name, when the block runs one: the threads it starts and leaves running
+    Python are stopped (`threads.stop`) before its patches are restored, which they could otherwise re-apply.
     """
-    global _touched, _left_behind
+    global _touched, _left_behind, _last
     _touched = True
+    suspects = threads.defiant()  # an earlier candidate's threads that would not stop
+    # What they changed since the last restore is put back first: the snapshot must be the reference's.
+    meddled = [name for owner in _last for name in owner.restore()] if suspects else []
     names = tuple(dict.fromkeys((*(WATCHED if watched else ()), *modules)))
     saved = _snapshot(names)
-    left: list[str] = []
+    before = threads.alive() if candidate else set()
+    left = Leftovers(candidate)
     try:
         yield left
     finally:
+        if candidate:
+            left.stopped = threads.stop(candidate, threads.started(before, exclude=(guard.watchdog(),)))
         for owner in saved:
-            left.extend(owner.restore())
-        _left_behind += bool(left)
+            left.patches.extend(owner.restore())
+        _last = saved
+        if suspects and (meddled or left.patches):
+            who = ", ".join(f"{t.name!r} of candidate {c}" for t, c in suspects)
+            left.tainted = (f"the reference was not pristine: {', '.join(dict.fromkeys(meddled + left.patches))} "
+                            f"patched while a thread that would not stop ran ({who}); restored")
+            left.patches = []
+        _left_behind += bool(left.patches)
 
 
 @contextmanager

@@ -245,7 +245,7 @@ def _in_process(golden: Golden, batch: Batch, toy: ToyConfig, backend: Backend, 
     header = f"ERROR  {golden.key}  backend={fields['backend']}  layout={fields['layout']}"
     if prebuilt is not None:
         prebuilt.wait()  # its build patches transformers while it runs: snapshot the modeling code after it
-    with pristine.kept(family) as left:
+    with pristine.kept(family, candidate=fields["backend"]) as left:
         try:
             # Fixed threads and deterministic algorithms: checking twice gives the same report, even for
             # kernels whose reductions otherwise vary from run to run (batched_mm on CPU does).
@@ -264,8 +264,9 @@ def _in_process(golden: Golden, batch: Batch, toy: ToyConfig, backend: Backend, 
     if report is None:
         with one_thread():  # comparing is many small ops: a thread pool would cost more than the work
             report = judge(golden, batch, result, fields, scenario)
-    if left:
-        report.notes.append(f"candidate {fields['backend']} left patches behind (restored): {', '.join(left)}")
+    if left.tainted:  # another candidate's thread changed the reference: this run says nothing of this one
+        report = _report(golden, fields, error=left.tainted)
+    report.notes.extend(left.notes())
     return report
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from ..about import __version__
-from ..candidates import backends, guard
+from ..candidates import backends, guard, threads
 from ..candidates.layouts import registry as layouts
 from ..errors import GoldenError, VeosnapError
 from ..golden import limits, store
@@ -525,12 +525,13 @@ def command() -> int:
     Its imports (torch, transformers, veosnap: some 360,000 objects) are frozen out of the garbage collector
     first (`gc.freeze`): a full collection during a check scanned them all, about 170 ms, and one landed on a
     check's path on the H200 (docs/scale.md, round 7). Only here, never in `main`, which tests and other
-    programs call in their own process.
+    programs call in their own process. It ends the process without waiting for threads candidates left
+    running (`candidates.threads.settle`).
     """
     import gc
 
     gc.freeze()
-    return main()
+    return threads.settle(main())
 
 
 def _main_thread() -> bool:

@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         family = models.modeling_module(toy)
         models.skeleton(toy)  # pins the reference's torch fallbacks before the modules are snapshot
         for index, spec in enumerate(args.layout):
-            with pristine.kept(family) as left:
+            with pristine.kept(family, candidate=args.backend) as left:
                 try:
                     with guard.running():
                         result = engine.run(registry.resolve(spec), backend, ctx)
@@ -134,8 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                         (out / f"{index}.skip").write_text(str(exc), encoding="utf-8")
                     continue
             if result is not None:
-                if left:
-                    result.notes.append(f"candidate {args.backend} left patches behind (restored): {', '.join(left)}")
+                result.notes.extend(left.notes())
                 torchrun.write_result(out / f"{index}.safetensors", result)
         dist.barrier()
         dist.destroy_process_group()
