@@ -5,6 +5,10 @@ anything is allocated:
 
 - test data: a token id that is not an integer or is negative, an empty sequence, a sequence over
   `MAX_SEQUENCE_TOKENS`;
+- the batch as the model sees it (`check_shape`): a row over `MAX_SEQUENCE_TOKENS` (sequences packed into
+  one row count together: the row is one sequence to attention), more than `MAX_BATCH_TOKENS` positions
+  in all, padding included; and the memory estimate counts eager attention's scores, which grow with the
+  square of a row's width;
 - test data against the config: the vocabulary must hold every token id of the golden's batch, and
   `max_position_embeddings` must reach its longest sequence. The bundled test data is known good (ids up
   to 250, sequences 0-3 of 32 tokens at most), so there the config is at fault and the message says what
@@ -39,6 +43,7 @@ from .zoo import ToyConfig, bundled_dir, same_dir
 MAX_LAYERS = 1024  # real models have at most a few hundred decoder layers
 MAX_PARAMETERS = 100e9  # a real-shape config keeps real widths but few layers
 MAX_SEQUENCE_TOKENS = 16384  # positions "in the thousands" for real shapes; the toy batch uses 32
+MAX_BATCH_TOKENS = 65536  # a batch's positions (rows x width); the real-shape goldens hold 8192
 WHERE = "veosnap/reference/limits.py"
 # Bytes per parameter while recording: the weights and gradients in the golden's dtype (4 + 4 at most),
 # and their float64 twins for the noise run (8 + 8); a check needs only the first two.
@@ -48,6 +53,8 @@ CHECK_BYTES_PER_PARAMETER = 8
 # intermediates, as in the Megatron estimate) and the logits three times over (logits, softmax, gradient).
 HIDDEN_VALUES_PER_LAYER = 34
 LOGIT_COPIES = 3
+# Eager attention's scores ([rows, heads, width, width]): every layer keeps its softmax for backward, and one
+# layer's scores are made beside them.
 
 
 def check_layers(toy: ToyConfig) -> None:
@@ -107,16 +114,30 @@ def batched_mm_bytes(toy: ToyConfig, tokens: int, dtype: torch.dtype) -> int:
     return tokens * top_k * per_expert * (torch.finfo(dtype).bits // 8) * BATCHED_MM_COPIES
 
 
+def check_shape(source: object, rows: int, width: int) -> None:
+    """Refuse a batch of `rows` rows of `width` positions (padding included; packed sequences count together)
+    wider or larger than veosnap's caps, naming `source` (the file that made it)."""
+    if width > MAX_SEQUENCE_TOKENS:
+        raise VeosnapError(f"{source}: a row of {width} tokens (sequences packed into a row count together), over "
+                           f"veosnap's cap of {MAX_SEQUENCE_TOKENS} per row ({WHERE})")
+    if rows * width > MAX_BATCH_TOKENS:
+        raise VeosnapError(f"{source}: {rows} rows of {width} positions, {rows * width} in all, over veosnap's cap of "
+                           f"{MAX_BATCH_TOKENS} ({WHERE})")
+
+
 def check_memory(toy: ToyConfig, parameters: int, tokens: int, dtype: torch.dtype, device: torch.device,
-                 recording: bool) -> None:
-    """Refuse a run whose estimated memory is more than the device has (weights, gradients, activations)."""
+                 recording: bool, width: int = 0) -> None:
+    """Refuse a run whose estimated memory is more than the device has (weights, gradients, activations).
+    `tokens`: the batch's positions, rows x `width` (its rows' width, when known: eager attention's scores)."""
     text = models.hf_config(toy).get_text_config()
-    width = torch.finfo(dtype).bits // 8
+    nbytes = torch.finfo(dtype).bits // 8
     hidden, layers = getattr(text, "hidden_size", 0) or 0, getattr(text, "num_hidden_layers", 0) or 0
     vocab = getattr(text, "vocab_size", 0) or 0
-    activations = tokens * (layers * hidden * HIDDEN_VALUES_PER_LAYER + vocab * LOGIT_COPIES)
+    heads = getattr(text, "num_attention_heads", 0) or 0
+    activations = tokens * (layers * hidden * HIDDEN_VALUES_PER_LAYER + vocab * LOGIT_COPIES
+                            + width * heads * (layers + 1))
     per_parameter = RECORD_BYTES_PER_PARAMETER if recording else CHECK_BYTES_PER_PARAMETER
-    need = parameters * per_parameter + activations * (width + (8 if recording else 0))
+    need = parameters * per_parameter + activations * (nbytes + (8 if recording else 0))
     have, what = _memory(device)
     if have and need > have:
         parts = ("parameters, gradients, their float64 twins and activations" if recording
@@ -181,6 +202,9 @@ def check_batch(golden: Golden, toy: ToyConfig) -> None:
     if not isinstance(vocab, int):
         return
     inputs = golden.inputs()
+    ids = inputs.get("input_ids")
+    if ids is not None and ids.dim() == 2:
+        check_shape(golden.path, *ids.shape)
     for field in ("input_ids", "labels"):
         ids = inputs.get(field)
         if ids is None:

@@ -163,7 +163,7 @@ def _check_loaded(project: Project, key: GoldenKey, backend: Backend, chosen: li
     limits.check_batch(golden, toy)
     device = hardware.device_for(hardware.detect())
     limits.check_memory(toy, parameters, batch.rows * batch.width, models.dtype_from_name(key.dtype), device,
-                        recording=False)
+                        recording=False, width=batch.width)
     coverage.require(golden, toy, vetted.produces if vetted is not None else None)
     family = models.modeling_module(toy)
     if isinstance(golden, PendingGolden):

@@ -58,7 +58,7 @@ from ..reference.capture import run_step, step_shapes
 from ..reference.determinism import deterministic
 from ..reference.probes import RouteRecord, unread_routers
 from ..reference.reduce import WHOLE, CandidateReducer, RecordReducer, Reducer
-from ..reference.zoo import Project, ToyConfig, load_config, writable
+from ..reference.zoo import SIDECAR, Project, ToyConfig, load_config, writable
 from .verdict import CheckReport, Judgment
 
 
@@ -108,7 +108,7 @@ def build_golden(project: Project, key: GoldenKey, seed: int = 0, allow_near_tie
     device = hardware.device_for(key.hardware_class)
     parameters = limits.check_config(toy)
     batch, spec = scenario_batch(project, toy, scenario)
-    limits.check_memory(toy, parameters, batch.rows * batch.width, dtype, device, recording=True)
+    limits.check_memory(toy, parameters, batch.rows * batch.width, dtype, device, recording=True, width=batch.width)
     hyper = train.DEFAULT_HYPER if scenario.train else None
     with deterministic() as settings:
         torch.manual_seed(seed)
@@ -270,12 +270,16 @@ def golden_batch(project: Project, toy: ToyConfig) -> inputs.Batch:
     vocab = getattr(models.hf_config(toy).get_text_config(), "vocab_size", None)
     sequences = inputs.load_sequences(project.testdata, recipe.sequences, recipe.source, vocab, recipe.distinct)
     limits.check_sequences(project.testdata, recipe.sequences, sequences, toy, table=recipe.source)
-    if not recipe.packed_rows:
-        return inputs.padded(sequences, inputs.padding_side(toy.config))
     rows, at = [], 0
     for row in recipe.rows:
         rows.append(sequences[at:at + len(row)])
         at += len(row)
+    # The caps on what the model will see, before the batch is made: a packed row is one sequence to attention.
+    sidecar = toy.path.parent / SIDECAR
+    limits.check_shape(sidecar if sidecar.is_file() else Path(project.testdata) / recipe.source, len(rows),
+                       max((sum(len(s) for s in row) for row in rows), default=0))
+    if not recipe.packed_rows:
+        return inputs.padded(sequences, inputs.padding_side(toy.config))
     lengths = {sum(len(s) for s in row) for row in rows}
     if len(lengths) > 1:
         # transformers finds packed sequences from restarting position ids only when no attention mask is
