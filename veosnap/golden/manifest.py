@@ -77,6 +77,9 @@ class Reference:
     batch: BatchSpec
     noise_run: str  # "float64": the precision the reference's noise is measured against
     train: TrainHyper | None = None  # the train scenario only
+    # The config's random settings the reference ran without (dropout and the like: `reference.determinism`), with
+    # their configured values; None when the config has none.
+    random_off: dict[str, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -333,7 +336,14 @@ def _reference(value: object, where: str) -> Reference:
         "batch": lambda v, w: _section(BatchSpec, v, w, {"layout": str, "padding_side": str, "sequences": _int_list,
                                                            "source": str, "rows": _str_tuple,
                                                            "media_family": _optional_str}),
-        "train": _train})
+        "train": _train, "random_off": _random_off})
+
+
+def _random_off(value: object, where: str) -> dict[str, float]:
+    if not isinstance(value, dict) or not value or not all(
+            isinstance(k, str) and _finite_non_negative(v) and v > 0 for k, v in value.items()):
+        raise ValueError(f"field {where!r} is not a non-empty map of setting to its configured value")
+    return dict(value)
 
 
 def _provenance(value: object, where: str) -> Provenance:

@@ -18,7 +18,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ..errors import VeosnapError
-from . import weights
+from . import determinism, weights
 from .zoo import ToyConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -39,6 +39,7 @@ def dtype_from_name(name: str) -> torch.dtype:
 # Config objects by config hash: a check asks for one about seven times (limits, coverage, the build), and
 # transformers validates every field each time. Each caller gets its own deep copy (a build may change it).
 _CONFIGS: dict[str, transformers.PretrainedConfig] = {}
+_RANDOM_OFF: dict[str, dict[str, float]] = {}  # by config hash: what `hf_config` turned off
 
 
 def hf_config(toy: ToyConfig) -> transformers.PretrainedConfig:
@@ -53,10 +54,18 @@ def hf_config(toy: ToyConfig) -> transformers.PretrainedConfig:
             config = transformers.AutoConfig.for_model(model_type, **fields)
         except Exception as exc:  # noqa: BLE001 - transformers' validators raise many types; the user gets one line
             raise VeosnapError(f"{toy.path}: transformers cannot build this config ({_cause(exc)})") from None
+        _RANDOM_OFF[key] = determinism.without_randomness(config)  # every model veosnap builds: docs/trust.md
         if len(_CONFIGS) >= _SKELETONS_KEPT:
             _CONFIGS.pop(next(iter(_CONFIGS)))
         _CONFIGS[key] = config
     return copy.deepcopy(_CONFIGS[key])
+
+
+def random_off(toy: ToyConfig) -> dict[str, float]:
+    """The config's random settings (dropout and the like) that every model built from it runs without, with
+    their configured values (`determinism.without_randomness`); empty for a deterministic config."""
+    hf_config(toy)
+    return dict(_RANDOM_OFF[toy.hash])
 
 
 def _cause(exc: BaseException, limit: int = 200) -> str:

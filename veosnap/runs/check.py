@@ -28,7 +28,7 @@ from ..candidates.backends import Backend
 from ..candidates.layouts import engine, registry, torchrun
 from ..candidates.layouts.engine import LayoutResult
 from ..candidates.layouts.protocol import Layout, LayoutContext
-from ..errors import Unsupported, VeosnapError, describe
+from ..errors import GoldenError, Unsupported, VeosnapError, describe
 from ..golden import background, names, store
 from ..golden.background import PendingGolden, errors_after
 from ..golden.codec import Golden
@@ -36,7 +36,7 @@ from ..golden.key import GoldenKey
 from ..golden.manifest import Excuse, rerecord
 from ..numerics import fmt
 from ..numerics.compare import TensorResult, compare_route_sets, compare_tensors, same_route_tokens, structure_changes
-from ..reference import coverage, hardware, limits, models, scenarios
+from ..reference import coverage, determinism, hardware, limits, models, scenarios
 from ..reference.capture import Capture
 from ..reference.determinism import deterministic, one_thread
 from ..reference.inputs import Batch
@@ -165,6 +165,12 @@ def _check_loaded(project: Project, key: GoldenKey, backend: Backend, chosen: li
     limits.check_memory(toy, parameters, batch.rows * batch.width, models.dtype_from_name(key.dtype), device,
                         recording=False, width=batch.width)
     coverage.require(golden, toy, vetted.produces if vetted is not None else None)
+    random_off = models.random_off(toy)
+    if (golden.manifest.reference.random_off or {}) != random_off:
+        raise GoldenError(golden.path, f"its reference ran with its config's randomness on ("
+                          f"{', '.join(f'{k} {v:g}' for k, v in random_off.items())}), so its bounds measure that "
+                          "noise; re-record it (veosnap runs every model without it now)" if random_off else
+                          "declares random settings its config does not have (reference.random_off)")
     family = models.modeling_module(toy)
     if isinstance(golden, PendingGolden):
         # Decode its tensors now, while the model is built: started earlier, the decode's Python parse took
@@ -176,7 +182,8 @@ def _check_loaded(project: Project, key: GoldenKey, backend: Backend, chosen: li
     # What every report carries besides its run's results, known now: made while the model is built, not after
     # the run (the project's flags alone stat its directories, a millisecond).
     flags, portable, drift = project.flags(), backends.portable(backend.spec) or "", version_drift(golden)
-    head_notes = cross_class_notes(key) + routes_not_captured_notes(golden) + excused_notes(golden, backend.spec)
+    head_notes = cross_class_notes(key) + routes_not_captured_notes(golden) + excused_notes(golden, backend.spec) \
+        + [n for n in [determinism.random_off_note(random_off)] if n]
     reports: dict[int, CheckReport] = {}
     spawned: list[int] = []
     for index, (spec, layout) in enumerate(chosen):

@@ -55,6 +55,7 @@ from ..numerics.sketch import CandidateSketch, Plan, compare_sketch, plan
 from ..numerics.tolerance import ALPHA, FLOOR, TIE_EPSILON, Sample, noise, pooled_noises, tolerance_for
 from ..reference import coverage, hardware, inputs, limits, models, scenarios, train
 from ..reference.capture import run_step, step_shapes
+from ..reference import determinism
 from ..reference.determinism import deterministic
 from ..reference.probes import RouteRecord, unread_routers
 from ..reference.reduce import WHOLE, CandidateReducer, RecordReducer, Reducer
@@ -74,6 +75,7 @@ class RecordOutcome:
     fragile: tuple[str, ...] = ()  # variants that fail the golden (written anyway: allow_fragile)
     excused: tuple[str, ...] = ()  # variants that fail the golden, excused (`--excuse`): their figures
     routes_not_captured: str = ""  # the warning for routers whose routes the golden lacks ('' when none)
+    random_off: str = ""  # the config's random settings the reference ran without ('' when none)
     config: Path | None = None  # the toy config it was recorded from (the project's, or the bundled zoo's)
 
 
@@ -115,6 +117,7 @@ def build_golden(project: Project, key: GoldenKey, seed: int = 0, allow_near_tie
         model = scenario.freeze(models.build(toy, dtype, device, seed))
         made = coverage.produces(model)
         batch = inputs.with_rope_positions(batch, model)
+        determinism.require_deterministic(toy.path, model, batch.model_kwargs(with_labels=False))
         chosen = _plan(key, model, batch, sketch, seed, toy.golden_budget)
         reducer: Reducer = RecordReducer(chosen, batch.token_mask) if chosen.sketched else WHOLE
         high = scenario.freeze(models.upcast_copy(model, toy, torch.float64))  # before training moves the weights
@@ -177,6 +180,7 @@ def build_golden(project: Project, key: GoldenKey, seed: int = 0, allow_near_tie
             batch=spec,
             noise_run="float64",
             train=hyper,
+            random_off=models.random_off(toy) or None,
         ),
         provenance=Provenance(
             veosnap=__version__,
@@ -528,4 +532,5 @@ def record(project: Project, model: str, dtype: str, scenario: str = "step", see
     return RecordOutcome(key=key, path=path, written=written, min_margin=min(margins) if margins else None,
                          note=note, fragile=tuple(fragile), excused=tuple(excused_lines),
                          routes_not_captured=coverage.routes_not_captured(new.manifest),
+                         random_off=determinism.random_off_note(new.manifest.reference.random_off),
                          config=load_config(project.configs, model).path)

@@ -112,6 +112,8 @@ def cmd_record(args: argparse.Namespace) -> int:
             print(f"{state:9s} {outcome.path}{margin}{note}{zoo}")
             if outcome.routes_not_captured:
                 print(f"veosnap: warning: {outcome.path}: {outcome.routes_not_captured}", file=sys.stderr)
+            if outcome.random_off:
+                print(f"veosnap: note: {outcome.path}: {outcome.random_off}", file=sys.stderr)
             if outcome.fragile:
                 print(f"veosnap: warning: {outcome.path}: fragile golden written (--allow-fragile): legitimate "
                       f"variants exceed its bounds ({'; '.join(outcome.fragile)})", file=sys.stderr)
