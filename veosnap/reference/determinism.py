@@ -88,21 +88,24 @@ def random_off_note(off: dict[str, float] | None) -> str:
 def require_deterministic(source: object, model: nn.Module, kwargs: dict[str, torch.Tensor]) -> None:
     """Refuse, naming `source` (the config), a model whose training-mode forward is random: a dropout module
     still set (not from a config field), or two forwards under different seeds that differ beyond
-    `RANDOM_TOLERANCE` of the output's scale. The caller's random state is left as it was."""
+    `RANDOM_TOLERANCE` of the output's scale. The caller's random state is left as it was; the model is left in
+    training mode."""
     for name, module in model.named_modules():
         if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
             raise VeosnapError(f"{source}: {name} is {type(module).__name__}(p={module.p:g}), which no config field "
                                "sets: a random forward cannot be a reference (set it to 0)")
     device = next(model.parameters()).device
+    model.train()  # as the reference runs (`capture.run_step`)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
-        outputs = []
+        norms = []
         for seed in (1, 2):
             torch.manual_seed(seed)
-            outputs.append(model(**kwargs).logits.float())
-    first, second = outputs
-    scale = float(first.abs().max())
+            # Each position's logit norm: what dropout moves, at a thousandth of the logits' memory (real shapes).
+            norms.append(torch.linalg.vector_norm(model(**kwargs).logits, dim=-1, dtype=torch.float32))
+    first, second = norms
+    scale = float(first.max())
     moved = float((first - second).abs().max())
     if moved > RANDOM_TOLERANCE * max(scale, 1e-30):
         raise VeosnapError(f"{source}: the model's training-mode forward is random (two forwards under different "
-                           f"seeds differ by {moved:.3g}, {moved / scale:.1%} of the logits' scale): a random forward "
+                           f"seeds differ by {moved:.3g} in a position's logit norm, {moved / scale:.1%} of the largest): a random forward "
                            "cannot be a reference; turn off what draws random numbers")
