@@ -169,7 +169,7 @@ def kept(*modules: str, watched: bool = True, candidate: str = "") -> Iterator[L
     """
     global _touched, _left_behind, _last
     _touched = True
-    suspects = threads.defiant()  # an earlier candidate's threads that would not stop
+    suspects = threads.defiant() if candidate else []  # an earlier candidate's threads that would not stop
     # What they changed since the last restore is put back first: the snapshot must be the reference's.
     meddled = [name for owner in _last for name in owner.restore()] if suspects else []
     names = tuple(dict.fromkeys((*(WATCHED if watched else ()), *modules)))
@@ -183,7 +183,8 @@ def kept(*modules: str, watched: bool = True, candidate: str = "") -> Iterator[L
             left.stopped = threads.stop(candidate, threads.started(before, exclude=(guard.watchdog(),)))
         for owner in saved:
             left.patches.extend(owner.restore())
-        _last = saved
+        if candidate:
+            _last = saved
         if suspects and (meddled or left.patches):
             who = ", ".join(f"{t.name!r} of candidate {c}" for t, c in suspects)
             left.tainted = (f"the reference was not pristine: {', '.join(dict.fromkeys(meddled + left.patches))} "

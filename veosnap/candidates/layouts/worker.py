@@ -133,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
                     if rank == 0:
                         (out / f"{index}.skip").write_text(str(exc), encoding="utf-8")
                     continue
+            if left.tainted:  # another candidate's thread changed the reference around this run
+                raise guard.CandidateError(left.tainted)
             if result is not None:
                 result.notes.extend(left.notes())
                 torchrun.write_result(out / f"{index}.safetensors", result)
