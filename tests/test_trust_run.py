@@ -295,3 +295,41 @@ def test_item5_randomness_no_config_field_turns_off_is_refused_in_one_line(made_
         determinism.require_deterministic(toy.path, model, batch.model_kwargs(with_labels=False))
     assert str(refused.value).startswith(f"{toy.path}: {cause}") and "\n" not in str(refused.value)
     assert torch.equal(torch.random.get_rng_state(), state)  # the caller's random state is untouched
+
+
+# --- item 6: goldens that certify their sensitivity -----------------------------------------------
+
+def test_item6_record_certify_keeps_the_sensitivity_in_the_manifest_and_every_report(capsys, tmp_path):
+    from veosnap.golden import store
+
+    flags = ["--goldens", str(tmp_path / "goldens"), "--hardware-class", CLASS, "--model", "llama",
+             "--dtype", "float32"]
+    assert main(["record", *flags, "--certify"]) == 0
+    out = capsys.readouterr().out
+    sensitivity = store.read(tmp_path / "goldens" / CLASS / "llama" / "step-float32.safetensors.zst"
+                             ).manifest.reference.sensitivity
+    assert set(sensitivity) == {"layer_output@0.001", "gradient@0.001"} and min(sensitivity.values()) > 10
+    assert "certified: catches a 0.001 relative error planted in each of: layer_output " in out
+    assert main(["check", *flags, "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["results"][0]["sensitivity"] == sensitivity
+    assert main(["check", *flags]) == 0
+    assert "  sensitivity: certified: catches a 0.001 relative error planted in each of: " in capsys.readouterr().out
+
+
+def test_item6_a_golden_recorded_before_certification_loads_and_says_not_certified(capsys):
+    assert main(["check", *DIRS, "--model", "llama"]) == 0
+    assert "  sensitivity: not certified: no canary was planted when this golden was recorded\n" \
+        in capsys.readouterr().out
+
+
+def test_item6_a_golden_that_a_canary_passes_is_refused(capsys, tmp_path, monkeypatch):
+    from veosnap.runs import canaries
+
+    monkeypatch.setitem(canaries.SCALE, "float32", 1e-12)  # below float32's resolution: the canary changes nothing
+    code = main(["record", "--goldens", str(tmp_path / "goldens"), "--hardware-class", CLASS, "--model", "llama",
+                 "--dtype", "float32", "--certify"])
+    out, err = capsys.readouterr()
+    assert (code, out) == (2, "") and err.count("\n") == 1
+    assert err.startswith(f"veosnap: error: {CLASS}/llama/step-float32: not certified: a 1e-12 relative error in "
+                          "one decoder layer's output passes this golden")
+    assert not (tmp_path / "goldens" / CLASS / "llama").exists()

@@ -80,6 +80,9 @@ class Reference:
     # The config's random settings the reference ran without (dropout and the like: `reference.determinism`), with
     # their configured values; None when the config has none.
     random_off: dict[str, float] | None = None
+    # What the golden was shown to catch at record time (`runs/canaries.py`): each canary, a 1e-3 error planted in
+    # one place, by the worst error/bound ratio it reached (each over 1: it failed). None: not certified.
+    sensitivity: dict[str, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -336,7 +339,14 @@ def _reference(value: object, where: str) -> Reference:
         "batch": lambda v, w: _section(BatchSpec, v, w, {"layout": str, "padding_side": str, "sequences": _int_list,
                                                            "source": str, "rows": _str_tuple,
                                                            "media_family": _optional_str}),
-        "train": _train, "random_off": _random_off})
+        "train": _train, "random_off": _random_off, "sensitivity": _sensitivity})
+
+
+def _sensitivity(value: object, where: str) -> dict[str, float]:
+    if not isinstance(value, dict) or not value or not all(
+            isinstance(k, str) and _finite_non_negative(v) and v > 1 for k, v in value.items()):
+        raise ValueError(f"field {where!r} is not a non-empty map of canary to a ratio over 1")
+    return dict(value)
 
 
 def _random_off(value: object, where: str) -> dict[str, float]:

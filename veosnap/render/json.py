@@ -49,6 +49,7 @@ def check_dict(report: CheckReport) -> dict:
             for r in report.routes
         ],
         "notes": report.notes,
+        "sensitivity": report.sensitivity,  # null: the golden is not certified
         "next": None if report.passed or report.skipped else next_step(report),
         "tensors": [tensor_dict(t) for t in report.ranked()],
     }

@@ -20,6 +20,7 @@ from ..golden.manifest import Approval, Excuse, json_object
 from ..numerics import fmt
 from ..numerics.compare import TensorResult
 from ..reference.coverage import routes_not_captured
+from ..runs.canaries import sensitivity_note
 from ..runs.check import excuse_figures
 from ..runs.diff import DiffReport, FieldChange, GoldenDiff, TrailChange
 from ..runs.drift import DriftReport
@@ -97,6 +98,7 @@ def check_view(report: CheckReport, shown: int = SHOWN_ROWS) -> CheckView:
     if report.first_gradient_divergence:
         view.lines.append(f"first diverging gradient: {report.first_gradient_divergence}")
     view.lines += [f"note: {note}" for note in report.notes]
+    view.lines.append(f"sensitivity: {sensitivity_note(report.sensitivity)}")
     if report.tensors and all(t.passed and t.error == 0 for t in report.tensors):
         hint = "" if report.backend == "eager" else " (a swapped kernel rarely reproduces every bit: is it applied?)"
         view.lines.append(f"all {len(report.tensors)} tensors bit-identical to the golden{hint}")

@@ -230,6 +230,7 @@ def _check_loaded(project: Project, key: GoldenKey, backend: Backend, chosen: li
         report.selection = list(selection)
         report.portable_backend = portable if portable != backend.spec else ""
         report.versions = drift
+        report.sensitivity = golden.manifest.reference.sensitivity
     return ordered
 
 

@@ -34,7 +34,7 @@ import math
 import os
 import platform
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -76,6 +76,7 @@ class RecordOutcome:
     excused: tuple[str, ...] = ()  # variants that fail the golden, excused (`--excuse`): their figures
     routes_not_captured: str = ""  # the warning for routers whose routes the golden lacks ('' when none)
     random_off: str = ""  # the config's random settings the reference ran without ('' when none)
+    sensitivity: dict[str, float] | None = None  # what the golden certifies it catches (None: not certified)
     config: Path | None = None  # the toy config it was recorded from (the project's, or the bundled zoo's)
 
 
@@ -501,19 +502,25 @@ def fragile_error(key: GoldenKey, fragile: list[str], command: str) -> VeosnapEr
 
 def record(project: Project, model: str, dtype: str, scenario: str = "step", seed: int = 0,
            allow_near_ties: bool = False, allow_fragile: bool = False, sketch: str = "auto",
-           excuses: dict[str, str] | None = None) -> RecordOutcome:
+           excuses: dict[str, str] | None = None, certify: bool = False) -> RecordOutcome:
     """Record one golden into the project's goldens directory; leaves an identical file untouched. A scenario
     checked against another's golden (`frozen_vision`) records that one.
 
     A golden that cheap legitimate variants fail (`fragility`) is refused unless `allow_fragile` (then
     written, and the outcome lists them) or each failing variant is excused (`excuses`: {variant: reason},
-    kept in the manifest; an excuse for a variant that passes is refused)."""
+    kept in the manifest; an excuse for a variant that passes is refused). `certify`: plant veosnap's canaries
+    and keep the sensitivity they certify in the manifest, refusing a golden that one passes (`canaries`)."""
     key = GoldenKey(project.hardware_class, model, scenario, dtype).recorded
     writable(project.goldens)
     path = store.path_for(project.goldens, key)
     store.check_writable(path, project.goldens)  # before the minutes a recording may take
     fresh = recorded(project, key, seed=seed, allow_near_ties=allow_near_ties, sketch=sketch)
     new = fresh.golden
+    if certify:  # in the manifest, so before the bytes
+        from .canaries import certify as certified
+
+        new.manifest = replace(new.manifest, reference=replace(new.manifest.reference,
+                                                                 sensitivity=certified(project, new)))
     command = project.recording_command("record", key)
     fragile: list[str] = []
     excused_lines: list[str] = []
@@ -533,4 +540,5 @@ def record(project: Project, model: str, dtype: str, scenario: str = "step", see
                          note=note, fragile=tuple(fragile), excused=tuple(excused_lines),
                          routes_not_captured=coverage.routes_not_captured(new.manifest),
                          random_off=determinism.random_off_note(new.manifest.reference.random_off),
+                         sensitivity=new.manifest.reference.sensitivity,
                          config=load_config(project.configs, model).path)

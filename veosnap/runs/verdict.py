@@ -59,6 +59,7 @@ class CheckReport:
     # The backend as a SPEC any process resolves, where `backend` names one registered in this process
     # only (a conftest's register_backend): `path/to/file.py:fn`. Empty: `backend` itself.
     portable_backend: str = ""
+    sensitivity: dict[str, float] | None = None  # the golden's certified sensitivity (`runs/canaries.py`); None: not
 
     @property
     def routes_passed(self) -> bool:

@@ -95,6 +95,7 @@ def _scenarios(args: argparse.Namespace, project: Project, model: str, recording
 
 
 def cmd_record(args: argparse.Namespace) -> int:
+    from ..runs.canaries import sensitivity_note
     from ..runs.record import parse_excuses, record
 
     excuses = parse_excuses(args.excuse or [])
@@ -103,7 +104,7 @@ def cmd_record(args: argparse.Namespace) -> int:
         for scenario in _scenarios(args, project, model, recording=True):
             outcome = record(project, model, dtype, scenario=scenario, seed=args.seed,
                              allow_near_ties=args.allow_near_ties, allow_fragile=args.allow_fragile,
-                             sketch=args.sketch, excuses=excuses)
+                             sketch=args.sketch, excuses=excuses, certify=args.certify)
             margin = "" if outcome.min_margin is None else f"  min router margin {fmt.num(outcome.min_margin)}"
             note = f"  ({outcome.note})" if outcome.note else ""
             state = "wrote" if outcome.written else "unchanged"
@@ -114,6 +115,8 @@ def cmd_record(args: argparse.Namespace) -> int:
                 print(f"veosnap: warning: {outcome.path}: {outcome.routes_not_captured}", file=sys.stderr)
             if outcome.random_off:
                 print(f"veosnap: note: {outcome.path}: {outcome.random_off}", file=sys.stderr)
+            if outcome.sensitivity:
+                print(f"          {sensitivity_note(outcome.sensitivity)}")
             if outcome.fragile:
                 print(f"veosnap: warning: {outcome.path}: fragile golden written (--allow-fragile): legitimate "
                       f"variants exceed its bounds ({'; '.join(outcome.fragile)})", file=sys.stderr)
@@ -397,6 +400,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-fragile", action="store_true",
                    help="write a golden even if cheap legitimate variants (sdpa, grouped_mm, batched_mm) exceed "
                         "its bounds (warns, naming them)")
+    p.add_argument("--certify", action="store_true",
+                   help="plant veosnap's canaries (a 1e-3 error in one layer's output, one gradient, one expert) and "
+                        "refuse a golden that one passes; the sensitivity they certify is kept in the manifest and "
+                        "shown by every check (without it the golden is 'not certified')")
     _excuse(p, "")
     commands["record"] = cmd_record
 
