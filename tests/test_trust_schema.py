@@ -263,6 +263,8 @@ FORGERIES: dict[str, tuple[Callable, str]] = {
     "reference.noise_run": (_reference(noise_run="float32"), ""),
     "reference.batch.*": (_padding, ""),
     "reference.train.*": (_train, ""),
+    "reference.random_off*": (_reference(random_off={"attention_dropout": 0.5}), ""),
+    "reference.sensitivity*": (_reference(sensitivity={"layer_output@0.001": 1e6}), ""),
     "tolerance.*.noise": (_scale_noise, ""),
     "tolerance.*.bound": (_scale_noise, ""),
     "alpha": (_rule("alpha", 2.0), ""),

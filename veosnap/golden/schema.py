@@ -86,6 +86,10 @@ FIELDS: tuple[Field, ...] = (
     _f("reference.noise_run", "changes", "any change", "numerics.tolerance (what the noise is measured against)"),
     _f("reference.batch.*", "changes", "any change", "reference.inputs (how the batch is laid out)"),
     _f("reference.train.*", "changes", "any change", "reference.train (the optimizer steps a check replays)", _TR),
+    _f("reference.random_off*", "changes", "a setting declared off that the config keeps (bounds measure its noise)",
+       "runs.check (refuses a golden whose random_off disagrees with its config)"),
+    _f("reference.sensitivity*", "changes", "a certificate added or raised (overstates what the golden catches)",
+       "runs.check (the sensitivity every report shows)"),
     # --- the tolerance: bounds and the rule that made them
     _f("tolerance.*.noise", "grows", "up", _TENSORS),
     _f("tolerance.*.bound", "grows", "up", _TENSORS),
