@@ -82,7 +82,10 @@ def check_config(toy: ToyConfig, model: nn.Module | None = None) -> int:
     if count > MAX_PARAMETERS:
         raise VeosnapError(f"{toy.path}: about {count:.3g} parameters, over veosnap's limit of {MAX_PARAMETERS:.3g} "
                            f"({WHERE})")
-    moe = find_moe_layers(model)
+    try:  # a model without a stack of decoder layers is refused here, before anything is drawn or run
+        moe = find_moe_layers(model)
+    except VeosnapError as exc:
+        raise VeosnapError(f"{toy.path}: {exc}") from None
     hidden = getattr(model.config, "hidden_size", None) or getattr(model.get_input_embeddings(), "embedding_dim", 0)
     if moe and moe[0].num_experts + 1 > hidden:
         raise VeosnapError(
