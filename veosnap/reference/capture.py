@@ -436,9 +436,10 @@ def step_shapes(model: nn.Module, batch: Batch) -> tuple[list[TensorShape], int]
                                       support_rows=support))
     fixed = sum(t.numel() * t.element_size() for t in batch.tensors().values())
     for moe in find_moe_layers(model):
-        shapes.append(TensorShape(str(names.Route(moe.layer, "weights")), (tokens, moe.top_k), _dtype_name(dtype),
+        top_k = moe.top_k or 1  # a block that does not say its top-k: known once its routes are read
+        shapes.append(TensorShape(str(names.Route(moe.layer, "weights")), (tokens, top_k), _dtype_name(dtype),
                                   sketchable=False))
-        fixed += tokens * moe.top_k * 4 + tokens * 4  # expert ids (int32), margins (float32)
+        fixed += tokens * top_k * 4 + tokens * 4  # expert ids (int32), margins (float32)
     return shapes, fixed
 
 

@@ -102,6 +102,17 @@ def decoder_stack(model: nn.Module) -> tuple[str, nn.ModuleList]:
         except Exception:  # noqa: BLE001 - transformers' lookup raises for a few models: then the whole model
             found = None
         root = found if isinstance(found, nn.Module) else model
+    # transformers' lookup goes by attribute name: ModernBERT-decoder's `decoder` is its LM head's Linear. Where it
+    # found no layer list, the whole model is searched.
+    best = _largest_list(model, root) or _largest_list(model, model)
+    if best is None:
+        raise VeosnapError(f"{type(model).__name__} has no list of decoder layers (a module list in its decoder), "
+                           "so veosnap cannot hook each layer's output")
+    return best
+
+
+def _largest_list(model: nn.Module, root: nn.Module) -> tuple[str, nn.ModuleList] | None:
+    """(path in `model`, list) of the module list under `root`, outside any encoder, holding most parameters."""
     paths = {id(module): path for path, module in model.named_modules()}
     best: tuple[int, str, nn.ModuleList] | None = None
     for module in root.modules():
@@ -112,10 +123,7 @@ def decoder_stack(model: nn.Module) -> tuple[str, nn.ModuleList]:
         size = sum(p.numel() for p in module.parameters())
         if best is None or size > best[0]:
             best = (size, path, module)
-    if best is None:
-        raise VeosnapError(f"{type(model).__name__} has no list of decoder layers (a module list in its decoder), "
-                           "so veosnap cannot hook each layer's output")
-    return best[1], best[2]
+    return None if best is None else best[1:]
 
 
 def layer_index(model: nn.Module) -> Callable[[str], int | None]:

@@ -428,6 +428,17 @@ def _scores_hidden_states(router: nn.Module) -> bool:
         p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params)
 
 
+@torch.no_grad()
+def _returns_choice(router: nn.Module, experts: int) -> bool:
+    """Whether `router` returns transformers' `(logits, weights, expert ids)` (Llama 4's returns two tensors)."""
+    try:
+        output = router(torch.zeros(1, experts + 1))
+    except Exception:  # noqa: BLE001 - a router that cannot run on a code alone is not tried on codes
+        return False
+    return isinstance(output, (tuple, list)) and len(output) >= 3 and isinstance(output[2], torch.Tensor) \
+        and not output[2].is_floating_point()
+
+
 def token_codes(model: nn.Module, seed: int, vocab_size: int, moe: list[MoeLayer]) -> torch.Tensor:
     """[vocab, experts + 1]: each token's values in the reserved dimensions (its code, then the offset).
 
@@ -436,11 +447,15 @@ def token_codes(model: nn.Module, seed: int, vocab_size: int, moe: list[MoeLayer
     drawn that every router decides clearly (see the module docstring), or after `DESIGN_ROUNDS`
     attempts the clearest one drawn; attempts are tried 1, 2, 4, ... at a time for the codes still open.
     """
-    experts, top_k = moe[0].num_experts, moe[0].top_k
+    # A block that says neither its top-k nor its router's: codes raise about two dimensions, tried on no router.
+    experts, top_k = moe[0].num_experts, moe[0].top_k or 2
     limit = group_limit(moe[0].router)
     # Routers that look a token's experts up by its id (DeepSeek-V4's hash layers) have no decision to design for;
-    # nor can one that needs more than hidden states be tried on codes alone (its codes are drawn, not designed).
-    routers = [_code_router(model, m, seed) for m in moe if m.router is not None and _scores_hidden_states(m.router)]
+    # nor can one that needs more than hidden states, or that returns no (logits, weights, experts), be tried on
+    # codes alone (its codes are drawn, not designed).
+    routers = [_code_router(model, m, seed) for m in moe if m.router is not None and m.top_k is not None
+               and _scores_hidden_states(m.router)]
+    routers = [router for router in routers if _returns_choice(router, experts)]
     book = min(vocab_size, CODEBOOK)
     blocks = []
     for block, first in enumerate(range(0, book, DESIGN_BLOCK)):
