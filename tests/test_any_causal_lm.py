@@ -157,3 +157,13 @@ def test_an_architecture_veosnap_cannot_support_is_refused_in_one_line(project, 
     assert (code, out) == (2, "")
     assert err.startswith("veosnap: error: ") and err.count("\n") == 1 and why in err, err
     assert path.is_file() and not Path("goldens").exists()
+
+
+def test_a_router_that_takes_every_expert_records_routes_nothing_can_flip(project, capsys):
+    # Kimi-Linear's tiny config leaves top-k at its default, all 8 experts: every margin is the largest float32
+    # (no unchosen expert to lose to), as a hash router's, not an infinity the manifest cannot hold.
+    zoo = json.loads((REPO / "toy_configs" / "qwen3_moe" / "config.json").read_text())
+    project("every_expert", {**zoo, "num_experts_per_tok": zoo["num_experts"]})
+    code, out, err = run(capsys, "record", "--model", "every_expert", "--dtype", "float32")
+    assert code == 0 and "min router margin 3.4e+38" in out, out + err
+    assert run(capsys, "check", "--model", "every_expert", "--dtype", "float32", "--backend", "sdpa")[0] == 0

@@ -565,7 +565,8 @@ def keep_route(records: Routes, moe: MoeLayer, args: tuple, kwargs: dict, logits
     experts, sorted_weights = sort_route(indices.detach(), weights.detach())
     chosen = indices.reshape(-1, indices.shape[-1])
     scored, logits[0] = logits[0], None
-    if moe.router is not None and is_table_router(moe.router):
+    if (moe.router is not None and is_table_router(moe.router)) or chosen.shape[-1] >= moe.num_experts:
+        # A table router, or one that takes every expert (top-k = experts): no choice a difference could flip.
         margin = torch.full((chosen.shape[0],), NO_TIE_MARGIN)
     elif scored is not None and scored.reshape(-1, scored.shape[-1]).shape[0] == chosen.shape[0]:
         margin = host_copy_async(selection(moe, scored.reshape(-1, scored.shape[-1])).margins(chosen))
