@@ -31,7 +31,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import ClassVar
 
-_IN_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+# The first index in a path: the layer of the model's stack of layers, whatever the stack is called
+# (`model.layers.3`, GPT-2's `transformer.h.3`, BERT's `bert.encoder.layer.3`); a layer's own lists (experts)
+# come after it.
+_IN_LAYER_RE = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
 _ROUTER_RE = re.compile(r"\.(gate|router)\.(weight|bias)$")  # not gate_proj: that is a dense MLP's
 
 # The attribute names transformers gives the encoders of multimodal models (Qwen-VL's `visual`, LLaVA's
@@ -50,8 +53,9 @@ def encoder_of(path: str) -> str | None:
 
 
 def layer_of(path: str) -> int | None:
-    """The decoder layer a module or parameter path is inside (`model.layers.3.mlp` -> 3), or None (outside
-    the decoder layers, or inside an encoder: `model.audio_tower.layers.0` is not decoder layer 0)."""
+    """The decoder layer a module or parameter path is inside (`model.layers.3.mlp`, `transformer.h.3.mlp`
+    -> 3), or None (outside the decoder layers, or inside an encoder: `model.audio_tower.layers.0` is not
+    decoder layer 0)."""
     if encoder_of(path) is not None:
         return None
     match = _IN_LAYER_RE.search(path)
@@ -301,8 +305,8 @@ class _Parameter(TensorName):
     @property
     def within_layer(self) -> str:
         """The module's path inside its decoder layer (`self_attn.o_proj`); the whole path outside one."""
-        layer = self.layer
-        return self.module if layer is None else self.module.split(f"layers.{layer}.", 1)[1]
+        match = _IN_LAYER_RE.search(self.module) if self.layer is not None else None
+        return self.module if match is None else self.module[match.end():]
 
     def __str__(self) -> str:
         return f"{self.prefix}{self.param}"

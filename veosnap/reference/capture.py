@@ -27,12 +27,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import VeosnapError
 from ..golden import names
 from ..numerics.sketch import RowSketch, SketchProblem, TensorShape, zero_rows
 from .inputs import IGNORE_INDEX, Batch
 from .probes import (
     RouteRecord,
     decoder_layers,
+    decoder_stack,
     find_moe_layers,
     full,
     host_copy_async,
@@ -377,6 +379,7 @@ def run_step(model: nn.Module, batch: Batch, *, own_loss: bool = False, backward
     model.train()
     model.zero_grad(set_to_none=True)
     part = forward_backward(model, batch, own_loss=own_loss, backward=backward, reducer=reducer)
+    _require_token_rows(model, part, tuple(batch.input_ids.shape))
     capture = Capture(tensors={str(names.LOSS): part.loss}, routes=part.routes, backward=backward,
                       absent=dict(part.absent))
     produced = {} if part.logits is None else {str(names.LOGITS): part.logits}
@@ -395,6 +398,18 @@ def run_step(model: nn.Module, batch: Batch, *, own_loss: bool = False, backward
         capture.tensors.update(whole)
         capture.sketches.update(sketched)
     return capture
+
+
+def _require_token_rows(model: nn.Module, part: Part, grid: tuple[int, ...]) -> None:
+    """Refuse a model whose decoder layers' outputs are not one hidden vector per token of the batch (CPM-Ant
+    prepends prompt positions of its own): a golden compares them token by token, on real tokens only."""
+    for index, hidden in sorted(part.layers.items()):
+        # DeepSeek-V4's layers carry several residual streams: [rows, positions, streams, hidden]
+        if isinstance(hidden, torch.Tensor) and (hidden.ndim < 3 or tuple(hidden.shape[:2]) != grid):
+            path = f"{decoder_stack(model)[0]}.{index}"
+            raise VeosnapError(f"{type(model).__name__}: decoder layer {path} returns hidden states "
+                               f"{list(hidden.shape)}, not one per token of the batch {list(grid)}, so veosnap "
+                               "cannot compare its output token by token")
 
 
 def step_shapes(model: nn.Module, batch: Batch) -> tuple[list[TensorShape], int]:
@@ -421,9 +436,10 @@ def step_shapes(model: nn.Module, batch: Batch) -> tuple[list[TensorShape], int]
                                       support_rows=support))
     fixed = sum(t.numel() * t.element_size() for t in batch.tensors().values())
     for moe in find_moe_layers(model):
-        shapes.append(TensorShape(str(names.Route(moe.layer, "weights")), (tokens, moe.top_k), _dtype_name(dtype),
+        top_k = moe.top_k or 1  # a block that does not say its top-k: known once its routes are read
+        shapes.append(TensorShape(str(names.Route(moe.layer, "weights")), (tokens, top_k), _dtype_name(dtype),
                                   sketchable=False))
-        fixed += tokens * moe.top_k * 4 + tokens * 4  # expert ids (int32), margins (float32)
+        fixed += tokens * top_k * 4 + tokens * 4  # expert ids (int32), margins (float32)
     return shapes, fixed
 
 

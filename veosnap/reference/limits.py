@@ -89,7 +89,10 @@ def check_config(toy: ToyConfig, model: nn.Module | None = None) -> int:
     if count > MAX_PARAMETERS:
         raise VeosnapError(f"{toy.path}: about {count:.3g} parameters, over veosnap's limit of {MAX_PARAMETERS:.3g} "
                            f"({WHERE})")
-    moe = find_moe_layers(model)
+    try:  # a model without a stack of decoder layers is refused here, before anything is drawn or run
+        moe = find_moe_layers(model)
+    except VeosnapError as exc:
+        raise VeosnapError(f"{toy.path}: {exc}") from None
     hidden = getattr(model.config, "hidden_size", None) or getattr(model.get_input_embeddings(), "embedding_dim", 0)
     if moe and moe[0].num_experts + 1 > hidden:
         raise VeosnapError(
@@ -164,6 +167,8 @@ def check_sequences(testdata: Path, ids: tuple[int, ...], sequences: list[list],
     text = models.hf_config(toy).get_text_config()
     vocab = getattr(text, "vocab_size", None)
     longest = getattr(text, "max_position_embeddings", None)
+    if isinstance(longest, int) and longest < 0:  # XLNet's -1: relative positions, no limit
+        longest = None
     if same_dir(testdata, bundled_dir("testdata")):  # known good: a misfit is the config's
         _check_config_fits(toy, vocab, longest, f"{source}, sequences {', '.join(map(str, ids))}", sequences)
     for sid, tokens in zip(ids, sequences):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
+import math
 import sys
 import threading
 import warnings
@@ -339,6 +340,11 @@ def _up(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return tuple(torch.float64 if a in _LOWER_FLOATS else a for a in args), kwargs
 
 
+def _beyond_float32(value: object) -> bool:
+    """A Python float that float32, the default dtype, cannot hold."""
+    return isinstance(value, float) and math.isfinite(value) and abs(value) > torch.finfo(torch.float32).max
+
+
 class KeepFloat64(TorchFunctionMode):
     """Within this mode nothing is computed below float64: a float64 tensor is never cast down nor
     soft-maxed in a lower precision, and a float tensor made from scratch or from integers (a count,
@@ -356,6 +362,10 @@ class KeepFloat64(TorchFunctionMode):
         first = args[0] if args else None
         if func in _FACTORIES:
             args, kwargs = _up(args, kwargs)
+            if func is torch.full and "dtype" not in kwargs and _beyond_float32(args[1] if len(args) > 1 else
+                                                                              kwargs.get("fill_value")):
+                # `torch.full((), torch.finfo(scores.dtype).min)` (XGLM's mask floor): float64's minimum, no dtype
+                kwargs["dtype"] = torch.float64
         elif isinstance(first, torch.Tensor) and first.dtype == torch.float64:
             if func in _SHORT_CASTS:
                 return first

@@ -36,7 +36,8 @@ import torch
 from torch import nn
 
 from ..golden import names
-from ..golden.names import ENCODER_ATTRIBUTES, layer_of
+from ..errors import VeosnapError
+from ..golden.names import ENCODER_ATTRIBUTES
 from ..numerics.routes import GroupLimit, margins
 
 
@@ -82,18 +83,59 @@ def _gather_strided(tensor: torch.Tensor) -> torch.Tensor | None:
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The language model's stack of decoder layers (`get_decoder().layers`; a multimodal model's encoders
-    have layer lists of their own, which are not it)."""
+    """The language model's stack of decoder layers (see `decoder_stack`)."""
+    return decoder_stack(model)[1]
+
+
+def decoder_stack(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The language model's stack of decoder layers, with its module path in `model`: found by structure,
+    not by name. It is the module list holding most of the parameters of the decoder transformers names
+    (`get_decoder()`: a vision-language model's language model, a causal LM's base model), outside any
+    encoder: `model.layers` (Llama), `transformer.h` (GPT-2), `bert.encoder.layer` (BERT as a decoder),
+    `backbone.layers` (Mamba), `model.decoder.layers` (BART's decoder). A layer's own lists (experts, heads)
+    hold fewer parameters than the list holding the layer. A model without one is refused in one line."""
+    root = model
     get_decoder = getattr(model, "get_decoder", None)
-    decoder = get_decoder() if callable(get_decoder) else None
-    for inner in (decoder, getattr(model, "model", None), model):
-        layers = getattr(inner, "layers", None)
-        if isinstance(layers, nn.ModuleList):
-            return layers
-    for name, module in model.named_modules():
-        if name.endswith("layers") and isinstance(module, nn.ModuleList) and names.encoder_of(name) is None:
-            return module
-    raise TypeError(f"{type(model).__name__}: no decoder layer list found")
+    if callable(get_decoder):
+        try:
+            found = get_decoder()
+        except Exception:  # noqa: BLE001 - transformers' lookup raises for a few models: then the whole model
+            found = None
+        root = found if isinstance(found, nn.Module) else model
+    # transformers' lookup goes by attribute name: ModernBERT-decoder's `decoder` is its LM head's Linear. Where it
+    # found no layer list, the whole model is searched.
+    best = _largest_list(model, root) or _largest_list(model, model)
+    if best is None:
+        raise VeosnapError(f"{type(model).__name__} has no list of decoder layers (a module list in its decoder), "
+                           "so veosnap cannot hook each layer's output")
+    return best
+
+
+def _largest_list(model: nn.Module, root: nn.Module) -> tuple[str, nn.ModuleList] | None:
+    """(path in `model`, list) of the module list under `root`, outside any encoder, holding most parameters."""
+    paths = {id(module): path for path, module in model.named_modules()}
+    best: tuple[int, str, nn.ModuleList] | None = None
+    for module in root.modules():
+        path = paths.get(id(module))
+        if not isinstance(module, nn.ModuleList) or len(module) == 0 or path is None \
+                or names.encoder_of(path) is not None:
+            continue
+        size = sum(p.numel() for p in module.parameters())
+        if best is None or size > best[0]:
+            best = (size, path, module)
+    return None if best is None else best[1:]
+
+
+def layer_index(model: nn.Module) -> Callable[[str], int | None]:
+    """The decoder layer (by index in `decoder_stack`) a module path of `model` is inside, or None."""
+    stack, _ = decoder_stack(model)
+    inside = re.compile(rf"{re.escape(stack)}\.(\d+)(?:\.|$)" if stack else r"(\d+)(?:\.|$)")
+
+    def index(path: str) -> int | None:
+        match = inside.match(path)
+        return int(match.group(1)) if match else None
+
+    return index
 
 
 # --- encoders ---------------------------------------------------------------------------------------
@@ -203,6 +245,17 @@ def _host_copy(_name: str, tensor: torch.Tensor) -> torch.Tensor:
     return host_copy(tensor)
 
 
+def layer_hidden(output: object) -> object:
+    """The hidden states in what a decoder layer returned: itself, the first item of a tuple, or the first
+    field of a transformers output (a layer that returns a `ModelOutput`)."""
+    if isinstance(output, (tuple, list)) and output:
+        return output[0]
+    to_tuple = getattr(output, "to_tuple", None)
+    if callable(to_tuple) and to_tuple():
+        return to_tuple()[0]
+    return output
+
+
 @contextmanager
 def record_layer_outputs(model: nn.Module, keep: Keep = _host_copy) -> Iterator[dict[int, object]]:
     """Within the block, each decoder layer's output hidden states are recorded by index (what `keep`
@@ -212,8 +265,7 @@ def record_layer_outputs(model: nn.Module, keep: Keep = _host_copy) -> Iterator[
     for index, layer in enumerate(decoder_layers(model)):
 
         def hook(_module: nn.Module, _inputs: tuple, output: object, index: int = index) -> None:
-            hidden = output[0] if isinstance(output, (tuple, list)) else output
-            outputs[index] = keep(f"layers.{index}.output", hidden)
+            outputs[index] = keep(f"layers.{index}.output", layer_hidden(output))
 
         handles.append(layer.register_forward_hook(hook))
     try:
@@ -260,6 +312,7 @@ class MoeLayer:
     top_k: int | None  # from the router or its block; None when neither says (read from the routes)
     block: nn.Module
     experts: nn.Module
+    router_weight: str = "weight"  # the router's parameter (its path inside the router) that scores the experts
 
     def attr(self, name: str, default: object = None) -> object:
         """A routing setting (`norm_topk_prob`, `routed_scaling_factor`, ...) from the router, else its block."""
@@ -278,10 +331,22 @@ def _expert_counts(experts: nn.Module) -> set[int]:
     return counts
 
 
+def scoring_weight(router: nn.Module, counts: set[int], nested: bool = False) -> tuple[str, int] | None:
+    """(name in `router`, rows) of the 2-D weight that scores the experts, a row per expert: the router's own
+    `weight` (a Linear router), or with `nested` that of a module inside it (AFMoE's `router.gate`); None
+    when it has none."""
+    for name, param in router.named_parameters(recurse=nested):
+        if name.rsplit(".", 1)[-1] == "weight" and param.ndim == 2 and int(param.shape[0]) in counts \
+                and (nested or name == "weight"):
+            return name, int(param.shape[0])
+    return None
+
+
 def find_moe_layers(model: nn.Module) -> list[MoeLayer]:
     """Every MoE block in `model`, found by shape: an `experts` child with 3-D expert weights; its router
-    is the other child whose 2-D `weight` has a row per expert."""
+    is the other child holding a 2-D `weight` with a row per expert (`scoring_weight`)."""
     found = []
+    layer_of = layer_index(model)
     for name, module in model.named_modules():
         experts = getattr(module, "experts", None)
         if not isinstance(experts, nn.Module):
@@ -289,12 +354,14 @@ def find_moe_layers(model: nn.Module) -> list[MoeLayer]:
         counts = _expert_counts(experts)
         if not counts:
             continue
-        router_name, router = "", None
-        for child_name, child in module.named_children():
-            weight = getattr(child, "weight", None)
-            if child is not experts and isinstance(weight, torch.Tensor) and weight.ndim == 2 \
-                    and int(weight.shape[0]) in counts:
+        router_name, router, rows, router_weight = "", None, 0, "weight"
+        # A child's own weight first (a Linear router), then one inside a child (AFMoE's `router.gate`).
+        siblings = [(n, c) for n, c in module.named_children() if c is not experts]
+        for child_name, child, nested in [(n, c, False) for n, c in siblings] + [(n, c, True) for n, c in siblings]:
+            weight = scoring_weight(child, counts, nested)
+            if weight is not None:
                 router_name, router = (f"{name}.{child_name}" if name else child_name), child
+                router_weight, rows = weight
                 break
         top_k = getattr(router, "top_k", None) if router is not None else None
         top_k = getattr(module, "top_k", None) if top_k is None else top_k
@@ -303,10 +370,11 @@ def find_moe_layers(model: nn.Module) -> list[MoeLayer]:
             layer=len(found) if layer is None else layer,
             router_name=router_name,
             router=router,
-            num_experts=int(router.weight.shape[0]) if router is not None else max(counts),
+            num_experts=rows if router is not None else max(counts),
             top_k=None if top_k is None else int(top_k),
             block=module,
             experts=experts,
+            router_weight=router_weight,
         ))
     return sorted(found, key=lambda m: m.layer)
 
@@ -497,7 +565,8 @@ def keep_route(records: Routes, moe: MoeLayer, args: tuple, kwargs: dict, logits
     experts, sorted_weights = sort_route(indices.detach(), weights.detach())
     chosen = indices.reshape(-1, indices.shape[-1])
     scored, logits[0] = logits[0], None
-    if moe.router is not None and is_table_router(moe.router):
+    if (moe.router is not None and is_table_router(moe.router)) or chosen.shape[-1] >= moe.num_experts:
+        # A table router, or one that takes every expert (top-k = experts): no choice a difference could flip.
         margin = torch.full((chosen.shape[0],), NO_TIE_MARGIN)
     elif scored is not None and scored.reshape(-1, scored.shape[-1]).shape[0] == chosen.shape[0]:
         margin = host_copy_async(selection(moe, scored.reshape(-1, scored.shape[-1])).margins(chosen))

@@ -135,6 +135,9 @@ class Plan:
     moe: list[MoeLayer] = field(default_factory=list)
     constants: dict[str, float] = field(default_factory=dict)  # 1-D parameter -> transformers' constant init
     projectors: dict[str, int] = field(default_factory=dict)  # encoder projection Linear -> placeholder token id
+    # The input embedding's and LM head's weights by parameter name, found by structure (GPT-2's `transformer.wte`)
+    embedding: str = ""
+    head: str = ""
     _codes: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
     def codes(self, model: nn.Module, seed: int, vocab_size: int) -> torch.Tensor:
@@ -147,7 +150,19 @@ class Plan:
 def plan_for(model: nn.Module) -> Plan:
     """The plan of `model`'s weights (see `Plan`)."""
     moe = find_moe_layers(model)
-    return Plan(moe=moe, constants=constant_inits(model), projectors=encoder_projectors(model) if moe else {})
+    return Plan(moe=moe, constants=constant_inits(model), projectors=encoder_projectors(model) if moe else {},
+                embedding=_weight_name(model, "get_input_embeddings"), head=_weight_name(model, "get_output_embeddings"))
+
+
+def _weight_name(model: nn.Module, getter: str) -> str:
+    """The parameter name of the weight of the module `model.<getter>()` gives ('' when none)."""
+    try:
+        module = getattr(model, getter, lambda: None)()
+    except NotImplementedError:  # transformers' default, for a model that does not say
+        return ""
+    weight = getattr(module, "weight", None)
+    return next((name for name, param in model.named_parameters() if param is weight), "") \
+        if isinstance(weight, torch.Tensor) else ""
 
 
 def _owner(model: nn.Module, name: str) -> nn.Module:
@@ -185,16 +200,16 @@ def reference_value(
         return hashed_experts(seed, shape[0], moe[0].num_experts, shape[1]) if moe else torch.zeros(shape, dtype=torch.long)
     base = draw(seed, name, tuple(shape))
     owner = name.rsplit(".", 1)[0]
-    if name.endswith("embed_tokens.weight"):
+    if name.endswith("embed_tokens.weight") or name == plan.embedding:
         tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
         # Tied embeddings are the LM head too: give them the head's scale.
         value = base * (LM_HEAD_GAIN / math.sqrt(shape[1]) if tied else EMBED_STD)
         if moe:
             value[:, : reserved(moe)] = plan.codes(model, seed, int(shape[0]))
         return value
-    routers = {m.router_name: m for m in moe}
-    if owner in routers:
-        return _router_value(routers[owner], leaf, base, seed)
+    router = next((m for m in moe if m.router is not None and name.startswith(m.router_name + ".")), None)
+    if router is not None:  # the router's own parameters and seeded buffers, or those of a module inside it
+        return _router_value(router, name[len(router.router_name) + 1:], base, seed)
     if leaf == "A_log":
         low, high = DECAY_RANGE
         return (low + (high - low) * torch.rand(tuple(shape), generator=generator(seed, name))).log()
@@ -214,17 +229,18 @@ def reference_value(
         if moe and (name.endswith("o_proj.bias") or leaf == "down_proj_bias") and encoder_of(name) is None:
             value[..., : reserved(moe)] *= CODE_NOISE
         return value
-    gain = LM_HEAD_GAIN if name.endswith("lm_head.weight") else 1.0
+    gain = LM_HEAD_GAIN if name.endswith("lm_head.weight") or name == plan.head else 1.0
     value = base * (gain / math.sqrt(_fan_in(model, name, shape)))
     if moe and encoder_of(name) is None:
         _damp_code_outputs(model, name, value, reserved(moe))
     return value
 
 
-def _router_value(moe: MoeLayer, leaf: str, base: torch.Tensor, seed: int) -> torch.Tensor:
-    """A router's weight (reads its code dimensions through a permutation, the offset as a shift, the
-    rest faintly), its bias, or its score-correction bias."""
-    if leaf == "weight":
+def _router_value(moe: MoeLayer, inside: str, base: torch.Tensor, seed: int) -> torch.Tensor:
+    """A router's scoring weight (reads its code dimensions through a permutation, the offset as a shift, the
+    rest faintly), its bias, or its score-correction bias, by path `inside` the router."""
+    leaf = inside.rsplit(".", 1)[-1]
+    if inside == moe.router_weight:
         experts, hidden = base.shape
         value = base * (ROUTER_NOISE / math.sqrt(hidden))
         perm = router_permutation(seed, moe.router_name, experts, group_limit(moe.router))
@@ -343,10 +359,10 @@ def _code_router(model: nn.Module, moe: MoeLayer, seed: int) -> nn.Module:
     config.hidden_size = moe.num_experts + 1
     router = type(moe.router)(config)
     state = {}
-    for leaf, tensor in [*router.named_parameters(), *router.named_buffers()]:
-        full = _router_value(moe, leaf, draw(seed, f"{moe.router_name}.{leaf}",
-                                              tuple(getattr(moe.router, leaf).shape)), seed)
-        state[leaf] = full[:, : tensor.shape[1]] if leaf == "weight" else full
+    real = {**dict(moe.router.named_parameters()), **dict(moe.router.named_buffers())}
+    for inside, tensor in [*router.named_parameters(), *router.named_buffers()]:
+        full = _router_value(moe, inside, draw(seed, f"{moe.router_name}.{inside}", tuple(real[inside].shape)), seed)
+        state[inside] = full[:, : tensor.shape[1]] if inside == moe.router_weight else full
     router.load_state_dict(state, strict=False)
     return router.float().eval()
 
@@ -405,8 +421,22 @@ def _decides_clearly(routers: list[nn.Module], codes: torch.Tensor) -> torch.Ten
 
 
 def _scores_hidden_states(router: nn.Module) -> bool:
-    """Whether `router` decides from the hidden states alone (not from the token ids, as a hash router does)."""
-    return "input_ids" not in inspect.signature(type(router).forward).parameters
+    """Whether `router` decides from the hidden states alone: not from the token ids (as a hash router does),
+    nor from anything else its block hands it (AFMoE's expert bias), so a code can be tried on it alone."""
+    params = list(inspect.signature(type(router).forward).parameters.values())[2:]  # after self, hidden_states
+    return "input_ids" not in inspect.signature(type(router).forward).parameters and all(
+        p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params)
+
+
+@torch.no_grad()
+def _returns_choice(router: nn.Module, experts: int) -> bool:
+    """Whether `router` returns transformers' `(logits, weights, expert ids)` (Llama 4's returns two tensors)."""
+    try:
+        output = router(torch.zeros(1, experts + 1))
+    except Exception:  # noqa: BLE001 - a router that cannot run on a code alone is not tried on codes
+        return False
+    return isinstance(output, (tuple, list)) and len(output) >= 3 and isinstance(output[2], torch.Tensor) \
+        and not output[2].is_floating_point()
 
 
 def token_codes(model: nn.Module, seed: int, vocab_size: int, moe: list[MoeLayer]) -> torch.Tensor:
@@ -417,10 +447,15 @@ def token_codes(model: nn.Module, seed: int, vocab_size: int, moe: list[MoeLayer
     drawn that every router decides clearly (see the module docstring), or after `DESIGN_ROUNDS`
     attempts the clearest one drawn; attempts are tried 1, 2, 4, ... at a time for the codes still open.
     """
-    experts, top_k = moe[0].num_experts, moe[0].top_k
+    # A block that says neither its top-k nor its router's: codes raise about two dimensions, tried on no router.
+    experts, top_k = moe[0].num_experts, moe[0].top_k or 2
     limit = group_limit(moe[0].router)
-    # Routers that look a token's experts up by its id (DeepSeek-V4's hash layers) have no decision to design for.
-    routers = [_code_router(model, m, seed) for m in moe if _scores_hidden_states(m.router)]
+    # Routers that look a token's experts up by its id (DeepSeek-V4's hash layers) have no decision to design for;
+    # nor can one that needs more than hidden states, or that returns no (logits, weights, experts), be tried on
+    # codes alone (its codes are drawn, not designed).
+    routers = [_code_router(model, m, seed) for m in moe if m.router is not None and m.top_k is not None
+               and _scores_hidden_states(m.router)]
+    routers = [router for router in routers if _returns_choice(router, experts)]
     book = min(vocab_size, CODEBOOK)
     blocks = []
     for block, first in enumerate(range(0, book, DESIGN_BLOCK)):
