@@ -422,7 +422,7 @@ def judge_variants(project: Project, golden: Golden) -> list[Judgment]:
             found.append(Judgment(variant, "not run", "a dense model has no experts"))
             continue
         if variant == "batched_mm" and batched_mm_too_large(project, golden):
-            # at real shapes its gathered expert weights would dwarf the recording (README, "Two tiers")
+            # at real shapes its gathered expert weights would dwarf the recording (docs/how-it-works.md, "Two tiers")
             found.append(Judgment(variant, "not run", "its copies of the experts' weights would exceed "
                                                       f"{mib(BATCHED_MM_JUDGE_LIMIT)}"))
             continue
