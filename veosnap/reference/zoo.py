@@ -260,6 +260,7 @@ class Where:
     root: Path | None
     goldens: Path
     bundled: tuple[str, ...]
+    start: Path  # where the search for the project began: the current directory
 
 
 @dataclass(frozen=True)
@@ -302,7 +303,7 @@ class Project:
 
     def where(self) -> Where:
         """Which project this is and which of its directories are veosnap's bundled zoo: a report's header."""
-        return Where(root=find_root(), goldens=self.goldens,
+        return Where(root=find_root(), goldens=self.goldens, start=Path.cwd().resolve(),
                      bundled=tuple(kind for kind, path in (("goldens", self.goldens), ("toy_configs", self.configs),
                                                            ("testdata", self.testdata))
                                    if same_dir(path, bundled_dir(kind))))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-from pathlib import Path
 from collections.abc import Callable
 
 from rich.console import Console
@@ -69,7 +68,7 @@ def where(w: Where) -> str:
     """A report's header: the project a command found (or that it found none) and the goldens it reads."""
     zoo = {"goldens": "goldens", "toy_configs": "toy configs", "testdata": "test data"}
     if w.root is None:
-        return (f"no veosnap project in {Path.cwd()} or above it (none has goldens/, toy_configs/ or a pyproject.toml "
+        return (f"no veosnap project in {w.start} or above it (none has goldens/, toy_configs/ or a pyproject.toml "
                 f"with [tool.veosnap]): veosnap's bundled zoo, goldens {w.goldens}")
     if set(w.bundled) == set(zoo):
         return f"project {w.root} (veosnap's bundled zoo): goldens {shown(w.goldens)}"
