@@ -130,6 +130,8 @@ def unrun(doc: Path) -> list[str]:
                 found.append(f"{where}: not-run needs its reason")
             continue
         if kind == "text":
+            found += [f"{where}: a command in a text block: {line.strip()!r}" for line in body.splitlines()
+                      if re.match(r"\s*(\$ |python3? |pip |pytest |bash |git |torchrun )", line)]
             continue
         if kind in SHELL:
             others = [c for c in shell_commands(body) if not re.match(r"veosnap\s", c)]
