@@ -307,7 +307,7 @@ HINT_SITES = {
     "veosnap/surfaces/pytest_plugin.py::_missing_message": "test_hints.py::test_the_pytest_plugins_hints_run_as_printed",
     "veosnap/runs/record.py::stored_bytes": "test_trust_goldens.py::test_item8_record_keeps_the_trail_of_an_unchanged_golden_and_refuses_to_change_a_trailed_one",
     "veosnap/runs/record.py::record": "test_excuse.py::test_a_golden_a_variant_fails_is_recorded_only_with_its_excuse_and_checks_of_it_still_fail",
-    "veosnap/runs/refresh.py::refresh": "test_excuse.py::test_a_golden_a_variant_fails_is_recorded_only_with_its_excuse_and_checks_of_it_still_fail",
+    "veosnap/runs/refresh.py::_refresh": "test_excuse.py::test_a_golden_a_variant_fails_is_recorded_only_with_its_excuse_and_checks_of_it_still_fail",
     "veosnap/runs/refresh.py::_read_old": "test_hints.py::test_a_changed_config_and_a_corrupt_golden_advise_refreshes_that_run",
 }
 # Functions that build a command for others to print (the sites above call them).
