@@ -1,5 +1,11 @@
 """Every `veosnap ...` command the README and docs/*.md show, and every `next:` command a report prints,
-runs as printed.
+runs as printed; every other fenced block is run by a named test or says why it cannot run here.
+
+A block's info string says what it is: `text` (a report, a message, a diagram, a synopsis: nothing to
+run); a shell block (no language, or sh/bash/console: its `$ ` lines, or else its every line, are
+commands); `python`, `toml`, `json` (code). Code and non-`veosnap` commands carry one of: `# file: PATH`
+(or `file=PATH`: a file the doc's commands use), `run-by="tests/test_x.py"` (that test runs it, and
+reads the doc), or `not-run="why"` (a GPU, minutes of CPU, a wheel directory only the GPU box has).
 
 Commands are the lines of fenced shell blocks (no language, or sh/bash/console) that start with
 `veosnap` (or `$ veosnap`); usage synopses with placeholders live in ```text blocks instead. Each is
@@ -90,6 +96,65 @@ def test_the_docs_show_commands_and_keep_synopses_apart():
                     if line.startswith("veosnap "):  # a synopsis: placeholders, so it cannot run as it stands
                         assert re.search(r"\[|\.\.\.|\b[A-Z]{3,}\b|path/to/|my_pkg|\bacme\b", line), \
                             f"{doc.name}:{first + offset}: {line}"
+
+
+ATTRIBUTE = re.compile(r'\b(not-run|run-by)="([^"]*)"')
+CODE = {"python", "toml", "json"}
+
+
+def attributes(info: str) -> dict[str, str]:
+    return dict(ATTRIBUTE.findall(info))
+
+
+def shell_commands(body: str) -> list[str]:
+    """A shell block's commands: its `$ ` lines if it has any (the rest is their output), else every line
+    that is not a comment, continuation lines joined."""
+    lines = body.replace("\\\n", " ").splitlines()
+    prompted = [line.strip()[2:] for line in lines if line.strip().startswith("$ ")]
+    return prompted or [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+
+
+def unrun(doc: Path) -> list[str]:
+    """The blocks of `doc` that nothing runs and that do not say why."""
+    found = []
+    for info, first, body in blocks(doc):
+        kind, said = info.split(" ")[0], attributes(info)
+        where = f"{doc.relative_to(REPO)}:{first}"
+        if "run-by" in said:
+            test = REPO / said["run-by"]
+            if not test.is_file() or doc.stem not in test.read_text(encoding="utf-8"):
+                found.append(f"{where}: run-by {said['run-by']}, which does not read {doc.name}")
+            continue
+        if "not-run" in said:
+            if len(said["not-run"]) < 10:
+                found.append(f"{where}: not-run needs its reason")
+            continue
+        if kind == "text":
+            found += [f"{where}: a command in a text block: {line.strip()!r}" for line in body.splitlines()
+                      if re.match(r"\s*(\$ |python3? |pip |pytest |bash |git |torchrun )", line)]
+            continue
+        if kind in SHELL:
+            others = [c for c in shell_commands(body) if not re.match(r"veosnap\s", c)]
+            if others:
+                found.append(f"{where}: runs {others[0]!r}: give it run-by or not-run, or make an output block text")
+            continue
+        if kind in CODE and (re.search(r"\bfile=", info) or body.startswith("# file: ")):
+            continue  # a file the doc's commands (or the test that reads the doc) use
+        found.append(f"{where}: a {kind or 'shell'} block nothing runs: give it run-by or not-run")
+    return found
+
+
+def test_every_block_is_run_or_says_why_not():
+    assert [line for doc in DOCS for line in unrun(doc)] == []
+
+
+def test_the_readme_keeps_cis_set_up_command():
+    """The README's two set-up commands are CI's contract: `.ci/run` runs the second one (quietly)."""
+    ci = (REPO / ".ci" / "run").read_text(encoding="utf-8").replace("pip install -q ", "pip install ")
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    install = "python3 -m venv .venv && . .venv/bin/activate && pip install -c constraints/tested.txt"
+    assert f"\n{install} . && veosnap check\n" in readme
+    assert f"\n{install} -e '.[test]' && pytest -q -n 2\n" in readme and f"{install} -e '.[test]' && pytest -q -n 2" in ci
 
 
 def own_project(doc: Path) -> bool:

@@ -7,6 +7,7 @@ The public API (see docs/api.md); everything else is reached through the subpack
     register_backend(name, fn)                        a backend under a short name (also a decorator)
     register_layout(layout)                           a Layout instance under its name
     Unsupported, forward_only                         what a backend or layout returns or raises
+    NothingToChange                                   what a backend raises that has nothing to change here
     Candidate, Adapted, parallelizes                  what a framework's backend may say about its candidate
     context(), Context                                where a candidate runs (layout, rank, world, mesh, device)
     GoldenKey, Project                                what a golden is for, where goldens and configs live
@@ -21,11 +22,11 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from . import _moved
 from .about import __version__
-from .errors import Unsupported, VeosnapError
+from .errors import NothingToChange, Unsupported, VeosnapError
 
 _moved.install()  # module paths of the last release still import, warning where they moved
 
-__all__ = ["record", "check", "register_backend", "register_layout", "Unsupported", "forward_only", "Candidate",
+__all__ = ["record", "check", "register_backend", "register_layout", "Unsupported", "NothingToChange", "forward_only", "Candidate",
            "Adapted", "parallelizes", "context", "Context", "GoldenKey", "Project", "VeosnapError", "__version__"]
 
 if TYPE_CHECKING:

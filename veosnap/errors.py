@@ -42,6 +42,12 @@ class Unsupported(Exception):
     """Raised by a backend or layout that does not apply to this model or machine; the check is skipped."""
 
 
+class NothingToChange(Unsupported):
+    """Raised by a backend that would change nothing on this model (an experts kernel on a dense model): alone
+    its check is not applicable (`n/a`, never a pass that checked nothing); joined with `+` to backends that
+    do change the model, the combination runs and its report says which part changed nothing."""
+
+
 def describe(exc: BaseException) -> str:
     """An exception in one line, with where it was raised: `RuntimeError: boom (at file.py:12)`."""
     frames = traceback.extract_tb(exc.__traceback__)

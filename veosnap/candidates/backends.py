@@ -44,7 +44,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from ..errors import Unsupported, VeosnapError
+from ..errors import NothingToChange, Unsupported, VeosnapError
 from ..reference.zoo import shown
 from . import context, specs
 from .candidate import Adapted, Candidate, forward_only  # noqa: F401 - Adapted: the backend API, importable here too
@@ -322,11 +322,13 @@ def flex_attention(model: nn.Module) -> Iterator[nn.Module | Candidate]:
 
 def _experts(implementation: str) -> BackendFn:
     def apply(model: nn.Module) -> nn.Module:
-        if type(model)._can_set_experts_implementation():  # dense models have no experts to swap
-            model.set_experts_implementation(implementation)
+        if not type(model)._can_set_experts_implementation():
+            raise NothingToChange(f"{implementation} swaps the MoE experts' kernel; {type(model).__name__} has no "
+                                  "experts (a dense model)")
+        model.set_experts_implementation(implementation)
         return model
 
-    apply.__doc__ = f"transformers' `{implementation}` experts kernel (dense models: unchanged)."
+    apply.__doc__ = f"transformers' `{implementation}` experts kernel (dense models: nothing to change, n/a)."
     return apply
 
 
@@ -383,13 +385,18 @@ class Backend:
         reasons: list[str] = []
         chosen: dict[str, tuple[str, object]] = {}  # what a step set -> (which step, the value)
         said: list[list[str]] = []  # each step's notes, read when every step has finished
+        unchanged: list[str] = []  # steps that had nothing to change on this model (NothingToChange), why
         with context.told(ctx), ExitStack() as stack:
             for step in self.steps:
                 args = (model, ctx) if _wants_context(step) else (model,)
-                if inspect.isgeneratorfunction(step):
-                    result = stack.enter_context(contextmanager(step)(*args))
-                else:
-                    result = step(*args)
+                try:
+                    if inspect.isgeneratorfunction(step):
+                        result = stack.enter_context(contextmanager(step)(*args))
+                    else:
+                        result = step(*args)
+                except NothingToChange as exc:
+                    unchanged.append(str(exc))
+                    continue
                 if isinstance(result, Candidate):
                     model = result.model
                     said.append(result.notes)
@@ -404,8 +411,11 @@ class Backend:
                             chosen[what] = (name, value)
                 elif result is not None:
                     model = result
+            if len(unchanged) == len(self.steps):  # the candidate would be the reference itself: not a pass
+                raise NothingToChange("; ".join(unchanged))
             value = {what: chosen[what][1] if what in chosen else None for what in ("adapt_batch", "full_gradients")}
             combined = Candidate(model, forward_only="; ".join(reasons), **value)  # type: ignore[arg-type]
+            combined.notes.extend(f"changed nothing: {why}" for why in unchanged)
             yield combined
         for notes in said:  # the generators have finished: their counts are final
             combined.notes.extend(notes)

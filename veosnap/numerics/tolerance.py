@@ -17,7 +17,7 @@ from ..golden import names
 from ..golden.manifest import Tolerance
 from .metric import RowError, row_error
 
-# Chosen from tools/measure/calibrate_tolerance.py (figures in the README): legitimate candidates stay far
+# Chosen from tools/measure/calibrate_tolerance.py (figures in docs/how-it-works.md): legitimate candidates stay far
 # below 1.0x their bound and planted bugs far above it.
 ALPHA = {"float32": 10.0, "bfloat16": 4.0}
 FLOOR = {"float32": 1e-6, "bfloat16": 2e-3}

@@ -58,7 +58,7 @@ from ..numerics.routes import GroupLimit
 from .probes import MoeLayer, find_encoders, find_moe_layers, group_limit, selection
 
 # Scales chosen so the toy function is far from trivial (logits well away from uniform) while
-# staying well conditioned in bfloat16; see the README's tolerance section.
+# staying well conditioned in bfloat16; see docs/how-it-works.md's tolerance section.
 EMBED_STD = 1.0
 CODE_NOISE = 0.005  # how much of a projection's output reaches the reserved dimensions
 NORM_JITTER = 0.1

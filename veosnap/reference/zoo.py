@@ -8,12 +8,15 @@ the batch its golden is recorded on (`BatchRecipe`; default: the toy batch, sequ
 `sequences.parquet` in left-padded rows). Commands and the plugin run the toys unless told
 otherwise (`--tier real|all`, or `--model NAME` for any tier).
 
-Lookup order for each directory: an explicit flag, else the project in the current directory
-(`./goldens`, `./toy_configs`, `./testdata`), else the zoo bundled with veosnap (inside the wheel
-after `pip install`, or the repository root for an editable install). Goldens follow one rule
-(`default_goldens`): `--goldens DIR`, else `./goldens` when the current directory is a project (it has
-`goldens/` or `toy_configs/`) or when recording, else (reading only) the bundled goldens. So `record`
-and `refresh` write into the project, created on first use, and never into the installed package.
+The project is found as git and pytest find theirs (`find_root`): the current directory or the nearest
+one above it that has `goldens/` or `toy_configs/`, or a `pyproject.toml` with a `[tool.veosnap]` table;
+the search stops at a repository's top (a directory holding `.git`). Lookup order for each directory:
+an explicit flag, else the project's (`<root>/goldens`, `<root>/toy_configs`, `<root>/testdata`), else
+the zoo bundled with veosnap (inside the wheel after `pip install`, or the repository root for an
+editable install). Goldens follow one rule (`default_goldens`): `--goldens DIR`, else `<root>/goldens`
+in a project, else `./goldens` when recording (which makes the current directory a project), else
+(reading only) the bundled goldens. So `record` and `refresh` write into the project, created on first
+use, and never into the installed package.
 
 Models merge: a name is looked up in the configs directory first, then in the bundled zoo, so a
 project with models of its own still reaches `llama` by name (its golden is then recorded into the
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +40,11 @@ from ..golden.key import DTYPE_NAMES, SCENARIOS, GoldenKey, check_name
 from ..golden.manifest import config_hash, rerecord
 from . import hardware
 
+try:
+    import tomllib
+except ImportError:  # Python 3.10: the table's header line marks it as well
+    tomllib = None
+
 _PACKAGE = Path(__file__).resolve().parents[1]  # the veosnap package
 
 
@@ -47,15 +56,55 @@ def bundled_dir(kind: str) -> Path:
     return _PACKAGE.parent / kind  # editable install: the repository root
 
 
+PROJECT_DIRS = ("goldens", "toy_configs")
+PYPROJECT_TABLE = "[tool.veosnap]"
+
+
+def is_project(directory: Path) -> bool:
+    """Whether `directory` is a veosnap project's root: it has `goldens/` or `toy_configs/`, or a
+    `pyproject.toml` with a `[tool.veosnap]` table (a project whose goldens are not recorded yet)."""
+    if any((directory / name).is_dir() for name in PROJECT_DIRS):
+        return True
+    try:
+        text = (directory / "pyproject.toml").read_text(encoding="utf-8")
+        if tomllib is None:
+            return re.search(r"^\s*\[tool\.veosnap[.\]]", text, re.M) is not None
+        return "veosnap" in tomllib.loads(text).get("tool", {})
+    except (OSError, UnicodeDecodeError, ValueError):  # none, or unreadable (TOMLDecodeError is a ValueError):
+        return False  # not a marker; pip and pytest say what is wrong with it
+
+
+def find_root(start: Path | None = None) -> Path | None:
+    """The project `start` (default: the current directory) is in: itself or the nearest directory above
+    it that `is_project`, not looking past a repository's top (a directory holding `.git`); None outside
+    any project."""
+    here = (start or Path.cwd()).resolve()
+    for directory in (here, *here.parents):
+        if is_project(directory):
+            return directory
+        if (directory / ".git").exists():
+            return None
+    return None
+
+
+def _in_root(kind: str) -> Path | None:
+    """`<root>/<kind>` of the project the current directory is in (relative when the root is the current
+    directory: messages and listings then read `goldens/cpu/...`); None outside a project."""
+    root = find_root()
+    if root is None:
+        return None
+    return Path(kind) if root == Path.cwd().resolve() else root / kind
+
+
 def resolve_dir(kind: str, flag: str | Path | None = None) -> Path:
-    """The directory of `kind` to use: the flag, else ./<kind>, else the bundled one."""
+    """The directory of `kind` to use: the flag, else the project's, else the bundled one."""
     if flag is not None:
         path = Path(flag)
         if not path.is_dir():
             raise VeosnapError(f"{path}: not a directory (given for {kind})")
         return path
-    local = Path(kind)  # relative: messages and listings read `goldens/cpu/...`
-    if local.is_dir():
+    local = _in_root(kind)
+    if local is not None and local.is_dir():
         return local
     return bundled_dir(kind)
 
@@ -195,11 +244,23 @@ def same_dir(a: Path, b: Path) -> bool:
 
 
 def default_goldens(recording: bool = False) -> Path:
-    """`./goldens` in a project (a directory with `goldens/` or `toy_configs/`) and whenever `recording`,
-    else the bundled goldens (read only)."""
-    if recording or Path("goldens").is_dir() or Path("toy_configs").is_dir():
-        return Path("goldens")
-    return bundled_dir("goldens")
+    """`<root>/goldens` in a project (`find_root`), else `./goldens` when `recording`, else the bundled
+    goldens (read only)."""
+    local = _in_root("goldens")
+    if local is not None:
+        return local
+    return Path("goldens") if recording else bundled_dir("goldens")
+
+
+@dataclass(frozen=True)
+class Where:
+    """Where a command's project is: its root (None: no project in or above the current directory), its
+    goldens directory, and which of goldens, toy_configs and testdata are veosnap's bundled zoo."""
+
+    root: Path | None
+    goldens: Path
+    bundled: tuple[str, ...]
+    start: Path  # where the search for the project began: the current directory
 
 
 @dataclass(frozen=True)
@@ -240,6 +301,28 @@ class Project:
         return cls.resolve(writable(Path(goldens) if goldens is not None else default_goldens(recording=True)),
                            configs, testdata, hardware_class)
 
+    def where(self) -> Where:
+        """Which project this is and which of its directories are veosnap's bundled zoo: a report's header."""
+        return Where(root=find_root(), goldens=self.goldens, start=Path.cwd().resolve(),
+                     bundled=tuple(kind for kind, path in (("goldens", self.goldens), ("toy_configs", self.configs),
+                                                           ("testdata", self.testdata))
+                                   if same_dir(path, bundled_dir(kind))))
+
+    def bundled_hint(self, model: str, scenario: str = "step", dtype: str | None = None) -> str:
+        """'' or the sentence saying veosnap's bundled zoo has the golden this project lacks (of `dtype`; None:
+        of any), with the command that checks against it, as it runs from here."""
+        bundled = bundled_dir("goldens")
+        recorded = GoldenKey(self.hardware_class, model, scenario).recorded.scenario
+        dtypes = [dtype] if dtype else list(DTYPE_NAMES)
+        if same_dir(self.goldens, bundled) or not any(
+                store.path_for(bundled, GoldenKey(self.hardware_class, model, recorded, d)).is_file() for d in dtypes):
+            return ""
+        other = Project(goldens=bundled, configs=self.configs, testdata=self.testdata,
+                        hardware_class=self.hardware_class)
+        use = other.command("check", "--model", model, *(["--dtype", dtype] if dtype else []),
+                            *([] if scenario == "step" else ["--scenario", scenario]))
+        return f"veosnap's bundled zoo has it: `{use}` checks against it"
+
     def models(self, tier: str = "toy") -> list[str]:
         """The zoo models of `tier`: the toys unless asked (`real`, `all`)."""
         return list_models(self.configs, tier)
@@ -279,9 +362,10 @@ class Project:
         return [d for d in DTYPE_NAMES
                 if os.path.lexists(store.path_for(self.goldens, GoldenKey(self.hardware_class, model, scenario, d).recorded))]
 
-    def no_golden(self, model: str, scenario: str = "step") -> MissingGoldenError:
+    def no_golden(self, model: str, scenario: str = "step", refused: str = "") -> MissingGoldenError:
         """The error for a model with no golden of `scenario` in any dtype on this class: the command that
-        records them (as run on that hardware, with this project's flags), and where goldens of it do exist."""
+        records them (as run on that hardware, with this project's flags), or why this machine cannot
+        (`refused`: what `record` would say), and where goldens of it do exist."""
         toy = load_config(self.configs, model)  # an unknown model: say that, not how to record
         # The cpu real tier is float32 only (bfloat16 at real shapes is the GPU's): advise what runs here.
         dtypes = ["--dtype", "float32"] if toy.tier == "real" and self.hardware_class == "cpu" else []
@@ -298,8 +382,12 @@ class Project:
         if elsewhere:
             hints.append(f"goldens of {model} exist for {', '.join(elsewhere)} (another hardware class: "
                          f"--hardware-class {elsewhere[0]} --cross-class compares across classes)")
-        return MissingGoldenError(f"no golden for {what} on {self.hardware_class} in {shown(self.goldens)}: "
-                                  f"record with `{record}` on {self.hardware_class} hardware"
+        bundled = self.bundled_hint(model, scenario)
+        if bundled:
+            hints.insert(0, bundled)
+        how = f"this machine cannot record it ({refused})" if refused else \
+            f"record with `{record}` on {self.hardware_class} hardware"
+        return MissingGoldenError(f"no golden for {what} on {self.hardware_class} in {shown(self.goldens)}: {how}"
                                   + "".join(f"; {h}" for h in hints))
 
 
@@ -333,14 +421,16 @@ def load_golden(project: Project, key: GoldenKey, background: bool = False) -> G
         load_config(project.configs, key.model)  # no config either: say that, not how to record
         record = project.recording_command("record", key)
         classes = sorted(p.name for p in project.goldens.iterdir() if p.is_dir()) if project.goldens.is_dir() else []
+        bundled = project.bundled_hint(key.model, key.scenario, key.dtype)
+        bundled = f"; {bundled}" if bundled else ""
         if key.hardware_class not in classes:
             raise MissingGoldenError(
-                f"{project.goldens}: no goldens for hardware class {key.hardware_class} "
+                f"{shown(project.goldens)}: no goldens for hardware class {key.hardware_class} "
                 f"(present: {', '.join(classes) or 'none'}); record this one on that hardware with "
-                f"`{record}`, or pick a class with --hardware-class"
+                f"`{record}`, or pick a class with --hardware-class{bundled}"
             )
-        raise MissingGoldenError(f"{path}: no golden for {key}; record it with `{record}` on {key.hardware_class} "
-                                 "hardware")
+        raise MissingGoldenError(f"{shown(path)}: no golden for {key}; record it with `{record}` on {key.hardware_class} "
+                                 f"hardware{bundled}")
 
     def advise(exc: GoldenError) -> GoldenError:
         if not exc.fix:

@@ -16,6 +16,7 @@ from dataclasses import asdict
 from ..golden import names
 from ..numerics.compare import TensorResult
 from ..numerics.fmt import json_number
+from ..reference.zoo import Where
 from ..runs.diff import DiffReport, FieldChange, GoldenDiff
 from ..runs.drift import DriftReport
 from ..runs.matrix import Matrix
@@ -80,9 +81,12 @@ def _encoder_place(name: str) -> dict:
     return {}
 
 
-def checks(reports: list[CheckReport]) -> str:
-    """`passed` and `results` (one entry per check)."""
-    return json.dumps({"passed": all(r.passed for r in reports), "versions_note": versions_note(reports) or None,
+def checks(reports: list[CheckReport], where: Where | None = None) -> str:
+    """`passed` and `results` (one entry per check); with `where`, `project`: the project's root (null: none
+    found, veosnap's bundled zoo), its goldens directory and which directories are the bundled zoo's."""
+    head = {} if where is None else {"project": {"root": None if where.root is None else str(where.root),
+                                                 "goldens": str(where.goldens), "bundled": list(where.bundled)}}
+    return json.dumps({**head, "passed": all(r.passed for r in reports), "versions_note": versions_note(reports) or None,
                        "results": [check_dict(r) for r in reports]}, indent=2)
 
 

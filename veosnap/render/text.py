@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..golden.codec import Golden
+from ..reference.zoo import Where, shown
 from ..runs.diff import DiffReport, GoldenDiff
 from ..runs.drift import DriftReport
 from ..runs.matrix import Matrix
@@ -61,6 +62,20 @@ def checks(reports: list[CheckReport], width: int = 180, color: bool = False, sh
         out.append(note)
     out.append(view.checks_summary(reports))
     return "\n".join(out) + "\n"
+
+
+def where(w: Where) -> str:
+    """A report's header: the project a command found (or that it found none) and the goldens it reads."""
+    zoo = {"goldens": "goldens", "toy_configs": "toy configs", "testdata": "test data"}
+    if w.root is None:
+        return (f"no veosnap project in {w.start} or above it (none has goldens/, toy_configs/ or a pyproject.toml "
+                f"with [tool.veosnap]): veosnap's bundled zoo, goldens {w.goldens}")
+    if set(w.bundled) == set(zoo):
+        return f"project {w.root} (veosnap's bundled zoo): goldens {shown(w.goldens)}"
+    bundled = [zoo[kind] for kind in zoo if kind in w.bundled and kind != "goldens"]
+    goldens = f"goldens {shown(w.goldens)}" + (" (veosnap's bundled zoo)" if "goldens" in w.bundled else "")
+    rest = f"; {' and '.join(bundled)} from veosnap's bundled zoo" if bundled else ""
+    return f"project {w.root}: {goldens}{rest}"
 
 
 def diff(report: DiffReport, shown: int = view.SHOWN_TENSORS) -> str:

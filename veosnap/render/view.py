@@ -361,9 +361,10 @@ class MatrixView:
 
 
 def cell_text(cell: Cell) -> str:
-    """`pass 0.061x`, `FAIL 3.2x`, `skip`, `ERROR`; `pass*` when only the forward was checked."""
+    """`pass 0.061x`, `FAIL 3.2x`, `n/a` (skipped: the backend or layout does not apply, or changes nothing),
+    `ERROR`; `pass*` when only the forward was checked."""
     if cell.status == "skip":
-        return "skip"
+        return "n/a"
     if cell.status == "error":
         return "ERROR"
     mark = "*" if cell.forward_only else ""
@@ -388,7 +389,8 @@ def matrix_view(matrix: Matrix) -> MatrixView:
         if any(c.forward_only for c in matrix.cells) else "",
         outcomes=_outcome_lines(matrix),
         unavailable=[f"not run here: {name} ({reason})" for name, reason in sorted(matrix.unavailable.items())],
-        summary=f"{len(matrix.cells)} cells: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n)
+        summary=f"{len(matrix.cells)} cells: " + ", ".join(f"{n} {'n/a' if s == 'skip' else s}"
+                                                           for s, n in counts.items() if n)
         + f" in {matrix.seconds:.1f} s",
     )
 
@@ -404,7 +406,7 @@ def _outcome_lines(matrix: Matrix) -> list[str]:
             lines.append(f"{cell.status.upper():5s} {row} {cell.backend}/{cell.layout}: {cell.reason}")
     for (column, reason), rows in skipped.items():
         where = "every row" if len(rows) == len(matrix.rows) > 1 else ", ".join(rows)
-        lines.append(f"skip  {column} on {where}: {reason}")
+        lines.append(f"n/a   {column} on {where}: {reason}")
     return lines
 
 

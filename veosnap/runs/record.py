@@ -101,17 +101,9 @@ def build_golden(project: Project, key: GoldenKey, seed: int = 0, allow_near_tie
             f"cannot record hardware class {key.hardware_class} on this machine ({hardware.detect()}): "
             "goldens are only recorded on the hardware they describe"
         )
-    toy = load_config(project.configs, key.model)
-    scenario = scenarios.get(key.scenario)
-    try:
-        scenario.accept(toy.config)
-    except Unsupported as exc:
-        raise VeosnapError(f"{key}: {exc}") from None
+    toy, scenario, batch, spec = _admitted(project, key)
     dtype = models.dtype_from_name(key.dtype)
     device = hardware.device_for(key.hardware_class)
-    parameters = limits.check_config(toy)
-    batch, spec = scenario_batch(project, toy, scenario)
-    limits.check_memory(toy, parameters, batch.rows * batch.width, dtype, device, recording=True, width=batch.width)
     hyper = train.DEFAULT_HYPER if scenario.train else None
     with deterministic() as settings:
         torch.manual_seed(seed)
@@ -251,6 +243,35 @@ def encode_checked(golden: Golden, path: Path | str) -> bytes:
 def _refused(where: object, exc: GoldenError) -> VeosnapError:
     return VeosnapError(f"{where}: not written: a check would refuse this golden ({exc.problem}); record it with "
                         "--sketch auto, or fewer tokens or layers")
+
+
+def _admitted(project: Project, key: GoldenKey) -> tuple[ToyConfig, scenarios.Scenario, inputs.Batch, BatchSpec]:
+    """The config, scenario and batch of a golden this machine can record; else a one-line VeosnapError
+    (a scenario the model cannot run, a config or batch over veosnap's limits, more memory than it has)."""
+    toy = load_config(project.configs, key.model)
+    scenario = scenarios.get(key.scenario)
+    try:
+        scenario.accept(toy.config)
+    except Unsupported as exc:
+        raise VeosnapError(f"{key}: {exc}") from None
+    parameters = limits.check_config(toy)
+    batch, spec = scenario_batch(project, toy, scenario)
+    limits.check_memory(toy, parameters, batch.rows * batch.width, models.dtype_from_name(key.dtype),
+                        hardware.device_for(key.hardware_class), recording=True, width=batch.width)
+    return toy, scenario, batch, spec
+
+
+def refusal(project: Project, key: GoldenKey) -> str:
+    """Why `veosnap record` would refuse the golden of `key` on this machine before recording ('' when it
+    would record it): what a message that advises recording checks first, so it never advises a refused one.
+    A golden of another class is judged as its own hardware would record it (that hardware's memory aside)."""
+    if key.hardware_class != hardware.detect():
+        return ""
+    try:
+        _admitted(project, key.recorded)
+    except VeosnapError as exc:
+        return str(exc)
+    return ""
 
 
 def scenario_batch(project: Project, toy: ToyConfig, scenario: scenarios.Scenario) -> tuple[inputs.Batch, BatchSpec]:
@@ -410,7 +431,7 @@ def judge_variants(project: Project, golden: Golden) -> list[Judgment]:
             found.append(Judgment(variant, "not run", "a dense model has no experts"))
             continue
         if variant == "batched_mm" and batched_mm_too_large(project, golden):
-            # at real shapes its gathered expert weights would dwarf the recording (README, "Two tiers")
+            # at real shapes its gathered expert weights would dwarf the recording (docs/how-it-works.md, "Two tiers")
             found.append(Judgment(variant, "not run", "its copies of the experts' weights would exceed "
                                                       f"{mib(BATCHED_MM_JUDGE_LIMIT)}"))
             continue

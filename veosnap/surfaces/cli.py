@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -24,7 +25,7 @@ from ..golden import limits, store
 from ..golden.key import DTYPE_NAMES, SCENARIOS, GoldenKey
 from ..golden.sketches import MODES
 from ..numerics import fmt
-from ..reference.zoo import TIER_CHOICES, Project, default_goldens
+from ..reference.zoo import TIER_CHOICES, Project, default_goldens, find_root
 from ..render import json as render_json
 from ..render import markdown as render_markdown
 from ..render import text as render_text
@@ -60,20 +61,33 @@ def _checked(args: argparse.Namespace, project: Project) -> list[tuple[str, str,
     """What `check` (and `--matrix`) checks, as (model, scenario, dtype): without --dtype, the dtypes that
     have a golden of that scenario on this class; a model named by --model with none is an error saying how
     to record them, a model of a --tier with none is left out with a note, unless none of the tier has any."""
+    from ..reference import scenarios
+    from ..reference.zoo import load_config
+    from ..runs.record import refusal
+
     if args.dtype:
         return [(m, s, d) for m, d in _selection(args, project) for s in _scenarios(args, project, m)]
     models = list(dict.fromkeys(m for m, _ in _selection(args, project)))
     chosen, missing = [], []
     for model in models:
+        config = load_config(project.configs, model).config
         for scenario in _scenarios(args, project, model):
             dtypes = project.recorded_dtypes(model, scenario)
-            if not dtypes:
+            if not dtypes and not scenarios.get(scenario).applies(config):
+                dtypes = [DTYPE_NAMES[0]]  # a scenario the model cannot run: its check is a skip saying why
+            elif not dtypes:
                 missing.append((model, scenario))
             chosen += [(model, scenario, d) for d in dtypes]
+
+    def no_golden(model: str, scenario: str) -> VeosnapError:
+        # advise recording only what this machine records (a real-shape model may need more memory than it has)
+        key = GoldenKey(project.hardware_class, model, scenario, DTYPE_NAMES[0])
+        return project.no_golden(model, scenario, refused=refusal(project, key))
+
     if missing and (args.model or not chosen):
-        raise project.no_golden(*missing[0])
+        raise no_golden(*missing[0])
     for model, scenario in missing:
-        print(f"veosnap: {project.no_golden(model, scenario)} (left out)", file=sys.stderr)
+        print(f"veosnap: {no_golden(model, scenario)} (left out)", file=sys.stderr)
     return chosen
 
 
@@ -153,16 +167,26 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     guard.check_timeout(args.timeout)
     project = _project(args)
+    chosen = args.layout or ["single"]
     with _candidates_print_to_stderr() as terminal:
         backend = backends.resolve(args.backend or "eager")  # importing a backend's file may print too
-        reports = [
-            report_
-            for model, scenario, dtype in _checked(args, project)
-            for report_ in check_layouts(project, GoldenKey(project.hardware_class, model, scenario, dtype),
-                                         backend, args.layout or ["single"], nproc=args.nproc, timeout_s=args.timeout,
-                                         cross_class=args.cross_class)
-        ]
-    out = render_json.checks(reports) if args.format == "json" else render_text.checks(reports, color=terminal)
+        checked = _checked(args, project)
+        progress = _long(project, checked, chosen)
+        reports = []
+        for done, (model, scenario, dtype) in enumerate(checked, 1):
+            key = GoldenKey(project.hardware_class, model, scenario, dtype)
+            if progress:
+                print(f"[{done}/{len(checked)}] {key} backend={backend.spec} layout={','.join(chosen)}: started "
+                      f"({progress})", file=sys.stderr)
+            start = time.perf_counter()
+            reports += (ran := check_layouts(project, key, backend, chosen, nproc=args.nproc, timeout_s=args.timeout,
+                                             cross_class=args.cross_class))
+            if progress:
+                said = ", ".join(f"{r.layout} {r.status}" for r in ran)
+                print(f"[{done}/{len(checked)}] {key}: {said} ({time.perf_counter() - start:.1f} s)", file=sys.stderr)
+    where = project.where()
+    out = render_json.checks(reports, where) if args.format == "json" else \
+        render_text.where(where) + "\n\n" + render_text.checks(reports, color=terminal)
     sys.stdout.write(out if out.endswith("\n") else out + "\n")
     if html_path is not None:
         from ..render import html as render_html
@@ -170,6 +194,20 @@ def cmd_check(args: argparse.Namespace) -> int:
         store.write_bytes(render_html.checks(reports).encode(), html_path)
         print(f"wrote {html_path}", file=sys.stderr)
     return EXIT_OK if all(r.passed for r in reports) else EXIT_FAILED
+
+
+def _long(project: Project, checked: list[tuple[str, str, str]], chosen: list[str]) -> str:
+    """Why a check run is long enough to say on stderr what starts and how far it is ('' when it is not):
+    a multi-process layout (torchrun starts in tens of seconds) or a real-shape model (a minute a check)."""
+    from ..reference.zoo import load_config
+
+    why = []
+    spawned = [spec for spec in chosen if layouts.resolve(spec).distributed]
+    if spawned:
+        why.append(f"{', '.join(spawned)} on torchrun")
+    if any(load_config(project.configs, model).tier == "real" for model in dict.fromkeys(m for m, _, _ in checked)):
+        why.append("real-shape models")
+    return "; ".join(why)
 
 
 def _html_target(path: Path) -> Path:
@@ -281,7 +319,8 @@ def cmd_matrix(args: argparse.Namespace) -> int:
         result = matrix.run_matrix(project, models, dtypes, specs, layouts,
                                    check_cells=matrix.default_check(args.nproc, args.timeout), on_cell=progress,
                                    unavailable=unavailable, scenario=scenario, rows=selection)
-    out = render_json.matrix(result) if args.format == "json" else render_text.matrix(result, color=terminal)
+    out = render_json.matrix(result) if args.format == "json" else \
+        render_text.where(project.where()) + "\n" + render_text.matrix(result, color=terminal)
     sys.stdout.write(out if out.endswith("\n") else out + "\n")
     return EXIT_OK if result.passed else EXIT_FAILED
 
@@ -503,12 +542,29 @@ def _terminated(signum: int, _frame: object) -> None:
     raise Terminated(signum)
 
 
+@contextmanager
+def _importing_from_the_project() -> Iterator[None]:
+    """Within the block, `package.module:fn` SPECs import from the project's root and the current directory
+    (after everything installed), as they do under pytest (its rootdir) and `python -m`: so the `next:`
+    command a pytest failure prints, `--backend mypkg.kernels:patch`, runs as printed. torchrun ranks
+    inherit the path."""
+    saved = list(sys.path)
+    for path in (find_root(), Path.cwd()):
+        if path is not None and str(path) not in sys.path:
+            sys.path.append(str(path))
+    try:
+        yield
+    finally:
+        sys.path[:] = saved
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     old = signal.signal(signal.SIGTERM, _terminated) if _main_thread() else None
     try:
-        return args._commands[args.command](args)
+        with _importing_from_the_project():
+            return args._commands[args.command](args)
     except Terminated:
         return 128 + signal.SIGTERM
     except VeosnapError as exc:

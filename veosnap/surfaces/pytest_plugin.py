@@ -262,15 +262,21 @@ class VeosnapSession:
         from ..candidates.layouts import registry
         from ..errors import VeosnapError
         from ..golden import store
-        from ..golden.key import GoldenKey
+        from ..golden.key import DTYPE_NAMES, SCENARIOS, GoldenKey
         from ..reference import hardware
+        from ..reference.zoo import load_config
 
         project = self.project
         # A file path in a test is the project's, relative to the rootdir wherever pytest was started.
         backend = specs.anchored(backend, self.config.rootpath)
         layout = None if layout is None else specs.anchored(layout, self.config.rootpath)
         try:
+            # What `veosnap record` would refuse is said here, not advised as a record command later.
+            for value, known, what in ((dtype, DTYPE_NAMES, "dtype"), (scenario, SCENARIOS, "scenario")):
+                if value not in known:
+                    raise VeosnapError(f"{what} {value!r}: goldens are recorded for {', '.join(known)}")
             key = GoldenKey(project.hardware_class, model, scenario, dtype)
+            load_config(project.configs, model)  # a misspelt model is no such config, not a missing golden
             resolved = backends.resolve(backend)
             registry.resolve(layout or "single")
         except VeosnapError as exc:
@@ -351,13 +357,17 @@ class VeosnapSession:
         flags = [f"--veosnap-{kind.replace('_', '-')}" + f"={value}" for kind in
                  ("goldens", "configs", "testdata", "hardware_class")
                  if (value := self.config.getoption(f"veosnap_{kind}"))]
+        from ..runs.record import refusal
+
+        refused = refusal(project, key)
+        bundled = project.bundled_hint(key.model, key.scenario, key.dtype)
+        bundled = f"\n  ({bundled})" if bundled else ""
+        if refused:
+            return f"veosnap: no golden for {key} (expected {_shown(path)}); this machine cannot record it: {refused}"
         pytest_cmd = shlex.join(["pytest", "--snapshot-update", *flags, request.node.nodeid])
-        scenario = ["--scenario", key.scenario] if key.scenario != "step" else []
-        cli = shlex.join(["veosnap", "record", "--model", key.model, "--dtype", key.dtype, *scenario,
-                          "--goldens", _shown(project.goldens), "--configs", _shown(project.configs),
-                          "--testdata", _shown(project.testdata)])
+        cli = project.recording_command("record", key)  # with the project's flags as seen from here
         return (f"veosnap: no golden for {key} (expected {_shown(path)}); record it on {key.hardware_class} "
-                f"hardware with:\n    {pytest_cmd}\n  or\n    {cli}")
+                f"hardware with:\n    {pytest_cmd}\n  or\n    {cli}{bundled}")
 
     # --- end of session ------------------------------------------------------------------------
     def finish(self, session: pytest.Session) -> None:
