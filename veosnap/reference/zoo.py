@@ -10,7 +10,9 @@ otherwise (`--tier real|all`, or `--model NAME` for any tier).
 
 Lookup order for each directory: an explicit flag, else the project in the current directory
 (`./goldens`, `./toy_configs`, `./testdata`), else the zoo bundled with veosnap (inside the wheel
-after `pip install`, or the repository root for an editable install). Goldens follow one rule
+after `pip install`, or the repository root for an editable install; the wheel's goldens are the cpu toy
+tier's, and the data packages of other classes and the real tier install theirs into the same folder, see
+data/README.md). Goldens follow one rule
 (`default_goldens`): `--goldens DIR`, else `./goldens` when the current directory is a project (it has
 `goldens/` or `toy_configs/`) or when recording, else (reading only) the bundled goldens. So `record`
 and `refresh` write into the project, created on first use, and never into the installed package.
@@ -194,6 +196,16 @@ def same_dir(a: Path, b: Path) -> bool:
         return False
 
 
+def data_package_hint(goldens: Path, hardware_class: str, tier: str) -> str:
+    """Reading the bundled goldens: where the wheel leaves a class's or tier's goldens out, the data package
+    that installs them beside it (data/README.md), as a clause of a message; else ''."""
+    installed = _PACKAGE / "_bundled" / "goldens"  # an editable install reads the repository's, which has them all
+    if (hardware_class, tier) == ("cpu", "toy") or not installed.is_dir() or not same_dir(goldens, installed):
+        return ""
+    package = f"veosnap-goldens-{hardware_class}" + ("-real" if tier == "real" else "")
+    return f"; or install the bundled zoo's: pip install {package}"
+
+
 def default_goldens(recording: bool = False) -> Path:
     """`./goldens` in a project (a directory with `goldens/` or `toy_configs/`) and whenever `recording`,
     else the bundled goldens (read only)."""
@@ -300,6 +312,7 @@ class Project:
                          f"--hardware-class {elsewhere[0]} --cross-class compares across classes)")
         return MissingGoldenError(f"no golden for {what} on {self.hardware_class} in {shown(self.goldens)}: "
                                   f"record with `{record}` on {self.hardware_class} hardware"
+                                  + data_package_hint(self.goldens, self.hardware_class, toy.tier)
                                   + "".join(f"; {h}" for h in hints))
 
 
@@ -330,17 +343,18 @@ def load_golden(project: Project, key: GoldenKey, background: bool = False) -> G
     key = key.recorded  # a scenario checked against another's golden (`frozen_vision`: `vision`)
     path = store.path_for(project.goldens, key)
     if not os.path.lexists(path):  # anything there (a FIFO, a link) is for the reader to refuse
-        load_config(project.configs, key.model)  # no config either: say that, not how to record
+        toy = load_config(project.configs, key.model)  # no config either: say that, not how to record
         record = project.recording_command("record", key)
+        package = data_package_hint(project.goldens, key.hardware_class, toy.tier)
         classes = sorted(p.name for p in project.goldens.iterdir() if p.is_dir()) if project.goldens.is_dir() else []
         if key.hardware_class not in classes:
             raise MissingGoldenError(
                 f"{project.goldens}: no goldens for hardware class {key.hardware_class} "
                 f"(present: {', '.join(classes) or 'none'}); record this one on that hardware with "
-                f"`{record}`, or pick a class with --hardware-class"
+                f"`{record}`, or pick a class with --hardware-class{package}"
             )
         raise MissingGoldenError(f"{path}: no golden for {key}; record it with `{record}` on {key.hardware_class} "
-                                 "hardware")
+                                 f"hardware{package}")
 
     def advise(exc: GoldenError) -> GoldenError:
         if not exc.fix:
