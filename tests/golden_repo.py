@@ -82,7 +82,7 @@ def needs_goldens(hardware_class: str, *models: str) -> pytest.MarkDecorator:
 
 def left_out(hardware_class: str, model: str) -> bool:
     """Whether this checkout holds no goldens of `hardware_class` of `model`'s whole tier: a device call's tree
-    (tools/device_tree.py), not a golden missing from a full checkout."""
+    (tools/gpu/device_tree.py), not a golden missing from a full checkout."""
     from veosnap.reference.zoo import read_sidecar
 
     configs = REPO / "toy_configs"
