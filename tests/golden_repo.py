@@ -60,6 +60,50 @@ def committed_golden(model: str, dtype: str = "float32", scenario: str = "step")
     return path
 
 
+WHY_ABSENT = ("a device call carries this class's toy goldens only (docs/gpu.md, 'Fitting a device call'); CI's "
+              "checkout holds them all")
+
+
+def has_goldens(hardware_class: str, model: str | None = None) -> bool:
+    """Whether this checkout holds committed goldens of `hardware_class` (of `model`, when given)."""
+    return any((REPO / "goldens" / hardware_class / (model or "")).glob("**/*.safetensors.zst"))
+
+
+def needs_goldens(hardware_class: str, *models: str) -> pytest.MarkDecorator:
+    """Skip a test that reads the committed goldens of `hardware_class` (of `models`, when given: else any) where
+    this checkout lacks them, saying why. Decided from the files' presence alone (nothing is read at import)."""
+    if models:
+        missing = [m for m in models if not has_goldens(hardware_class, m)]
+    else:
+        missing = [] if has_goldens(hardware_class) else ["any"]
+    return pytest.mark.skipif(bool(missing), reason=f"needs the committed {hardware_class} goldens "
+                              f"({', '.join(missing)}), which this checkout lacks: {WHY_ABSENT}")
+
+
+def left_out(hardware_class: str, model: str) -> bool:
+    """Whether this checkout holds no goldens of `hardware_class` of `model`'s whole tier: a device call's tree
+    (tools/gpu/device_tree.py), not a golden missing from a full checkout."""
+    from veosnap.reference.zoo import read_sidecar
+
+    configs = REPO / "toy_configs"
+    tier = read_sidecar(configs / model)[0] if (configs / model).is_dir() else "toy"
+    return not any(read_sidecar(configs / p.name)[0] == tier for p in (REPO / "goldens" / hardware_class).glob("*")
+                   if (configs / p.name).is_dir() and has_goldens(hardware_class, p.name))
+
+
+def committed_tier(hardware_class: str, tier: str) -> list[Path]:
+    """The golden files of `hardware_class`'s `tier` (`toy` or `real`) in this checkout, or the test skips
+    saying why (a test of the whole committed set checks each class and tier the checkout holds)."""
+    from veosnap.reference.zoo import read_sidecar
+
+    files = sorted(p for p in (REPO / "goldens" / hardware_class).glob("*/*.safetensors.zst")
+                   if (REPO / "toy_configs" / p.parent.name).is_dir()
+                   and read_sidecar(REPO / "toy_configs" / p.parent.name)[0] == tier)
+    if not files:
+        pytest.skip(f"this checkout holds no committed {hardware_class} goldens of the {tier} tier: {WHY_ABSENT}")
+    return files
+
+
 def gpus_for(nproc: int) -> pytest.MarkDecorator:
     """Multi-process layouts run one rank per GPU on CUDA: skip where fewer are visible."""
     import torch

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from golden_repo import CLASS, ON_CUDA
+from golden_repo import CLASS, ON_CUDA, needs_goldens
 
 from veosnap.candidates import backends, pristine
 from veosnap.golden.key import GoldenKey
@@ -264,6 +264,7 @@ def test_a_flex_kernel_that_fails_otherwise_stays_an_error_and_the_function_is_r
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the SDPA kernels are chosen per call on the GPU")
+@needs_goldens(CLASS, "qwen3_moe-real-small")
 def test_sdpa_kernels_on_an_unpadded_grouped_query_golden_skip_or_pass_never_error(project: Project) -> None:
     # qwen3_moe-real-small's batch is one unpadded row: HF calls SDPA without a mask and with enable_gqa,
     # which the efficient kernel refuses (H200, 2026-12-01: "No available kernel" errors before the fix).

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from golden_repo import golden_path
+from golden_repo import CLASS, golden_path
 
 from veosnap.errors import GoldenError
 from veosnap.golden import store
@@ -71,7 +71,7 @@ def temp_of(path: Path, name: str, age_s: float) -> Path:
 
 
 def test_the_next_write_removes_temp_files_of_killed_writers_only(tmp_path):
-    path = tmp_path / "cpu" / "llama" / "step-float32.safetensors.zst"
+    path = tmp_path / CLASS / "llama" / "step-float32.safetensors.zst"
     path.parent.mkdir(parents=True)
     dead = temp_of(path, "dead", age_s=store.STALE_TMP_SECONDS + 5)
     young = temp_of(path, "young", age_s=0)  # its writer may be about to lock it
@@ -86,7 +86,7 @@ def test_the_next_write_removes_temp_files_of_killed_writers_only(tmp_path):
 
 
 def test_a_failed_write_leaves_the_previous_golden_and_no_temp_file(tmp_path, monkeypatch):
-    path = tmp_path / "cpu" / "llama" / "step-float32.safetensors.zst"
+    path = tmp_path / CLASS / "llama" / "step-float32.safetensors.zst"
     store.write_bytes(SOURCE.read_bytes(), path)
 
     def disk_full(fd: int) -> None:

@@ -1,5 +1,5 @@
-"""tools/gpu/device_tree.py sets aside the golden folders a device call does not need and puts them back,
-with git seeing nothing changed (a fresh git repository stands in for the project)."""
+"""tools/gpu/device_tree.py leaves out of the checkout the golden folders a device call does not need and brings
+them back, git seeing nothing changed all along (a fresh git repository stands in for the project)."""
 
 from __future__ import annotations
 
@@ -30,27 +30,38 @@ def project(tmp_path: Path) -> Path:
     return root
 
 
-def test_aside_for_a_real_shape_call_keeps_only_those_goldens_and_restore_puts_everything_back(project, tmp_path,
-                                                                                              capsys):
-    stash = tmp_path / "stash"
-    args = ["--root", str(project), "--stash", str(stash)]
+def files(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in (root / "goldens").rglob("*") if p.is_file())
 
-    assert device_tree.main(["aside", "--for", "real", *args]) == 0
+
+def test_aside_keeps_only_what_a_call_needs_git_sees_nothing_changed_and_restore_brings_everything_back(project,
+                                                                                                     capsys):
+    git = ["git", "-C", str(project)]
+    assert device_tree.main(["aside", "--for", "real", "--root", str(project)]) == 0
     out = capsys.readouterr().out
-    assert "2 golden folder(s) set aside" in out and "fits" in out
-    assert sorted(p.name for p in (project / "goldens").glob("*/*")) == ["llama-real"]
-    assert (stash / "goldens/cpu/llama/step-float32.safetensors.zst").stat().st_size == 3000
+    assert "2 golden folder(s) left out" in out and "fits" in out
+    assert files(project) == ["goldens/cuda-sm90/llama-real/step-float32.safetensors.zst"]
+    assert subprocess.run([*git, "status", "--porcelain"], capture_output=True, text=True).stdout == ""
+    assert len(subprocess.run([*git, "ls-files"], capture_output=True, text=True).stdout.split()) == 4, \
+        "the goldens left out stay tracked"
 
-    assert device_tree.main(["aside", "--for", "real", *args]) == 2, "a second aside before restore is refused"
+    # another call's needs: one more aside, no restore between (sizes come from the index, not the disk)
+    assert device_tree.main(["aside", "--for", "suite", "--root", str(project)]) == 0
+    assert "tracked tree, 2 golden folder(s) left out: 0.0 MiB" in capsys.readouterr().out
+    assert files(project) == ["goldens/cuda-sm90/llama/step-float32.safetensors.zst"]
 
-    assert device_tree.main(["restore", *args]) == 0
+    assert device_tree.main(["restore", "--root", str(project)]) == 0
     assert "git sees the goldens unchanged" in capsys.readouterr().out
-    assert sorted(str(p.relative_to(project)) for p in (project / "goldens").glob("*/*")) == [
-        "goldens/cpu/llama", "goldens/cuda-sm90/llama", "goldens/cuda-sm90/llama-real"]
+    assert files(project) == ["goldens/cpu/llama/step-float32.safetensors.zst",
+                              "goldens/cuda-sm90/llama-real/step-float32.safetensors.zst",
+                              "goldens/cuda-sm90/llama/step-float32.safetensors.zst"]
+    assert (project / "goldens/cpu/llama/step-float32.safetensors.zst").stat().st_size == 3000
+    assert device_tree.main(["restore", "--root", str(project)]) == 0, "a second restore has nothing to do"
+    assert "nothing to restore" in capsys.readouterr().out
 
 
-def test_a_plan_over_the_limit_moves_nothing(project, tmp_path, monkeypatch, capsys):
+def test_a_plan_over_the_limit_leaves_everything_in_place(project, monkeypatch, capsys):
     monkeypatch.setattr(device_tree, "LIMIT", 1000)
-    assert device_tree.main(["aside", "--for", "bench", "--root", str(project), "--stash", str(tmp_path / "s")]) == 2
+    assert device_tree.main(["aside", "--for", "bench", "--root", str(project)]) == 2
     assert "DOES NOT FIT" in capsys.readouterr().out
-    assert len(list((project / "goldens").glob("*/*"))) == 3
+    assert len(files(project)) == 3

@@ -1,7 +1,6 @@
 """`veosnap diff`: how goldens moved between two revisions or directories.
 
-A diff runs no model, so these tests use the cpu goldens on any machine (they carry the manifest hash
-the cuda-sm90 ones predate).
+A diff runs no model; these tests use the committed goldens of the class the suite runs on.
 """
 
 from __future__ import annotations
@@ -10,7 +9,7 @@ import json
 import shutil
 from dataclasses import replace
 
-from golden_repo import REPO, commit, copy_zoo, git, git_repo
+from golden_repo import CLASS, REPO, commit, copy_zoo, git, git_repo
 
 from veosnap.golden import codec, store
 from veosnap.golden.key import GoldenKey
@@ -20,7 +19,7 @@ from veosnap.reference.inputs import Batch
 from veosnap.runs.diff import diff, diff_goldens
 from veosnap.surfaces import cli
 
-LLAMA = GoldenKey("cpu", "llama", "step", "float32")
+LLAMA = GoldenKey(CLASS, "llama", "step", "float32")
 
 
 def test_identical_trees_report_no_change(tmp_path, capsys):
@@ -37,11 +36,11 @@ def test_identical_trees_report_no_change(tmp_path, capsys):
 
 
 def test_working_tree_against_head_in_a_git_repo(tmp_path, capsys, monkeypatch):
-    git_repo(tmp_path, "cpu")
+    git_repo(tmp_path)
     monkeypatch.chdir(tmp_path)
 
     assert cli.main(["diff", "HEAD", "--fail-on-change"]) == 0
-    committed = sum(1 for key, _ in store.list_goldens(REPO / "goldens") if key.hardware_class == "cpu")
+    committed = sum(1 for key, _ in store.list_goldens(REPO / "goldens") if key.hardware_class == CLASS)
     assert f"0 changed (0 material), 0 added, 0 removed, {committed} unchanged" in capsys.readouterr().out
 
 
@@ -67,23 +66,23 @@ def test_noise_level_move_reads_as_noise_and_large_move_as_material(tmp_path):
 
 
 def test_removed_and_added_goldens_are_material(tmp_path, capsys, monkeypatch):
-    project = git_repo(tmp_path, "cpu")
-    removed = project.goldens / "cpu" / "qwen2" / "step-bfloat16.safetensors.zst"
+    project = git_repo(tmp_path)
+    removed = project.goldens / CLASS / "qwen2" / "step-bfloat16.safetensors.zst"
     removed.unlink()
-    added = project.goldens / "cpu" / "llama_copy" / "step-float32.safetensors.zst"
+    added = project.goldens / CLASS / "llama_copy" / "step-float32.safetensors.zst"
     added.parent.mkdir()
     shutil.copy(project.goldens / LLAMA.relpath, added)
     monkeypatch.chdir(tmp_path)
 
     assert cli.main(["diff", "HEAD", "--format", "json", "--fail-on-change"]) == 1
     doc = json.loads(capsys.readouterr().out)
-    assert doc["removed"] == ["cpu/qwen2/step-bfloat16"]
-    assert doc["added"] == ["cpu/llama_copy/step-float32"]
+    assert doc["removed"] == [f"{CLASS}/qwen2/step-bfloat16"]
+    assert doc["added"] == [f"{CLASS}/llama_copy/step-float32"]
     assert doc["material"] and doc["changed"] == []
 
 
 def test_routes_and_provenance_changes_are_listed(tmp_path):
-    key = GoldenKey("cpu", "qwen3_moe", "step", "float32")
+    key = GoldenKey(CLASS, "qwen3_moe", "step", "float32")
     old = store.read(REPO / "goldens" / key.relpath)
     tensors = dict(old.tensors)
     experts = tensors["routes.0.experts"].clone()
@@ -104,7 +103,7 @@ def test_routes_and_provenance_changes_are_listed(tmp_path):
 
 
 def test_markdown_puts_the_summary_first_and_folds_details(tmp_path, capsys, monkeypatch):
-    project = git_repo(tmp_path, "cpu")
+    project = git_repo(tmp_path)
     g = store.read(project.goldens / LLAMA.relpath)
     g.tensors["loss"] = g.tensors["loss"] + 1.0
     store.write(g, project.goldens / LLAMA.relpath)
@@ -113,13 +112,13 @@ def test_markdown_puts_the_summary_first_and_folds_details(tmp_path, capsys, mon
 
     assert cli.main(["diff", "HEAD~1", "HEAD", "--format", "markdown"]) == 0
     out = capsys.readouterr().out
-    table_row = next(line for line in out.splitlines() if line.startswith("| `cpu/llama/step-float32`"))
+    table_row = next(line for line in out.splitlines() if line.startswith(f"| `{CLASS}/llama/step-float32`"))
     assert "**material**" in table_row and "`loss`" in table_row
     assert out.index("| golden |") < out.index("<details>") and "</details>" in out
 
 
 def test_bad_input_exits_2_with_one_line(tmp_path, capsys, monkeypatch):
-    git_repo(tmp_path, "cpu")
+    git_repo(tmp_path)
     monkeypatch.chdir(tmp_path)
     assert cli.main(["diff", "no-such-revision"]) == 2
     err = capsys.readouterr().err.strip()
@@ -130,17 +129,17 @@ def test_bad_input_exits_2_with_one_line(tmp_path, capsys, monkeypatch):
     path.write_bytes(b"not a golden")
     commit(tmp_path, "corrupt")
     assert cli.main(["diff", "HEAD~1", "HEAD"]) == 2
-    assert "HEAD:goldens/cpu/llama/step-float32.safetensors.zst: not a zstd frame" in capsys.readouterr().err
+    assert f"HEAD:goldens/{CLASS}/llama/step-float32.safetensors.zst: not a zstd frame" in capsys.readouterr().err
 
 
 def test_outside_git_a_revision_is_refused(tmp_path, capsys):
-    copy_zoo(tmp_path, "cpu")
+    copy_zoo(tmp_path)
     assert cli.main(["diff", "HEAD", "--goldens", str(tmp_path / "goldens")]) == 2
     assert "not inside a git repository" in capsys.readouterr().err
 
 
 def test_git_sides_do_not_touch_the_working_tree(tmp_path):
-    project = git_repo(tmp_path, "cpu")
+    project = git_repo(tmp_path)
     status_before = git(tmp_path, "status", "--porcelain")
     diff("HEAD", "HEAD", goldens_dir=project.goldens)
     assert git(tmp_path, "status", "--porcelain") == status_before == ""

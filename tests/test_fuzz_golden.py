@@ -5,10 +5,11 @@ they get past the zstd checksum) and the manifest's fields.
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 import tracemalloc
-from pathlib import Path
+from dataclasses import dataclass
 
 import pytest
 import zstandard
@@ -16,19 +17,37 @@ import zstandard
 pytest.importorskip("hypothesis", reason="the fuzz tests need hypothesis (in veosnap's [test] extra)")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from golden_repo import committed_golden  # noqa: E402
 
 from veosnap.errors import GoldenError
 from veosnap.golden import codec
 from veosnap.golden.manifest import READABLE_SCHEMAS
 
-REPO = Path(__file__).resolve().parents[1]
-SOURCE = REPO / "goldens" / "cpu" / "qwen3_moe" / "step-bfloat16.safetensors.zst"  # small, has routes; no model runs
-DATA = SOURCE.read_bytes()
-RAW = zstandard.ZstdDecompressor().decompress(DATA)
-HEADER_END = 8 + struct.unpack("<Q", RAW[:8])[0]
-MANIFEST = json.loads(json.loads(RAW[8:HEADER_END])["__metadata__"][codec.METADATA_KEY])
-# A decode may hold the file, its decompressed content and a copy or two of that; never more.
-ALLOCATION_CAP = 4 * (len(DATA) + len(RAW)) + (8 << 20)
+@dataclass(frozen=True)
+class Source:
+    """The golden every mutation starts from: its file, its decompressed safetensors, the header's end."""
+
+    data: bytes
+    raw: bytes
+    header_end: int
+
+    @property
+    def manifest(self) -> dict:
+        return json.loads(json.loads(self.raw[8:self.header_end])["__metadata__"][codec.METADATA_KEY])
+
+    @property
+    def allocation_cap(self) -> int:
+        """A decode may hold the file, its decompressed content and a copy or two of that; never more."""
+        return 4 * (len(self.data) + len(self.raw)) + (8 << 20)
+
+
+@functools.cache
+def source() -> Source:
+    """This class's committed qwen3_moe bfloat16 step golden (small, has routes; no model runs), read when a
+    test first needs it (not at import: a checkout without it skips the tests, not the collection)."""
+    data = committed_golden("qwen3_moe", "bfloat16").read_bytes()
+    raw = zstandard.ZstdDecompressor().decompress(data)
+    return Source(data, raw, 8 + struct.unpack("<Q", raw[:8])[0])
 
 
 def compress(raw: bytes) -> bytes:
@@ -73,7 +92,8 @@ ODD_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), s
 @st.composite
 def manifest_edit(draw: st.DrawFn) -> bytes:
     """The golden with one manifest field (or one tolerance, or one key part) set to an odd value."""
-    manifest = json.loads(json.dumps(MANIFEST))
+    src = source()
+    manifest = src.manifest
     target = draw(st.sampled_from(["top", "tolerance", "key", "reference", "min_margin"]))
     value = draw(ODD_VALUES)
     if target == "top":
@@ -86,18 +106,23 @@ def manifest_edit(draw: st.DrawFn) -> bytes:
         section = manifest[target]
         name = draw(st.sampled_from(sorted(section) or ["0"]))
         section[name] = value
-    header = json.loads(RAW[8:HEADER_END])
+    header = json.loads(src.raw[8:src.header_end])
     header["__metadata__"][codec.METADATA_KEY] = json.dumps(manifest)
     blob = json.dumps(header).encode()
     blob += b" " * (-len(blob) % 8)
-    return compress(struct.pack("<Q", len(blob)) + blob + RAW[HEADER_END:])
+    return compress(struct.pack("<Q", len(blob)) + blob + src.raw[src.header_end:])
 
 
-MUTANTS = st.one_of(
-    byte_edits(len(DATA)).map(lambda e: apply(DATA, e)),
-    byte_edits(len(RAW), near=HEADER_END).map(lambda e: compress(apply(RAW, e))),
-    manifest_edit(),
-)
+def mutants() -> st.SearchStrategy:
+    src = source()
+    return st.one_of(
+        byte_edits(len(src.data)).map(lambda e: apply(src.data, e)),
+        byte_edits(len(src.raw), near=src.header_end).map(lambda e: compress(apply(src.raw, e))),
+        manifest_edit(),
+    )
+
+
+MUTANTS = st.deferred(mutants)  # built at the first draw, inside a test: the golden is read then
 
 
 def decode_outcome(data: bytes) -> str:
@@ -113,13 +138,13 @@ def decode_outcome(data: bytes) -> str:
     finally:
         _, peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
-    assert peak < ALLOCATION_CAP
+    assert peak < source().allocation_cap
     return outcome
 
 
 def test_the_unmutated_golden_is_valid():
-    assert decode_outcome(DATA) == "valid"
-    assert decode_outcome(compress(RAW)) == "valid"
+    assert decode_outcome(source().data) == "valid"
+    assert decode_outcome(compress(source().raw)) == "valid"
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -3,13 +3,13 @@ disk encodes to the same bytes (the typed manifest loses nothing)."""
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
-from golden_repo import CLASS, REPO
+from golden_repo import CLASS, REPO, committed_tier, needs_goldens
 
 from veosnap.golden import codec, names, store
-from veosnap.golden.key import GoldenKey
 from veosnap.golden.manifest import Manifest, TrainHyper
 from veosnap.reference import scenarios
 from veosnap.reference.zoo import Project, list_models, load_config
@@ -53,21 +53,30 @@ ZOO = Project.resolve(goldens=REPO / "goldens", configs=REPO / "toy_configs", te
                       hardware_class=CLASS)
 
 
+@functools.cache
 def committed() -> list:
-    """Every committed golden, read: each class holds every toy model's scenarios that have a golden file of
-    their own, in both dtypes (100); the cpu class also the two real-shape goldens recorded on a CPU, the cuda-sm90
-    class the 16 real-shape ones recorded on the H200."""
-    readable = [(key, path, store.read(path)) for key, path in store.list_goldens(REPO / "goldens")]
-    toys = {(model, scenario.recorded, dtype)
-            for model in ZOO.models() for scenario in scenarios.applicable(load_config(ZOO.configs, model).config)
-            for dtype in ("float32", "bfloat16")}
-    real = {(model, "step", "float32") for model in ("qwen3-real", "qwen3_moe-real-small")}
-    # every real-shape config in both dtypes, recorded on the H200 by tools/gpu/gpu_real.py (docs/gpu.md)
-    real_gpu = {(model, "step", dtype) for model in list_models(ZOO.configs, "real")
-                for dtype in ("float32", "bfloat16")}  # gpt_oss-real bfloat16 is recorded with its excuse
-    for cls, expected in (("cpu", toys | real), ("cuda-sm90", toys | real_gpu)):
-        assert {(k.model, k.scenario, k.dtype) for k, _, _ in readable if k.hardware_class == cls} == expected, cls
-    return readable
+    """Every golden this checkout holds, read."""
+    return [(key, path, store.read(path)) for key, path in store.list_goldens(REPO / "goldens")]
+
+
+@pytest.mark.parametrize("hardware_class, tier", [("cpu", "toy"), ("cpu", "real"), ("cuda-sm90", "toy"),
+                                                  ("cuda-sm90", "real")])
+def test_each_class_holds_every_golden_of_its_tier(hardware_class, tier):
+    """Each class holds every toy model's scenarios that have a golden file of their own, in both dtypes (100);
+    the cpu class also the two real-shape goldens recorded on a CPU, the cuda-sm90 class the 16 real-shape ones
+    recorded on the H200 (every real-shape config in both dtypes, by tools/gpu/gpu_real.py; docs/gpu.md)."""
+    files = committed_tier(hardware_class, tier)
+    if tier == "toy":
+        expected = {(model, scenario.recorded, dtype) for model in ZOO.models()
+                    for scenario in scenarios.applicable(load_config(ZOO.configs, model).config)
+                    for dtype in ("float32", "bfloat16")}
+    elif hardware_class == "cpu":
+        expected = {(model, "step", "float32") for model in ("qwen3-real", "qwen3_moe-real-small")}
+    else:  # gpt_oss-real bfloat16 is recorded with its excuse
+        expected = {(model, "step", dtype) for model in list_models(ZOO.configs, "real")
+                    for dtype in ("float32", "bfloat16")}
+    keys = [store.key_of(path, REPO / "goldens") for path in files]
+    assert {(k.model, k.scenario, k.dtype) for k in keys} == expected
 
 
 def test_every_tensor_of_every_committed_golden_has_a_name():
@@ -84,6 +93,7 @@ def test_committed_goldens_encode_to_their_own_bytes():
             json.loads(golden.manifest.to_json())
 
 
+@needs_goldens("cpu", "qwen3_moe")
 def test_the_manifest_is_typed():
     g = store.read(REPO / "goldens" / "cpu" / "qwen3_moe" / "train-float32.safetensors.zst")  # reads on any machine
     assert isinstance(g.manifest.reference.train, TrainHyper) and g.manifest.reference.seed == 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from golden_repo import CLASS, ON_CUDA, REPO
+from golden_repo import CLASS, ON_CUDA, REPO, needs_goldens
 
 from veosnap.candidates import backends
 from veosnap.golden import names
@@ -47,7 +47,7 @@ def test_a_planted_attention_bug_fails_on_the_gpu(repo_project: Project) -> None
     assert report.status == "FAIL" and report.first_divergence.startswith("layer 1 ")
 
 
-@pytest.mark.parametrize("model", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("model", [pytest.param(m, marks=needs_goldens("cpu", m)) for m in ("llama", "qwen3_moe")])
 def test_the_cpu_goldens_checked_here_measure_how_far_the_classes_are_apart(model: str) -> None:
     cpu = Project.resolve(goldens=REPO / "goldens", configs=REPO / "toy_configs", testdata=REPO / "testdata",
                           hardware_class="cpu")

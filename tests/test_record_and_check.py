@@ -6,20 +6,16 @@ report, and meet the errors that guard against checking against the wrong thing.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
 import shlex
-import subprocess
-import sys
-import zipfile
 from pathlib import Path
 
 import pytest
 import torch
 import zstandard
-from golden_repo import CLASS, alike_everywhere, skip_unless_reproduced
+from golden_repo import CLASS, alike_everywhere, needs_goldens, skip_unless_reproduced
 from safetensors import safe_open
 
 from veosnap.errors import VeosnapError
@@ -183,31 +179,7 @@ def test_committed_goldens_are_what_the_recorder_writes_here(repo_project, tmp_p
     assert fresh.manifest.payload_hash == g.manifest.payload_hash
 
 
-def test_wheel_bundles_the_zoo_so_check_works_after_a_plain_install(tmp_path):
-    """A non-editable install of the wheel, then `veosnap check` from any directory."""
-    wheel_dir = tmp_path / "wheel"
-    # With hatchling here, build offline; else pip fetches it (a machine with no package index cannot).
-    offline = ["--no-build-isolation"] if importlib.util.find_spec("hatchling") else []
-    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", *offline, "-w", str(wheel_dir),
-                            str(ROOT)], capture_output=True, text=True)
-    if built.returncode and not offline and "hatchling" in built.stderr:
-        pytest.skip("building the wheel needs the hatchling build backend, which pip could not fetch here "
-                    "(no package index?): pip install hatchling")
-    assert built.returncode == 0, built.stderr
-    wheel = next(wheel_dir.glob("veosnap-*.whl"))
-    names = zipfile.ZipFile(wheel).namelist()
-    assert "veosnap/_bundled/goldens/cpu/llama/step-float32.safetensors.zst" in names
-    assert "veosnap/_bundled/toy_configs/llama/config.json" in names
-    site = tmp_path / "site"
-    with zipfile.ZipFile(wheel) as zf:
-        zf.extractall(site)  # what pip would unpack into site-packages
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
-    run = subprocess.run([sys.executable, "-m", "veosnap", "check", "--model", "llama", "--dtype", "float32"],
-                         cwd=tmp_path, env=env, capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
-    assert f"PASS  {CLASS}/llama/step-float32" in run.stdout
-
-
+@needs_goldens("cpu", "llama")
 def test_another_class_is_refused_unless_cross_class_asked(repo_project, monkeypatch, capsys):
     """On a GPU the cpu goldens are refused by default; --cross-class measures the gap instead."""
     from veosnap.reference import hardware

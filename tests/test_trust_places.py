@@ -143,9 +143,9 @@ def test_item7_the_plugin_deletes_only_through_the_goldens_root(tmp_path):
     from veosnap.golden import store
 
     goldens, outside = tmp_path / "goldens", tmp_path / "outside"
-    shutil.copytree(REPO / "goldens" / "cpu" / "qwen2", outside)
-    (goldens / "cpu").mkdir(parents=True)
-    (goldens / "cpu" / "qwen2").symlink_to(outside, target_is_directory=True)
+    shutil.copytree(REPO / "goldens" / CLASS / "qwen2", outside)
+    (goldens / CLASS).mkdir(parents=True)
+    (goldens / CLASS / "qwen2").symlink_to(outside, target_is_directory=True)
     scan = store.scan(goldens)
     assert scan.goldens == []
     assert [(p.name, why.split(",")[0]) for p, why in scan.skipped] == \

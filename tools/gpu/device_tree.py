@@ -1,56 +1,68 @@
-"""Fit the work tree to one device call: set aside the goldens a call does not need, and put them back.
+"""Fit the work tree to one device call: leave out of the checkout the goldens a call does not need, and
+bring them back; git's sparse checkout does both, so git sees nothing changed all along.
 
-The device tool copies the tracked tree and the carried folders, 64 MiB in all; the goldens alone are now
-larger (cpu and cuda-sm90, toy and real-shape). Each device call needs only some of them, so the folders
-it does not need are moved out of the tree before the call and back after it:
+The device tool copies the files of the checkout (tracked ones present on disk, untracked ones not ignored)
+and the carried folders, 64 MiB in all; the goldens alone are larger (cpu and cuda-sm90, toy and real-shape,
+about 90 MiB). Each device call needs only some of them:
 
-    python tools/gpu/device_tree.py aside --keep 'goldens/cuda-sm90/*-real*' --carry .whl/s --carry .whl/l
-    ... the device call ...
+    python tools/gpu/device_tree.py aside --for suite --carry .whl/s    # the GPU suite: this class's toy goldens
+    ... the device calls ...
     python tools/gpu/device_tree.py restore
 
-`aside` moves every golden folder (goldens/CLASS/MODEL) that no `--keep` pattern matches to a folder
-outside the tree, records the moves there, and prints what travels (tracked files left plus the carried
-folders) against the limit; it refuses a second `aside` before `restore`, and a plan over the limit unless
-`--force`. `restore` moves everything back and checks that git sees the goldens unchanged. `plan` prints the
-same sizes without moving anything. Presets: `--for real` (the real-shape cuda-sm90 goldens only) and
-`--for bench` (cpu llama and qwen3_moe, and the toy cuda-sm90 goldens), the sets docs/gpu.md's and
-docs/scale.md's device commands need.
+`aside` makes every golden folder (goldens/CLASS/MODEL) that no `--keep` pattern matches a path git leaves
+out of the working tree (`git sparse-checkout set --no-cone`: the files stay in the index and the repository,
+`git status` stays clean, nothing is stashed anywhere), after printing what travels (the tracked files left,
+the untracked ones and the carried folders) against the limit; it refuses a plan over the limit unless
+`--force`. Another `aside` replaces the set (no `restore` between calls of different needs). `restore` brings
+every file back (`git sparse-checkout disable`) and checks that git sees the goldens unchanged. `plan` prints
+the sizes without changing anything. Presets: `--for suite` (the cuda-sm90 toy goldens: tools/gpu/gpu_pytest.sh,
+docs/gpu.md), `--for real` (the real-shape cuda-sm90 goldens only), `--for bench` (cpu llama and qwen3_moe
+and the toy cuda-sm90 goldens: docs/scale.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import fnmatch
-import json
-import shutil
+import os
 import subprocess
 import sys
 from pathlib import Path
 
-LIMIT = 64 * 2**20  # the device tool's limit on the tracked tree and the carried folders together
+LIMIT = 64 * 2**20  # the device tool's limit on the files it copies and the carried folders together
 ROOT = Path(__file__).resolve().parents[2]
-STASH = Path("/tmp/veosnap-device-aside")
 PRESETS = {
+    "suite": ["goldens/cuda-sm90/*"],
     "real": ["goldens/cuda-sm90/*-real*"],
     "bench": ["goldens/cpu/llama", "goldens/cpu/qwen3_moe", "goldens/cuda-sm90/*"],
 }
-EXCLUDE = {"bench": ["goldens/cuda-sm90/*-real*"]}  # kept by a broader pattern, still not needed
+EXCLUDE = {"suite": ["goldens/cuda-sm90/*-real*"], "bench": ["goldens/cuda-sm90/*-real*"]}  # kept by a broader pattern
+
+
+def git(root: Path, *args: str, stdin: str | None = None) -> str:
+    return subprocess.run(["git", "-C", str(root), *args], check=True, capture_output=True, text=True,
+                          input=stdin).stdout
 
 
 def tracked_sizes(root: Path) -> dict[str, int]:
-    """Every tracked file's size, by path relative to `root`."""
-    names = subprocess.run(["git", "-C", str(root), "ls-files", "-z"], check=True, capture_output=True).stdout
-    sizes = {}
-    for name in filter(None, names.decode().split("\0")):
-        path = root / name
-        if path.is_file():
-            sizes[name] = path.stat().st_size
-    return sizes
+    """Every tracked file's size, by path relative to `root`, from the index (also for files left out of the
+    working tree by an earlier `aside`)."""
+    entries = [line.split("\t", 1) for line in git(root, "ls-files", "-z", "--stage").split("\0") if line]
+    paths, blobs = [path for _, path in entries], [meta.split()[1] for meta, _ in entries]
+    sizes = git(root, "cat-file", "--batch-check=%(objectsize)", stdin="\n".join(blobs) + "\n").split()
+    return dict(zip(paths, map(int, sizes)))
+
+
+def untracked_bytes(root: Path) -> int:
+    """The untracked files git does not ignore: they travel too."""
+    names = git(root, "ls-files", "-z", "--others", "--exclude-standard").split("\0")
+    return sum((root / n).stat().st_size for n in names if n and (root / n).is_file())
 
 
 def golden_folders(root: Path) -> list[str]:
-    """goldens/CLASS/MODEL folders, relative to `root`."""
-    return sorted(str(p.relative_to(root)) for p in (root / "goldens").glob("*/*") if p.is_dir())
+    """goldens/CLASS/MODEL folders of the index, relative to `root`."""
+    return sorted({"/".join(name.split("/")[:3]) for name in tracked_sizes(root)
+                   if name.startswith("goldens/") and name.count("/") >= 3})
 
 
 def chosen_aside(root: Path, keep: list[str], exclude: list[str]) -> list[str]:
@@ -64,56 +76,46 @@ def folder_bytes(path: Path) -> int:
 
 def plan(root: Path, aside: list[str], carry: list[str]) -> tuple[int, str]:
     """Bytes that travel, and a table of them."""
-    sizes = tracked_sizes(root)
-    left = sum(size for name, size in sizes.items() if not any(name.startswith(a + "/") for a in aside))
+    left = sum(size for name, size in tracked_sizes(root).items() if not any(name.startswith(a + "/") for a in aside))
+    untracked = untracked_bytes(root)
     carried = {c: folder_bytes(root / c) for c in carry}
-    total = left + sum(carried.values())
-    lines = [f"tracked tree, {len(aside)} golden folder(s) set aside: {left / 2**20:.1f} MiB"]
+    total = left + untracked + sum(carried.values())
+    lines = [f"tracked tree, {len(aside)} golden folder(s) left out: {left / 2**20:.1f} MiB",
+             f"untracked, not ignored: {untracked / 2**20:.1f} MiB"]
     lines += [f"carry {c}: {b / 2**20:.1f} MiB" for c, b in carried.items()]
     verdict = "fits" if total <= LIMIT else "DOES NOT FIT"
     lines.append(f"total {total / 2**20:.1f} MiB of {LIMIT / 2**20:.0f} MiB: {verdict}")
     return total, "\n".join(lines)
 
 
-def do_aside(root: Path, stash: Path, aside: list[str], carry: list[str], force: bool) -> int:
-    record = stash / "moves.json"
-    if record.exists():
-        print(f"device_tree: {record} exists: run `restore` first", file=sys.stderr)
-        return 2
+def do_aside(root: Path, aside: list[str], carry: list[str], force: bool) -> int:
     total, table = plan(root, aside, carry)
     print(table)
     if total > LIMIT and not force:
-        print("device_tree: nothing moved (over the limit; --force to move anyway)", file=sys.stderr)
+        print("device_tree: nothing left out (over the limit; --force to go on)", file=sys.stderr)
         return 2
-    stash.mkdir(parents=True, exist_ok=True)
-    moved = []
-    for folder in aside:
-        target = stash / folder
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.move(str(root / folder), str(target))
-        moved.append(folder)
-        record.write_text(json.dumps({"root": str(root), "moved": moved}))  # after each move: a crash loses none
-    print(f"set aside {len(moved)} folder(s) in {stash}")
+    # Non-cone patterns: everything, but these folders. The files stay tracked (skip-worktree).
+    git(root, "sparse-checkout", "set", "--no-cone", "/*", *(f"!/{folder}/" for folder in aside))
+    present = [folder for folder in aside if any(p.is_file() for p in (root / folder).rglob("*"))]
+    if present:  # a modified or untracked file keeps its folder: it would travel
+        print(f"device_tree: {len(present)} folder(s) are still on disk (modified or untracked files in them): "
+              f"{', '.join(present[:5])}", file=sys.stderr)
+        return 2
+    print(f"left out {len(aside)} folder(s) (git sparse-checkout; `python tools/gpu/device_tree.py restore` brings "
+          "them back)")
     return 0
 
 
-def do_restore(root: Path, stash: Path) -> int:
-    record = stash / "moves.json"
-    if not record.exists():
-        print(f"device_tree: nothing to restore ({record} does not exist)")
+def do_restore(root: Path) -> int:
+    sparse = subprocess.run(["git", "-C", str(root), "config", "--bool", "core.sparseCheckout"], capture_output=True,
+                            text=True).stdout.strip()
+    if sparse != "true":
+        print("device_tree: nothing to restore (no sparse checkout here)")
         return 0
-    moved = json.loads(record.read_text())["moved"]
-    for folder in moved:
-        if (root / folder).exists():
-            print(f"device_tree: {root / folder} exists again: left {stash / folder} where it is", file=sys.stderr)
-            return 2
-        (root / folder).parent.mkdir(parents=True, exist_ok=True)
-        shutil.move(str(stash / folder), str(root / folder))
-    record.unlink()
-    status = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "goldens"], check=True,
-                            capture_output=True, text=True).stdout
-    print(f"restored {len(moved)} folder(s)" + (f"; git sees goldens changed:\n{status}" if status else
-                                                  "; git sees the goldens unchanged"))
+    git(root, "sparse-checkout", "disable")
+    status = git(root, "status", "--porcelain", "--", "goldens")
+    print("restored every golden" + (f"; git sees goldens changed:\n{status}" if status else
+                                      "; git sees the goldens unchanged"))
     return 1 if status else 0
 
 
@@ -124,18 +126,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--for", dest="preset", choices=sorted(PRESETS), help="a preset set of --keep patterns")
     parser.add_argument("--carry", action="append", default=[], help="a carried folder, counted (repeatable)")
     parser.add_argument("--root", type=Path, default=ROOT)
-    parser.add_argument("--stash", type=Path, default=STASH)
     parser.add_argument("--force", action="store_true")
     args = parser.parse_args(argv)
     root = args.root.resolve()
+    os.environ.pop("GIT_DIR", None)  # a hook's environment would point git elsewhere
     if args.action == "restore":
-        return do_restore(root, args.stash)
+        return do_restore(root)
     keep = args.keep + PRESETS.get(args.preset, [])
     aside = chosen_aside(root, keep, EXCLUDE.get(args.preset, []))
     if args.action == "plan":
         print(plan(root, aside, args.carry)[1])
         return 0
-    return do_aside(root, args.stash, aside, args.carry, args.force)
+    return do_aside(root, aside, args.carry, args.force)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,17 @@
 """Run the project's own pytest as if this machine were of another hardware class (default cuda-sm90).
 
-    python tools/gpu/simulate_class.py [--hardware-class cuda-sm90] [--keep DIR [--rerecord]] [--model M ...] [-- PYTEST ARGS...]
+    python tools/gpu/simulate_class.py [--hardware-class cuda-sm90] [--for suite] [--keep DIR [--rerecord]]
+                                       [--model M ...] [-- PYTEST ARGS...]
 
 What a GPU box changes for the suite is, first of all, its hardware class: the goldens it records and
 checks are `goldens/cuda-sm90/...`, its reports say `cuda-sm90/llama/step-float32`, a cpu golden is
 another class's. This tool makes a test run see exactly that on the CPU, to catch tests that assume
 `cpu` before a GPU session is spent on them:
 
-1. copies the working tree (tracked and untracked, not ignored files) into a temp directory;
+1. copies the working tree (tracked and untracked, not ignored files) into a temp directory; with `--for
+   PRESET`, less the golden folders `tools/gpu/device_tree.py aside --for PRESET` leaves out of a device call
+   (`--for suite`: the GPU suite's call, without the cpu goldens and the real tier), so a test that needs
+   them shows here, as it would there, whether it skips saying why;
 2. puts a `sitecustomize` on PYTHONPATH that makes `veosnap.reference.hardware.detect()` answer the
    class and `device_for` the CPU, in every Python process of the run (pytest, the CLI, torchrun
    ranks, the downstream-project subprocesses), except where CUDA_VISIBLE_DEVICES is empty (a process
@@ -103,6 +107,16 @@ def copy_tree(dest: Path) -> None:
             shutil.copy2(src, dest / rel)
 
 
+def leave_out(repo: Path, preset: str) -> None:
+    """Remove from the copy the golden folders a device call of `preset` leaves out (tools/gpu/device_tree.py)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import device_tree
+
+    for folder in device_tree.chosen_aside(ROOT, device_tree.PRESETS[preset], device_tree.EXCLUDE.get(preset, [])):
+        shutil.rmtree(repo / folder, ignore_errors=True)
+    print(f"simulate_class: left out what `device_tree.py aside --for {preset}` leaves out", flush=True)
+
+
 CACHES = {"__pycache__", ".pytest_cache", ".hypothesis", ".ruff_cache"}
 
 
@@ -124,6 +138,8 @@ def tree_state(root: Path) -> dict[str, tuple[int, int]]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hardware-class", default="cuda-sm90", help="the class to simulate (default cuda-sm90)")
+    parser.add_argument("--for", dest="preset", help="copy only what `tools/gpu/device_tree.py aside --for PRESET` "
+                        "sends to the device (e.g. suite)")
     parser.add_argument("--keep", type=Path, help="work in this directory and keep it (default: a temp dir)")
     parser.add_argument("--model", action="append",
                         help="record only these models' goldens (repeatable; default: the whole toy tier), for a "
@@ -139,6 +155,8 @@ def main() -> int:
         if repo.exists():
             shutil.rmtree(repo)
         copy_tree(repo)
+        if args.preset:
+            leave_out(repo, args.preset)
         shim.mkdir(parents=True, exist_ok=True)
         (shim / "sitecustomize.py").write_text(SITECUSTOMIZE, encoding="utf-8")
         env = {**os.environ, "SIMULATED_HARDWARE_CLASS": args.hardware_class,

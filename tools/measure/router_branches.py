@@ -35,7 +35,7 @@ def main() -> None:
     print(f"| family | backend | branch changed | tokens moved ({args.dtype}) | worst routes.N.weights ratio | verdict |")
     print("|---|---|---|---|---|---|")
     for family in args.family or list(rb.BRANCHES):
-        key = GoldenKey("cpu", family, "step", args.dtype)
+        key = GoldenKey(project.hardware_class, family, "step", args.dtype)
         for backend, what, _notice in rb.BRANCHES[family]:
             report = check(project, key, backends.resolve(f"{branches_file}:{backend}"))
             if report.error or report.skipped:

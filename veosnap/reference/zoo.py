@@ -13,7 +13,8 @@ one above it that has `goldens/` or `toy_configs/`, or a `pyproject.toml` with a
 the search stops at a repository's top (a directory holding `.git`). Lookup order for each directory:
 an explicit flag, else the project's (`<root>/goldens`, `<root>/toy_configs`, `<root>/testdata`), else
 the zoo bundled with veosnap (inside the wheel after `pip install`, or the repository root for an
-editable install). Goldens follow one rule (`default_goldens`): `--goldens DIR`, else `<root>/goldens`
+editable install; the wheel's goldens are the cpu toy tier's, and the data packages of other classes and the
+real tier install theirs into the same folder, see data/README.md). Goldens follow one rule (`default_goldens`): `--goldens DIR`, else `<root>/goldens`
 in a project, else `./goldens` when recording (which makes the current directory a project), else
 (reading only) the bundled goldens. So `record` and `refresh` write into the project, created on first
 use, and never into the installed package.
@@ -243,6 +244,16 @@ def same_dir(a: Path, b: Path) -> bool:
         return False
 
 
+def data_package_hint(goldens: Path, hardware_class: str, tier: str) -> str:
+    """Reading the bundled goldens: where the wheel leaves a class's or tier's goldens out, the data package
+    that installs them beside it (data/README.md), as a clause of a message; else ''."""
+    installed = _PACKAGE / "_bundled" / "goldens"  # an editable install reads the repository's, which has them all
+    if (hardware_class, tier) == ("cpu", "toy") or not installed.is_dir() or not same_dir(goldens, installed):
+        return ""
+    package = f"veosnap-goldens-{hardware_class}" + ("-real" if tier == "real" else "")
+    return f"; or install the bundled zoo's: pip install {package}"
+
+
 def default_goldens(recording: bool = False) -> Path:
     """`<root>/goldens` in a project (`find_root`), else `./goldens` when `recording`, else the bundled
     goldens (read only)."""
@@ -386,7 +397,8 @@ class Project:
         if bundled:
             hints.insert(0, bundled)
         how = f"this machine cannot record it ({refused})" if refused else \
-            f"record with `{record}` on {self.hardware_class} hardware"
+            f"record with `{record}` on {self.hardware_class} hardware" \
+            + data_package_hint(self.goldens, self.hardware_class, toy.tier)
         return MissingGoldenError(f"no golden for {what} on {self.hardware_class} in {shown(self.goldens)}: {how}"
                                   + "".join(f"; {h}" for h in hints))
 
@@ -418,8 +430,9 @@ def load_golden(project: Project, key: GoldenKey, background: bool = False) -> G
     key = key.recorded  # a scenario checked against another's golden (`frozen_vision`: `vision`)
     path = store.path_for(project.goldens, key)
     if not os.path.lexists(path):  # anything there (a FIFO, a link) is for the reader to refuse
-        load_config(project.configs, key.model)  # no config either: say that, not how to record
+        toy = load_config(project.configs, key.model)  # no config either: say that, not how to record
         record = project.recording_command("record", key)
+        package = data_package_hint(project.goldens, key.hardware_class, toy.tier)
         classes = sorted(p.name for p in project.goldens.iterdir() if p.is_dir()) if project.goldens.is_dir() else []
         bundled = project.bundled_hint(key.model, key.scenario, key.dtype)
         bundled = f"; {bundled}" if bundled else ""
@@ -427,10 +440,10 @@ def load_golden(project: Project, key: GoldenKey, background: bool = False) -> G
             raise MissingGoldenError(
                 f"{shown(project.goldens)}: no goldens for hardware class {key.hardware_class} "
                 f"(present: {', '.join(classes) or 'none'}); record this one on that hardware with "
-                f"`{record}`, or pick a class with --hardware-class{bundled}"
+                f"`{record}`, or pick a class with --hardware-class{package}{bundled}"
             )
         raise MissingGoldenError(f"{shown(path)}: no golden for {key}; record it with `{record}` on {key.hardware_class} "
-                                 f"hardware{bundled}")
+                                 f"hardware{package}{bundled}")
 
     def advise(exc: GoldenError) -> GoldenError:
         if not exc.fix:
