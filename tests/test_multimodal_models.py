@@ -120,6 +120,9 @@ def test_every_backend_and_layout_passes(project: Project, model: str, scenario:
             # torch's bug, caught: the check fails from the first block where flex runs those lengths
             assert cell.status == "fail" and (cell.report.first_divergence or "").startswith("vision block 0"), where
             continue
+        if cell.status == "skip" and "has no experts" in cell.reason:  # an experts kernel on a dense model: n/a
+            assert cell.backend in ("grouped_mm", "batched_mm"), where
+            continue
         status, words = _expected(model, scenario, cell.backend, cell.layout)
         assert cell.status == status and words in cell.reason, where
     eager = by_backend.cell(Row(model, "float32"), by_backend.columns[0])

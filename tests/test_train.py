@@ -38,6 +38,9 @@ def names_over(report) -> set[str]:  # noqa: ANN001 - a CheckReport
 @pytest.mark.parametrize("backend", ["eager", "sdpa", "grouped_mm"])
 def test_backends_pass_the_train_golden(repo_project: Project, model: str, dtype: str, backend: str) -> None:
     report = check(repo_project, key(model, dtype), backends.resolve(backend))
+    if backend == "grouped_mm" and model == "llama":  # an experts kernel on a dense model changes nothing: n/a
+        assert report.skipped and "has no experts" in report.skipped
+        return
     assert report.passed, (report.error, report.worst)
     compared = {t.name for t in report.tensors}
     assert {LOSS, GRAD_NORM} <= compared

@@ -72,10 +72,28 @@ def alive() -> set[threading.Thread]:
     return set(threading.enumerate())
 
 
+# Threads whose code is a library's machinery, not the candidate's: torch.compile's and Triton's compile pools,
+# executor workers, tqdm's monitor. An exception raised into them breaks the library for the rest of the
+# process (on the H200, compile's workers raised ThreadStopped and "cannot join a dummy thread"), and what
+# they run is no patch of the candidate's.
+LIBRARY_THREADS = ("torch", "triton", "concurrent", "multiprocessing", "queue", "asyncio", "threading", "tqdm",
+                   "transformers", "accelerate", "_pytest", "execnet")
+
+
+def _library(thread: threading.Thread) -> bool:
+    if isinstance(thread, threading._DummyThread):  # a thread started in C (a CUDA or compiler callback)
+        return True
+    target = getattr(thread, "_target", None) or type(thread).run
+    module = getattr(target, "__module__", None) or ""
+    return module.split(".")[0] in LIBRARY_THREADS and type(thread).__module__.split(".")[0] in (
+        "threading", *LIBRARY_THREADS)
+
+
 def started(before: set[threading.Thread], exclude: tuple[threading.Thread | None, ...] = ()) -> list[threading.Thread]:
-    """The threads alive now that were not in `before`, but for `exclude` (veosnap's own: the watchdog)."""
-    return sorted((t for t in threading.enumerate() if t not in before and t not in exclude and t.ident is not None),
-                  key=lambda t: t.name)
+    """The threads alive now that were not in `before`, but for `exclude` (veosnap's own: the watchdog) and
+    library machinery (`LIBRARY_THREADS`)."""
+    return sorted((t for t in threading.enumerate() if t not in before and t not in exclude and t.ident is not None
+                   and not _library(t)), key=lambda t: t.name)
 
 
 def _async_raise(thread: threading.Thread, exc: type[BaseException] | None) -> None:

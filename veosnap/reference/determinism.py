@@ -95,6 +95,7 @@ def require_deterministic(source: object, model: nn.Module, kwargs: dict[str, to
             raise VeosnapError(f"{source}: {name} is {type(module).__name__}(p={module.p:g}), which no config field "
                                "sets: a random forward cannot be a reference (set it to 0)")
     device = next(model.parameters()).device
+    kwargs = {name: t.to(device) if isinstance(t, torch.Tensor) else t for name, t in kwargs.items()}
     model.train()  # as the reference runs (`capture.run_step`)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
         norms = []
