@@ -119,8 +119,12 @@ def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
 
 
 def run(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
+    """A command's exit code, its report (past the project header a check opens with) and its stderr."""
     code = main(list(argv))
     out, err = capsys.readouterr()
+    if out.startswith("project "):
+        header, _, out = out.partition("\n\n")
+        assert header.startswith(f"project {Path.cwd()}: goldens goldens"), header
     return code, out, err
 
 

@@ -94,8 +94,11 @@ def test_missing_golden_says_how_to_record_it_and_the_advice_runs_as_printed(scr
     assert cli(scratch_project, "check", "--model", "qwen3", "--dtype", "float32") == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0
-    advice = re.fullmatch(r".*; record it with `(veosnap record [^`]*)` on (\S+) hardware", err)
+    advice = re.fullmatch(r".*; record it with `(veosnap record [^`]*)` on (\S+) hardware"
+                          r"(?:; veosnap's bundled zoo has it: `(veosnap check [^`]*)` checks against it)?", err)
     assert advice and advice.group(2) == CLASS, err
+    if advice.group(3):  # the bundled zoo's golden, checked as printed
+        assert main(shlex.split(advice.group(3))[1:]) == 0, capsys.readouterr()
     assert shlex.split(advice.group(1))[:6] == ["veosnap", "record", "--model", "qwen3", "--dtype", "float32"]
     assert f"--goldens {scratch_project.goldens}" in advice.group(1)  # the project it was checked in
 

@@ -32,6 +32,7 @@ from . import text as render_text
 from .view import RowsSection, worst_rows_sections
 
 if TYPE_CHECKING:
+    from ..reference.zoo import Where
     from ..runs.verdict import CheckReport
 
 # --- what to show ------------------------------------------------------------------------------
@@ -167,9 +168,12 @@ def expert_count(result: Mapping[str, Any]) -> int:
 
 # --- drawing -----------------------------------------------------------------------------------
 
-def checks(reports: list[CheckReport]) -> str:
-    """The HTML page of a run's check reports (what `veosnap check --html FILE` writes)."""
-    return page(json.loads(render_json.checks(reports)), render_text.checks(reports),
+def checks(reports: list[CheckReport], where: Where | None = None) -> str:
+    """The HTML page of a run's check reports (what `veosnap check --html FILE` writes); with `where`, its
+    text report opens with the project header, as the terminal's does."""
+    text = render_text.checks(reports)
+    return page(json.loads(render_json.checks(reports, where)),
+                text if where is None else render_text.where(where) + "\n\n" + text,
                 [worst_rows_sections(r) for r in reports])
 
 

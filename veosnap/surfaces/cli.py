@@ -191,7 +191,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     if html_path is not None:
         from ..render import html as render_html
 
-        store.write_bytes(render_html.checks(reports).encode(), html_path)
+        store.write_bytes(render_html.checks(reports, where).encode(), html_path)
         print(f"wrote {html_path}", file=sys.stderr)
     return EXIT_OK if all(r.passed for r in reports) else EXIT_FAILED
 
