@@ -172,6 +172,8 @@ def record_limited(configs: Path, testdata: Path, goldens: Path) -> subprocess.C
         resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    if CLASS != "cpu":  # CUDA cannot start in 8 GiB of address space; the caps refuse before any device is touched
+        env["CUDA_VISIBLE_DEVICES"] = ""
     return subprocess.run([sys.executable, "-m", "veosnap", "record", "--goldens", str(goldens), "--configs",
                            str(configs), "--testdata", str(testdata), "--hardware-class", CLASS, "--model", "llama",
                            "--dtype", "float32"], capture_output=True, text=True, env=env, timeout=300,
@@ -207,6 +209,31 @@ def test_item3_the_memory_estimate_counts_attention_over_a_rows_width(monkeypatc
     limits.check_memory(toy, parameters, tokens, torch.float32, torch.device("cpu"), recording=True, width=1)
     with pytest.raises(limits.VeosnapError, match=r"needs about \d+ GiB to record .* more than this machine's 4 GiB"):
         limits.check_memory(toy, parameters, tokens, torch.float32, torch.device("cpu"), recording=True, width=tokens)
+
+
+def test_a_gpu_that_cuda_fails_to_start_is_an_error_not_a_cpu_machine(monkeypatch, capsys):
+    # what torch says when CUDA cannot start (seen on the H200 in a process limited to 8 GiB of address space)
+    import warnings
+
+    import torch
+
+    from veosnap.reference import hardware
+
+    def failing() -> bool:
+        warnings.warn("CUDA initialization: Unexpected error from cudaGetDeviceCount(). Error 2: out of memory "
+                      "(Triggered internally at CUDAFunctions.cpp:119.)", UserWarning)
+        return False
+
+    monkeypatch.setattr(torch.cuda, "is_available", failing)
+    monkeypatch.delenv(hardware.ENV_VAR, raising=False)
+    with pytest.raises(hardware.VeosnapError, match=r"^this machine has a GPU but CUDA failed to start \(Unexpected "
+                       r"error from cudaGetDeviceCount\(\). Error 2: out of memory\); .* \(CUDA_VISIBLE_DEVICES=\)"):
+        hardware.detect()
+    assert main(["check", "--model", "llama"]) == 2
+    assert capsys.readouterr().err.startswith("veosnap: error: this machine has a GPU but CUDA failed to start")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # no GPU at all: a cpu machine
+    assert hardware.detect() == "cpu"
 
 
 # --- item 5: deterministic references -------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 
 import torch
 
@@ -17,10 +18,21 @@ _CLASS_RE = re.compile(r"^(cpu|cuda-sm\d{2,3})$")
 
 
 def detect() -> str:
-    """The hardware class of this machine: `cuda-sm<major><minor>` if a GPU is visible, else `cpu`."""
-    if torch.cuda.is_available():
+    """The hardware class of this machine: `cuda-sm<major><minor>` if a GPU is visible, else `cpu`; an error
+    where a GPU is there but CUDA failed to start (out of memory, a driver mismatch), which must not pass for a
+    cpu machine: its checks would run the CPU's code and pass, proving nothing about the GPU's."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        available = torch.cuda.is_available()
+    if available:
         major, minor = torch.cuda.get_device_capability()
         return f"cuda-sm{major}{minor}"
+    failed = [str(w.message) for w in caught if "CUDA initialization" in str(w.message)
+              and "no NVIDIA driver" not in str(w.message)]
+    if failed:
+        cause = failed[0].split("(Triggered internally")[0].strip().removeprefix("CUDA initialization: ")
+        raise VeosnapError(f"this machine has a GPU but CUDA failed to start ({cause}); veosnap will not take it "
+                           "for a cpu machine: fix CUDA, or hide the GPU (CUDA_VISIBLE_DEVICES=) to run on the CPU on purpose")
     return "cpu"
 
 
