@@ -63,7 +63,9 @@ def console(command: str, cwd: Path) -> subprocess.CompletedProcess:
     script = Path(sys.executable).parent / "veosnap"
     head = [str(script)] if script.is_file() else [sys.executable, "-P", "-m", "veosnap"]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "VEOSNAP_"))}
-    env["PYTHONPATH"] = str(Path(veosnap.__file__).resolve().parents[1])
+    # this veosnap first, then whatever else the suite runs with (a device call's wheels live on PYTHONPATH)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(veosnap.__file__).resolve().parents[1]),
+                                                      os.environ.get("PYTHONPATH")]))
     return subprocess.run([*head, *shlex.split(command)[1:]], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=600)
 
@@ -240,7 +242,9 @@ def test_unrecorded(veosnap_check):
 
 def pytest_in(project: Path, *args: str) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "VEOSNAP_"))}
-    env["PYTHONPATH"] = str(Path(veosnap.__file__).resolve().parents[1])
+    # this veosnap first, then whatever else the suite runs with (a device call's wheels live on PYTHONPATH)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(veosnap.__file__).resolve().parents[1]),
+                                                      os.environ.get("PYTHONPATH")]))
     # veosnap on PYTHONPATH only (a device call's checkout) has no pytest11 entry point: name the plugin
     plugin = [] if any(ep.value == "veosnap.surfaces.pytest_plugin" for ep in entry_points(group="pytest11")) \
         else ["-p", "veosnap.surfaces.pytest_plugin"]
