@@ -228,6 +228,9 @@ def _check(index: int, r: Mapping[str, Any], sections: Sequence[RowsSection]) ->
         lines.append(("first diverging layer", r["first_divergence"]))
     if r.get("first_gradient_divergence"):
         lines.append(("first diverging gradient", r["first_gradient_divergence"]))
+    for line in (r.get("isolated") or {}).get("lines") or ():
+        label, _, text = line.partition(": ")
+        lines.append((label, text))
     for note in r.get("notes") or ():
         lines.append(("note", note))
     if lines:

@@ -15,13 +15,14 @@ from dataclasses import asdict
 
 from ..golden import names
 from ..numerics.compare import TensorResult
+from ..numerics.isolation import IsolatedResult
 from ..numerics.fmt import json_number
 from ..reference.zoo import Where
 from ..runs.diff import DiffReport, FieldChange, GoldenDiff
 from ..runs.drift import DriftReport
 from ..runs.matrix import Matrix
 from ..runs.verdict import CheckReport
-from .view import drift_rows, estimate_note, next_step, sketch_note, versions_note
+from .view import SHOWN_ISOLATED, drift_rows, estimate_note, isolation_lines, next_step, sketch_note, versions_note
 
 
 def check_dict(report: CheckReport) -> dict:
@@ -51,9 +52,26 @@ def check_dict(report: CheckReport) -> dict:
         ],
         "notes": report.notes,
         "sensitivity": report.sensitivity,  # null: the golden is not certified
+        # Low precision: each layer's parts checked in isolation; failing statistics and the closest passing ones.
+        "isolated": {
+            "checked": bool(report.isolated), "why_not": report.not_isolated or None,
+            "lines": isolation_lines(report, shown=len(report.isolated)),
+            "statistics": [isolated_dict(i) for i in _shown_isolated(report)],
+        },
         "next": None if report.passed or report.skipped else next_step(report),
         "tensors": [tensor_dict(t) for t in report.ranked()],
     }
+
+
+def _shown_isolated(report: CheckReport) -> list[IsolatedResult]:
+    ranked = report.isolated_ranked()
+    failing = [i for i in ranked if not i.passed]
+    return failing + [i for i in ranked if i.passed][:SHOWN_ISOLATED]
+
+
+def isolated_dict(i: IsolatedResult) -> dict:
+    return {"place": i.place, "statistic": i.statistic, "error": json_number(i.error), "bound": i.bound,
+            "ratio": json_number(i.ratio), "passed": i.passed, "tokens": i.rows}
 
 
 def tensor_dict(t: TensorResult) -> dict:

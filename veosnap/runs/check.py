@@ -36,6 +36,7 @@ from ..golden.key import GoldenKey
 from ..golden.manifest import Excuse, rerecord
 from ..numerics import fmt
 from ..numerics.compare import TensorResult, compare_route_sets, compare_tensors, same_route_tokens, structure_changes
+from ..numerics.isolation import judge_parts
 from ..reference import coverage, determinism, hardware, limits, models, scenarios
 from ..reference.capture import Capture
 from ..reference.determinism import deterministic, one_thread
@@ -289,6 +290,15 @@ def judge(golden: Golden, batch: Batch, result: LayoutResult, fields: dict[str, 
         report.notes.append(f"scenario {scenario.name}: the {' and '.join(frozen) or 'same'} encoder frozen, checked "
                             f"against the {golden.key.scenario} golden without its gradients")
     report.notes.extend(result.notes)
+    if result.isolated is not None:
+        reference, candidate = result.isolated
+        report.isolated = judge_parts(candidate.outputs, reference.own.outputs, reference.exact.outputs,
+                                      batch.token_mask, batch.position_ids, golden.experts(), reference.heads,
+                                      reference.experts)
+        missing = list(dict.fromkeys(reference.own.missing))
+        report.not_isolated = f"not isolated: {'; '.join(missing)}" if missing else ""
+    elif result.not_isolated != "float32":
+        report.not_isolated = result.not_isolated
     for reason, which in _by_reason(report.absent).items():
         report.notes.append(f"{', '.join(which)}: {reason}; not compared")
     if golden.key.scenario == "train" and not report.routes_passed:

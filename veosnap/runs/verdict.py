@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from ..golden import names
 from ..numerics import fmt
 from ..numerics.compare import TensorResult
+from ..numerics.isolation import IsolatedResult
 from ..numerics.routes import RouteDiff
 
 
@@ -60,6 +61,9 @@ class CheckReport:
     # only (a conftest's register_backend): `path/to/file.py:fn`. Empty: `backend` itself.
     portable_backend: str = ""
     sensitivity: dict[str, float] | None = None  # the golden's certified sensitivity (`runs/canaries.py`); None: not
+    # Low precision: each layer's parts checked in isolation (`numerics.isolation`), and why not, where not.
+    isolated: list[IsolatedResult] = field(default_factory=list)
+    not_isolated: str = ""
 
     @property
     def routes_passed(self) -> bool:
@@ -68,7 +72,8 @@ class CheckReport:
     @property
     def passed(self) -> bool:
         """True when nothing failed; a skipped check passes (its reason is reported)."""
-        return not self.error and not self.structure and self.routes_passed and all(t.passed for t in self.tensors)
+        return not self.error and not self.structure and self.routes_passed and all(t.passed for t in self.tensors) \
+            and all(i.passed for i in self.isolated)
 
     @property
     def structure_line(self) -> str | None:
@@ -85,6 +90,10 @@ class CheckReport:
     def ranked(self) -> list[TensorResult]:
         """Tensors worst first."""
         return sorted(self.tensors, key=lambda t: (-t.ratio, t.name))
+
+    def isolated_ranked(self) -> list[IsolatedResult]:
+        """Isolated parts worst first (a failing one names its place: layer, part, head, expert, positions)."""
+        return sorted(self.isolated, key=lambda i: (-i.ratio, i.place, i.statistic))
 
     @property
     def worst(self) -> TensorResult | None:

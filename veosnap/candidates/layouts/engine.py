@@ -32,6 +32,7 @@ from ...golden.codec import Golden
 from ...numerics.compare import whole_on_device
 from ...numerics.routes import flips
 from ...reference import train
+from ...reference import isolation
 from ...reference.capture import (Capture, Part, auxiliary_loss, forward_backward, reduce_gradients,
                                   sketched_as_accumulated)
 from ...reference.inputs import Batch, Media
@@ -54,6 +55,10 @@ class LayoutResult:
     # (before the candidate ran: a GPU is idle then), so comparing copies only the candidate's.
     device: torch.device | None = None
     golden_on: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Low precision: each layer's parts run in isolation (`reference.isolation`), the reference's and the
+    # candidate's; or why they were not.
+    isolated: tuple[isolation.Reference, isolation.Units] | None = None
+    not_isolated: str = ""
 
 
 class Staged:
@@ -102,6 +107,11 @@ def run(layout: Layout, backend: Backend, ctx: LayoutContext, staged: Staged | N
     ctx = replace(ctx, mesh=layout.mesh(ctx))
     data = layout.data(ctx)
     where = told(layout, ctx, data)
+    not_isolated = isolation_declined(ctx, backend)
+    # The reference's parts run before the candidate is applied: its patches are not in place yet.
+    reference = isolation.reference_units(model, ctx.batch.model_kwargs(), ctx.golden.experts()) \
+        if not not_isolated else None
+    isolated = None
     with context.told(where), backend.prepare(model, where) as candidate:
         why = candidate.forward_only
         if why and not layout.checks_forward_only:
@@ -124,11 +134,34 @@ def run(layout: Layout, backend: Backend, ctx: LayoutContext, staged: Staged | N
                               f"backend {data}; override data()")
         runner = _Runner(layout, ctx, setup, candidate, where, staged if ctx.world == 1 else None)
         result = runner.train() if ctx.hyper is not None else runner.step()
+        if reference is not None and candidate.adapt_batch is not None:
+            not_isolated = "the candidate adapts the batch to its own form"
+        elif reference is not None:
+            isolated = (reference, isolation.candidate_units(setup.inner, ctx.batch.model_kwargs(), reference))
     if result is not None:
+        result.isolated, result.not_isolated = isolated, not_isolated
         result.device, result.golden_on = ctx.device, runner.golden_on
         result.forward_only = candidate.forward_only
         result.notes.extend(candidate.notes)
     return result
+
+
+def isolation_declined(ctx: LayoutContext, backend: Backend) -> str:
+    """Why this run's layer parts are not checked in isolation ('' when they are): only a low-precision
+    step golden with whole layer outputs (the toy tier), in one process, on a model the layout did not
+    hand to the backend to parallelize."""
+    golden = ctx.golden
+    if golden.key.dtype not in ("bfloat16", "float16"):
+        return "float32"
+    if ctx.world > 1:
+        return "the layout runs in several processes"
+    if ctx.hyper is not None:
+        return "the train scenario"
+    if backend.parallelizes:
+        return "the backend parallelizes the model itself"
+    if any(isinstance(names.try_parse(name), names.LayerOutput) for name in golden.sketches):
+        return "a real-shape golden (its layer outputs are sketched)"
+    return ""
 
 
 def told(layout: Layout, ctx: LayoutContext, data: DataGroup) -> context.Context:

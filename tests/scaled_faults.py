@@ -1,0 +1,115 @@
+"""Small systematic bugs, each a veosnap backend: `--backend tests/scaled_faults.py:<name>`.
+
+Each scales one share of the model's computation by `1 + s` (`s` from `VEOSNAP_FAULT_SCALE`, default 0.01):
+a kernel that mis-normalizes, drops a residual share or mis-weights an expert looks like this. In bfloat16
+the whole-model comparison cannot see 1%: the isolated parts (`veosnap.numerics.isolation`) must, and must
+say where. The scale is applied in float32, so 1% is 1% (bfloat16's own 1.01 is 1.0078).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from veosnap import Unsupported
+from veosnap.reference.isolation import ATTENTION, HEADS_PROJECTION, _child
+from veosnap.reference.probes import decoder_layers, find_moe_layers
+
+FAULT_EXPERT = 3  # the expert `one_expert_scaled` mis-weights
+FAULT_HEAD = 0  # the head `one_head_scaled` scales
+LAST_QUARTER = 24  # `last_quarter_scaled` scales positions from here on (the toy batch is 32 wide)
+
+
+def _scale() -> float:
+    return float(os.environ.get("VEOSNAP_FAULT_SCALE", "0.01"))
+
+
+def _scaled(tensor: torch.Tensor, factor: torch.Tensor | float) -> torch.Tensor:
+    return (tensor.float() * factor).to(tensor.dtype)
+
+
+def _on_output(module: nn.Module, change) -> None:  # noqa: ANN001
+    def hook(_m: nn.Module, _args: tuple, output: object) -> object:
+        if isinstance(output, tuple):
+            return (change(output[0]), *output[1:])
+        return change(output)
+
+    module.register_forward_hook(hook)
+
+
+def _attention_blocks(model: nn.Module) -> list[nn.Module]:
+    return [a for layer in decoder_layers(model) if (a := _child(layer, ATTENTION)) is not None]
+
+
+def attention_scaled(model: nn.Module) -> nn.Module:
+    """Every attention block's output scaled by 1 + s."""
+    s = _scale()
+    for block in _attention_blocks(model):
+        _on_output(block, lambda t: _scaled(t, 1 + s))
+    return model
+
+
+def last_quarter_scaled(model: nn.Module) -> nn.Module:
+    """Attention output scaled by 1 + s at positions LAST_QUARTER and later (a long-context kernel path)."""
+    s = _scale()
+    positions: list[torch.Tensor] = []
+
+    def keep(_m: nn.Module, _args: tuple, kwargs: dict) -> None:
+        positions[:] = [kwargs["position_ids"]]
+
+    model.register_forward_pre_hook(keep, with_kwargs=True)
+
+    def change(t: torch.Tensor) -> torch.Tensor:
+        late = (positions[0].reshape(t.shape[:-1]) >= LAST_QUARTER).float().unsqueeze(-1)
+        return _scaled(t, 1 + s * late)
+
+    for block in _attention_blocks(model):
+        _on_output(block, change)
+    return model
+
+
+def one_head_scaled(model: nn.Module) -> nn.Module:
+    """Head FAULT_HEAD's attention output scaled by 1 + s before the output projection."""
+    s = _scale()
+    heads = model.config.get_text_config().num_attention_heads
+
+    def pre(_m: nn.Module, args: tuple) -> tuple:
+        x = args[0].float().clone()
+        width = x.shape[-1] // heads
+        x[..., FAULT_HEAD * width:(FAULT_HEAD + 1) * width] *= 1 + s
+        return (x.to(args[0].dtype), *args[1:])
+
+    for block in _attention_blocks(model):
+        projection = _child(block, HEADS_PROJECTION)
+        projection.register_forward_pre_hook(pre)
+    return model
+
+
+def experts_scaled(model: nn.Module) -> nn.Module:
+    """Every routed expert's output scaled by 1 + s."""
+    s = _scale()
+    moes = find_moe_layers(model)
+    if not moes:
+        raise Unsupported("no routed experts")
+    for moe in moes:
+        _on_output(moe.experts, lambda t: _scaled(t, 1 + s))
+    return model
+
+
+def one_expert_scaled(model: nn.Module) -> nn.Module:
+    """Expert FAULT_EXPERT's contribution scaled by 1 + s (its routing weight, as the experts receive it)."""
+    s = _scale()
+    moes = find_moe_layers(model)
+    if not moes:
+        raise Unsupported("no routed experts")
+
+    def pre(_m: nn.Module, args: tuple, kwargs: dict) -> tuple:
+        hidden, index, weights = args[:3]
+        weights = torch.where(index == FAULT_EXPERT, _scaled(weights, 1 + s), weights)
+        return (hidden, index, weights, *args[3:]), kwargs
+
+    for moe in moes:
+        moe.experts.register_forward_pre_hook(pre, with_kwargs=True)
+    return model

@@ -1,0 +1,184 @@
+"""Each decoder layer's parts run in isolation: the candidate's attention and MLP fed the reference's own inputs.
+
+In bfloat16 a whole-model comparison cannot see a 1% systematic error: rounding noise piles up through
+the layers and the backward to a few percent of a row, and the bound must cover it. Fed identical inputs,
+one part of one layer (its attention block, its per-head attention output before the output projection,
+its MLP or MoE block) differs from the reference by one part's rounding only, and a systematic error of
+the same size stands out, above all in statistics rounding does not move (`numerics.isolation`).
+
+`reference_units` runs the eager reference forward (no gradients) on the golden's batch and keeps every
+part's input and output, then a float64 copy of it on the same bfloat16 inputs (the parts' exact
+function: their distance from it is the reference's own rounding; forced onto the golden's experts,
+whose margins are above the float64 tie check). `candidate_units` runs the candidate with a forward
+pre-hook that replaces each part's input by the reference's, so no error reaches a part from upstream. Parts are found by structure and transformers' attribute names
+(`self_attn`, `mlp`, ...); a layer without them is left out and said to be.
+"""
+
+from __future__ import annotations
+
+import copy
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from .probes import decoder_layers, find_moe_layers, replay_routes
+
+ATTENTION = ("self_attn", "attention", "attn", "linear_attn", "mixer")
+MLP = ("mlp", "block_sparse_moe", "feed_forward", "moe", "ffn")
+HEADS_PROJECTION = ("o_proj", "out_proj", "dense", "c_proj", "wo")
+
+
+@dataclass(frozen=True)
+class Part:
+    """One isolated part of a decoder layer: where it hooks in, and what it is."""
+
+    layer: int
+    kind: str  # "attention" (the block's output), "heads" (the output projection's input), "mlp"
+    module: nn.Module = field(compare=False, repr=False)
+    forced: bool  # whether its input is replaced by the reference's (a block); "heads" follows its block
+
+
+@dataclass
+class Units:
+    """What each part computed: rows [tokens, width] on the host, keyed by (layer, kind)."""
+
+    outputs: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    inputs: dict[tuple[int, str], tuple[tuple, dict]] = field(default_factory=dict)  # the forced blocks' inputs
+    missing: list[str] = field(default_factory=list)  # layers or parts not found, and why
+
+
+def parts(model: nn.Module) -> tuple[list[Part], list[str]]:
+    """Every decoder layer's isolated parts, and what could not be found."""
+    found, missing = [], []
+    for index, layer in enumerate(decoder_layers(model)):
+        attention = _child(layer, ATTENTION)
+        mlp = _child(layer, MLP)
+        if attention is None:
+            missing.append(f"layer {index} has no attention block ({'/'.join(ATTENTION)})")
+        else:
+            found.append(Part(index, "attention", attention, forced=True))
+            heads = _child(attention, HEADS_PROJECTION)
+            if isinstance(heads, nn.Linear):
+                found.append(Part(index, "heads", heads, forced=False))
+        if mlp is None:
+            missing.append(f"layer {index} has no MLP block ({'/'.join(MLP)})")
+        else:
+            found.append(Part(index, "mlp", mlp, forced=True))
+    return found, missing
+
+
+def _child(module: nn.Module, candidates: tuple[str, ...]) -> nn.Module | None:
+    for name in candidates:
+        child = getattr(module, name, None)
+        if isinstance(child, nn.Module):
+            return child
+    return None
+
+
+def _first_tensor(value: object) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
+        return value[0]
+    return None
+
+
+def _rows(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().reshape(-1, tensor.shape[-1]).to("cpu", copy=True)
+
+
+def _hidden_in(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    return args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
+
+
+def _with_hidden(args: tuple, kwargs: dict, hidden: torch.Tensor) -> tuple[tuple, dict]:
+    if args and isinstance(args[0], torch.Tensor):
+        return (hidden, *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": hidden}
+
+
+@contextmanager
+def _hooked(model: nn.Module, units: Units, feed: Units | None, dtype: torch.dtype | None) -> Iterator[None]:
+    """Keep every part's output (and each block's input); with `feed`, each block's input is replaced by
+    `feed`'s (cast to `dtype`), ahead of any hook the candidate put there."""
+    found, missing = parts(model)
+    units.missing.extend(missing)
+    with ExitStack() as stack:
+        for part in found:
+            key = (part.layer, part.kind)
+            if part.kind == "heads":
+                def keep_in(_m: nn.Module, args: tuple, key: tuple = key) -> None:
+                    if args and isinstance(args[0], torch.Tensor):
+                        units.outputs[key] = _rows(args[0])
+                stack.callback(part.module.register_forward_pre_hook(keep_in).remove)
+                continue
+            if feed is not None:
+                given = feed.inputs.get(key)
+
+                def force(_m: nn.Module, args: tuple, kwargs: dict, given: tuple | None = given) -> tuple | None:
+                    hidden = _hidden_in(args, kwargs)
+                    if given is None or hidden is None:
+                        return None
+                    return _with_hidden(args, kwargs, given.to(hidden.device, dtype or hidden.dtype))
+                stack.callback(part.module.register_forward_pre_hook(force, with_kwargs=True, prepend=True).remove)
+            else:
+                def keep_input(_m: nn.Module, args: tuple, kwargs: dict, key: tuple = key) -> None:
+                    hidden = _hidden_in(args, kwargs)
+                    if hidden is not None:
+                        units.inputs[key] = hidden.detach().clone()
+                stack.callback(part.module.register_forward_pre_hook(keep_input, with_kwargs=True).remove)
+
+            def keep_out(_m: nn.Module, _args: tuple, output: object, key: tuple = key) -> None:
+                out = _first_tensor(output)
+                if out is not None:
+                    units.outputs[key] = _rows(out)
+            stack.callback(part.module.register_forward_hook(keep_out).remove)
+        yield
+
+
+def _forward(model: nn.Module, kwargs: dict, experts: dict[int, torch.Tensor] | None = None) -> None:
+    device = next(model.parameters()).device
+    moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    with torch.no_grad(), replay_routes(model, experts or {}):
+        model(**moved, use_cache=False)
+
+
+@dataclass
+class Reference:
+    """The reference's parts on the golden's batch, in its own dtype and in float64 on the same inputs."""
+
+    own: Units
+    exact: Units
+    heads: int  # attention heads (the "heads" part's columns are [heads x head_dim])
+    experts: dict[int, int]  # experts per MoE layer
+
+
+def reference_units(model: nn.Module, kwargs: dict, experts: dict[int, torch.Tensor]) -> Reference:
+    """Run the (pristine) reference and its float64 copy, keeping every part's input and output."""
+    was_training = model.training
+    model.train()
+    own = Units()
+    with _hooked(model, own, None, None):
+        _forward(model, kwargs)
+    high = copy.deepcopy(model).to(torch.float64)
+    exact = Units()
+    with _hooked(high, exact, own, torch.float64):
+        _forward(high, kwargs, experts)
+    del high
+    model.train(was_training)
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return Reference(own, exact, int(getattr(config, "num_attention_heads", 0) or 0),
+                     {moe.layer: moe.num_experts for moe in find_moe_layers(model)})
+
+
+def candidate_units(model: nn.Module, kwargs: dict, reference: Reference) -> Units:
+    """Run the candidate with every block fed the reference's input, keeping every part's output. Its routers
+    choose for themselves: fed the reference's input, a router that flips a golden route (every margin is
+    above the tie epsilon) computes something else, and a fault in the routing weights must not be replayed away."""
+    units = Units()
+    with _hooked(model, units, reference.own, None):
+        _forward(model, kwargs)
+    return units
