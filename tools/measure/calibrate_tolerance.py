@@ -2,7 +2,8 @@
 
 For every zoo model and dtype it checks each candidate against the committed goldens and prints, per
 (candidate, dtype), the worst ratio err/bound over all tensors and models. Legitimate candidates
-(other kernels, another thread count) must stay well under 1.0; planted bugs ("large" ones in both
+(other kernels, another thread count) must stay well under 1.0 (in bfloat16 also in each layer's
+isolated parts, `numerics.isolation`); planted bugs ("large" ones in both
 dtypes, "small" ones in float32) must land well over it; precision regressions are exact in float32
 and are judged by the bfloat16 goldens.
 
@@ -60,6 +61,9 @@ def _one(project: Project, key: GoldenKey, spec: str, kind: str, label: str) -> 
     worst = report.worst
     ratio = float("inf") if not report.routes_passed else worst.ratio
     where = "routes" if not report.routes_passed else worst.name
+    isolated = report.isolated_ranked()[0] if report.isolated else None  # bfloat16: the parts in isolation
+    if isolated is not None and isolated.ratio > ratio:
+        ratio, where = isolated.ratio, f"isolated {isolated.place} ({isolated.statistic})"
     return (label, kind, key.model, key.dtype, ratio, where)
 
 

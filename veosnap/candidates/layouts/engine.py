@@ -20,13 +20,15 @@ rows (FSDP2) is sketched shard by shard. Any other sharding is gathered first (d
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 import torch
 from torch import nn
 
-from ...errors import Unsupported
+from ...errors import Unsupported, VeosnapError, describe
 from ...golden import names
 from ...golden.codec import Golden
 from ...numerics.compare import whole_on_device
@@ -38,9 +40,12 @@ from ...reference.capture import (Capture, Part, auxiliary_loss, forward_backwar
 from ...reference.inputs import Batch, Media
 from ...reference.probes import RouteRecord
 from ...reference.reduce import WHOLE, CandidateReducer, Reducer, Rows, assemble_rows
-from .. import context
+from .. import context, guard
 from ..backends import Backend, Candidate
 from .protocol import DataGroup, Layout, LayoutContext, Setup
+
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -108,10 +113,11 @@ def run(layout: Layout, backend: Backend, ctx: LayoutContext, staged: Staged | N
     data = layout.data(ctx)
     where = told(layout, ctx, data)
     not_isolated = isolation_declined(ctx, backend)
-    # The reference's parts run before the candidate is applied: its patches are not in place yet.
-    reference = isolation.reference_units(model, ctx.batch.model_kwargs(), ctx.golden.experts()) \
-        if not not_isolated else None
-    isolated = None
+    reference, isolated = None, None
+    if not not_isolated:
+        # The reference's parts run before the candidate is applied: its patches are not in place yet.
+        reference, not_isolated = _isolating(lambda: isolation.reference_units(
+            model, ctx.batch.model_kwargs(), ctx.golden.experts()), "the reference")
     with context.told(where), backend.prepare(model, where) as candidate:
         why = candidate.forward_only
         if why and not layout.checks_forward_only:
@@ -136,8 +142,14 @@ def run(layout: Layout, backend: Backend, ctx: LayoutContext, staged: Staged | N
         result = runner.train() if ctx.hyper is not None else runner.step()
         if reference is not None and candidate.adapt_batch is not None:
             not_isolated = "the candidate adapts the batch to its own form"
+        elif reference is not None and _compiled(setup.inner):
+            # Hooks added to a compiled module make dynamo recompile it, up to its limit, then run eager:
+            # the isolated run would check the reference's code, not the candidate's.
+            not_isolated = "the candidate is compiled (torch.compile): a hooked run would not run its compiled code"
         elif reference is not None:
-            isolated = (reference, isolation.candidate_units(setup.inner, ctx.batch.model_kwargs(), reference))
+            units, not_isolated = _isolating(lambda: isolation.candidate_units(
+                setup.inner, ctx.batch.model_kwargs(), reference), "the candidate")
+            isolated = (reference, units) if units is not None else None
     if result is not None:
         result.isolated, result.not_isolated = isolated, not_isolated
         result.device, result.golden_on = ctx.device, runner.golden_on
@@ -160,8 +172,26 @@ def isolation_declined(ctx: LayoutContext, backend: Backend) -> str:
     if backend.parallelizes:
         return "the backend parallelizes the model itself"
     if any(isinstance(names.try_parse(name), names.LayerOutput) for name in golden.sketches):
-        return "a real-shape golden (its layer outputs are sketched)"
+        return "a real-shape golden: its parts would need a float64 copy of the model beside it (toy tier only)"
     return ""
+
+
+def _compiled(model: nn.Module) -> bool:
+    """Whether `model` or one of its modules is compiled by `torch.compile` (`nn.Module.compile` or a wrapper)."""
+    return any(getattr(m, "_compiled_call_impl", None) is not None or type(m).__name__ == "OptimizedModule"
+               for m in model.modules())
+
+
+def _isolating(run: Callable[[], T], who: str) -> tuple[T | None, str]:
+    """`run()`'s result, or None and why: a model the isolated run cannot drive (a forward that refuses a
+    hooked input) leaves its parts unisolated, said in the report, and the whole-model verdict stands. The
+    guard's own errors (a timeout, an exit) and veosnap's stay what they are."""
+    try:
+        return run(), ""
+    except (guard.CandidateError, VeosnapError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - said in the report
+        return None, f"{who}'s isolated run failed: {describe(exc)}"
 
 
 def told(layout: Layout, ctx: LayoutContext, data: DataGroup) -> context.Context:
