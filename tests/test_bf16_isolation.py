@@ -51,11 +51,12 @@ def test_a_one_percent_systematic_error_fails_in_bfloat16_naming_its_place(repo_
 
 
 @pytest.mark.parametrize("fault", ["one_head_scaled", "one_expert_scaled"])
-def test_the_whole_model_comparison_alone_misses_what_isolation_catches(repo_project, fault):
-    """Why isolation exists: at 1% every tensor of the bfloat16 golden stays within its bound."""
+def test_isolation_is_the_sharper_instrument_in_bfloat16(repo_project, fault):
+    """Why isolation exists: at 1% the whole-model comparison's worst tensor is far below what the isolated
+    parts show (on the CPU every tensor stays within its bound: docs/how-it-works.md)."""
     report = run(repo_project, "qwen3_moe", "bfloat16", f"{SCALED}:{fault}")
-    assert all(t.passed for t in report.tensors) and report.routes_passed
     assert not report.passed
+    assert report.isolated_ranked()[0].ratio > 2 * report.worst.ratio
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "batched_mm", "sdpa+grouped_mm"])
