@@ -95,7 +95,7 @@ EAGER_OPS = dict(
 )
 # What the all-eager backends declare (`Candidate.reference_path`): their bit-identical results are expected.
 EAGER_PATH = ("VeOmni's modeling with every op eager computes transformers' eager function op for op "
-              "(bit-identical is expected)")
+              "(the eager reference's numbers are expected, to the bit)")
 _LOSS_KEYS = ("ForCausalLM", "ForConditionalGeneration", "ForSequenceClassification")
 
 
