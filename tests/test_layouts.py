@@ -216,3 +216,17 @@ def test_a_rank_that_died_is_named_over_the_peer_that_lost_it() -> None:
     # With every rank's own message, the root cause's message is the answer.
     both = {**errors, 1: "rank 1: ValueError: bad shard"}
     assert torchrun.explain_failure(TORCHRUN_LOG, both, 1, 9.4) == errors[0]
+
+
+@pytest.mark.parametrize("layout", ["tp", "ep"])
+def test_tp_and_ep_decline_a_model_automodelforcausallm_cannot_load(project: Project, layout: str) -> None:
+    """They load through AutoModelForCausalLM, which has no vision-language class: a skip with the cause, not an
+    ERROR 'Unrecognized configuration class Qwen3VLMoeConfig' from every rank."""
+    from veosnap.errors import Unsupported
+    from veosnap.reference.zoo import load_checked
+
+    golden, _ = load_checked(project, key("qwen3_vl_moe"), cross_class=True)
+    with pytest.raises(Unsupported, match="AutoModelForCausalLM.*'qwen3_vl_moe'"):
+        registry.resolve(layout).accept(golden, 2)
+    causal, _ = load_checked(project, key("qwen3_moe"), cross_class=True)
+    registry.resolve(layout).accept(causal, 2)  # a causal LM is accepted as before

@@ -2,7 +2,7 @@
 # Build a separate environment for the VeOmni example and run it (one command):
 #
 #   tools/veomni_env.sh                 # build .venv-veomni if needed, run every zoo model x layout
-#   tools/veomni_env.sh --quick         # 4 models; multi-process layouts fsdp2 and ep only (what the test runs)
+#   tools/veomni_env.sh --quick         # 5 models; multi-process layouts fsdp2 and ep only (what the test runs)
 #   tools/veomni_env.sh --out DIR ...   # also write DIR/results.json and DIR/table.md
 #
 # VeOmni pins its own transformers (0.1.12 is generated against 5.9.0 and supports 5.9-5.22), so it

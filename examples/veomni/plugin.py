@@ -1,6 +1,6 @@
 """VeOmni 0.1.12 as a veosnap candidate: its own model classes, ops config, collator and parallelism.
 
-    veosnap check --backend examples/veomni/plugin.py:veomni                          # every zoo model it implements
+    veosnap check --backend examples/veomni/plugin.py:veomni                          # every zoo model
     veosnap check --backend examples/veomni/plugin.py:veomni --layout ddp --layout fsdp2 --layout hsdp
     veosnap check --backend examples/veomni/plugin.py:veomni_fsdp2 --layout fsdp2     # VeOmni's own FSDP2 wrapping
     veosnap check --backend examples/veomni/plugin.py:veomni_collator --layout fsdp2  # VeOmni's packing collator
@@ -8,11 +8,15 @@
 The worked case of docs/backends.md. Each backend is a generator backend that takes where it runs
 (`ctx`, a `veosnap.Context`): it receives the HF eager reference veosnap built (the golden's weights,
 dtype and device), builds VeOmni's patched model class for the same config through
-`veomni.models.build_foundation_model` with an explicit `OpsImplementationConfig`, loads the
-reference's state dict into it (the parameter names of the six families VeOmni implements match
-transformers 5.9-5.22; `WEIGHT_RENAMES` is where a family that differs would map them), sets up
-VeOmni's parallel state for the layout it is told, yields the model, and in its `finally` restores
-what VeOmni changed in the process. Everything else is veosnap's: a loss without logits (GPT-OSS, the
+`veomni.models.build_foundation_model` with an explicit `OpsImplementationConfig` (the model types it
+builds are VeOmni's own registry, `families()`; an omni thinker is built through its omni model's entry),
+loads the reference's state dict into it (`WEIGHT_RENAMES` maps the names VeOmni's generated code, based
+on transformers 5.9, spells differently), sets up VeOmni's parallel state for the layout it is told,
+yields the model (declaring, for the all-eager backends, that it runs the reference path:
+`Candidate(reference_path=...)`), and in its `finally` restores what VeOmni changed in the process. A
+model VeOmni ships but cannot run here is declined with the reason found by building it (a package its
+modeling imports that is not installed; Qwen3.5's linear attention, varlen only, with no CPU kernel).
+VeOmni's multimodal models get `image_mask`/`video_mask`/`audio_mask` as its data pipeline makes them. Everything else is veosnap's: a loss without logits (GPT-OSS, the
 chunked loss) is compared on every other tensor, DeepSeek-V3's one-tensor router is read at its
 experts' inputs, what VeOmni prints goes to stderr, and the patches stay applied while a layout runs.
 
@@ -37,9 +41,12 @@ the "must restore" list of a real framework:
 - VeOmni's parallel state (`veomni.distributed.parallel_state`: the global state, its topology cache,
   a registry of meshes and groups; `init_parallel_state`): set for the layout, cleared when the check
   is done (and before it, so nothing earlier is taken for this check's).
-- At `import veomni`: five `veomni_*_with_sp` names in transformers' `ALL_ATTENTION_FUNCTIONS`, a mask
-  function, a wrapped `load_and_register_attn_kernel`, `logging.Logger.info_rank0` and friends. Left:
-  additive (nothing an HF eager model uses changes), and VeOmni's imported modules call them.
+- At `import veomni`: five `veomni_*_with_sp` names in transformers' `ALL_ATTENTION_FUNCTIONS`, two
+  mask functions, a wrapped `load_and_register_attn_kernel`, `logging.Logger.info_rank0` and friends.
+  Left: additive (nothing an HF eager model uses changes), and VeOmni's imported modules call them. This
+  plugin imports VeOmni when it loads, before veosnap snapshots the process for a check, so they are
+  part of the process every check starts from (`IMPORT_REGISTRATIONS` lists them, said once by run.py),
+  not "left behind" by every candidate.
 - A `veomni` logger writing INFO lines to stdout, and transformers' docstring checks printing to stdout
   when VeOmni's modeling files import: nothing to do, veosnap points stdout at stderr while candidates run.
 - `torch.utils.checkpoint.CheckpointFunction` (`build_parallelize_model(enable_reentrant=True)`): not
@@ -50,6 +57,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import sys
 import tempfile
 from pathlib import Path
 from typing import Iterator
@@ -60,11 +69,16 @@ from torch import nn
 import veosnap
 from veosnap import Adapted, Candidate, Unsupported, parallelizes
 
-# model_type -> VeOmni's registry has a patched class for it (0.1.12: `veomni/models/transformers/*`).
-# Mixtral is the one zoo family VeOmni does not implement.
-VEOMNI_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss")
 # reference parameter name -> VeOmni's, per model_type (none differ with transformers 5.9-5.22).
-WEIGHT_RENAMES: dict[str, dict[str, str]] = {}
+# Patterns (re.sub) applied to every name; found by loading each family (VeOmni's generated modeling is
+# "Based on: transformers==5.9.0", the reference is the environment's transformers).
+_OMNI_THINKER = [(r"^model\.audio_tower\.", "audio_tower."), (r"^model\.visual\.", "visual."),
+                 (r"^model\.language_model\.", "model.")]
+WEIGHT_RENAMES: dict[str, list[tuple[str, str]]] = {
+    "deepseek_v4": [(r"\.compressor\.indexer\.scorer\.weights_proj\.", ".compressor.indexer.weights_proj.")],
+    "qwen2_5_omni_thinker": _OMNI_THINKER,
+    "qwen3_omni_moe_thinker": _OMNI_THINKER,
+}
 
 EAGER_OPS = dict(
     attn_implementation="eager",
@@ -74,20 +88,67 @@ EAGER_OPS = dict(
     swiglu_mlp_implementation="eager",
     rotary_pos_emb_implementation="eager",
     load_balancing_loss_implementation="eager",
+    # Qwen3.5's GatedDeltaNet (linear attention): VeOmni's defaults are fla kernels (GPU or MLU only).
+    rms_norm_gated_implementation="eager",
+    causal_conv1d_implementation="eager",
+    chunk_gated_delta_rule_implementation="eager",
 )
+# What the all-eager backends declare (`Candidate.reference_path`): their bit-identical results are expected.
+EAGER_PATH = ("VeOmni's modeling with every op eager computes transformers' eager function op for op "
+              "(the eager reference's numbers are expected, to the bit)")
 _LOSS_KEYS = ("ForCausalLM", "ForConditionalGeneration", "ForSequenceClassification")
 
 
 # --- VeOmni's process-wide state ---------------------------------------------------------------------
 
+_REGISTRIES = (("transformers.modeling_utils", "ALL_ATTENTION_FUNCTIONS"),
+               ("transformers.masking_utils", "ALL_MASK_ATTENTION_FUNCTIONS"))
+
+
+def _registered() -> set[str]:
+    """The names in transformers' attention and mask registries (global and local), as `Registry['name']`."""
+    import importlib
+
+    names = set()
+    for module, attr in _REGISTRIES:
+        registry = getattr(importlib.import_module(module), attr)
+        label = type(registry).__name__
+        names |= {f"{label}[{key!r}]" for key in (*registry._global_mapping, *registry._local_mapping)}
+    return names
+
+
+def _import_at_load() -> tuple[str, tuple[str, ...]]:
+    """`import veomni` when this plugin loads, before veosnap snapshots the process for a candidate: its
+    import-time registrations (the `veomni_*_with_sp` attention and mask functions) are then part of the
+    process every check starts from, said once here, instead of being found "left behind" (and removed)
+    by every check. Returns (why it is not importable, or ''; the names its import registered)."""
+    os.environ.setdefault("MODELING_BACKEND", "veomni")
+    before = _registered()
+    try:  # what VeOmni prints at import (a banner, its INFO logger) goes to stderr: stdout may be a report
+        with contextlib.redirect_stdout(sys.stderr):
+            import veomni  # noqa: F401  (import-time patches: see the module docstring)
+            import veomni.models  # noqa: F401  (its registry of model classes)
+    except ImportError as exc:
+        return f"veomni is not importable here ({exc}); tools/veomni_env.sh builds an environment with it", ()
+    return "", tuple(sorted(_registered() - before))
+
+
+MISSING, IMPORT_REGISTRATIONS = _import_at_load()
+
+
+def families() -> list[str]:
+    """The model_types VeOmni ships a model class for: its own registry (`veomni.models.loader.
+    MODELING_REGISTRY`, filled by `veomni/models/transformers/<name>/`), not a list kept here."""
+    if MISSING:
+        return []
+    from veomni.models.loader import MODELING_REGISTRY
+
+    return sorted(MODELING_REGISTRY.valid_keys())
+
 
 def _import_veomni() -> None:
-    os.environ.setdefault("MODELING_BACKEND", "veomni")
-    try:
-        import veomni  # noqa: F401  (import-time patches: see the module docstring)
-    except ImportError as exc:
-        raise Unsupported(f"veomni is not importable here ({exc}); tools/veomni_env.sh builds an "
-                          "environment with it") from None
+    if MISSING:
+        raise Unsupported(MISSING)
 
 
 @contextlib.contextmanager
@@ -166,7 +227,15 @@ def build(reference: nn.Module, ops, init_device: str = "cpu") -> nn.Module:  # 
     """
     from veomni.models import build_foundation_model
 
+    from veomni.models.loader import MODELING_REGISTRY
+
     config = type(reference.config).from_dict(reference.config.to_dict())
+    model_type, key = config.model_type, registry_key(config)
+    if key is None:
+        raise Unsupported(f"VeOmni has no model class for {model_type!r} (its registry: {', '.join(families())})")
+    alias = key != model_type and model_type not in MODELING_REGISTRY._local_mapping
+    if alias:  # VeOmni's registry serves the omni thinker under the omni model's name, picked by architecture
+        MODELING_REGISTRY._local_mapping[model_type] = MODELING_REGISTRY[key]
     try:
         return build_foundation_model(config, torch_dtype=_dtype_name(reference), init_device=init_device,
                                       ops_implementation=ops)
@@ -174,12 +243,50 @@ def build(reference: nn.Module, ops, init_device: str = "cpu") -> nn.Module:  # 
         if "does not support an attention implementation" not in str(exc):
             raise
         raise Unsupported(str(exc).split(". ")[0]) from None
+    except ModuleNotFoundError as exc:  # VeOmni's modeling needs a package this environment does not have
+        where = _frame_in_veomni(exc.__traceback__)
+        raise Unsupported(f"VeOmni's {key} modeling imports {exc.name} at import time ({where}); {exc.name} is not "
+                          "installed here") from None
+    finally:
+        if alias:
+            MODELING_REGISTRY._local_mapping.pop(model_type, None)
+
+
+def registry_key(config) -> str | None:  # noqa: ANN001 - a transformers config
+    """The key of VeOmni's modeling registry that builds `config`'s model: its model_type, or for an omni
+    thinker (model_type `<omni>_thinker`, architecture `...ThinkerFor...`) the omni model's, whose entry picks
+    the thinker class by architecture."""
+    known = families()
+    if config.model_type in known:
+        return config.model_type
+    base = config.model_type.removesuffix("_thinker")
+    architectures = getattr(config, "architectures", None) or []
+    if base in known and any("Thinker" in a for a in architectures):
+        return base
+    return None
+
+
+def _frame_in_veomni(tb) -> str:  # noqa: ANN001 - a traceback
+    """The last frame of `tb` in VeOmni's files, as `veomni/...py:line`."""
+    where = ""
+    while tb is not None:
+        path = tb.tb_frame.f_code.co_filename
+        if "/veomni/" in path:
+            where = f"veomni/{path.rsplit('/veomni/', 1)[1]}:{tb.tb_lineno}"
+        tb = tb.tb_next
+    return where or "import"
 
 
 def reference_state(reference: nn.Module) -> dict[str, torch.Tensor]:
     """The reference's weights under VeOmni's parameter names (each tensor its own, for safetensors)."""
-    renames = WEIGHT_RENAMES.get(reference.config.model_type, {})
-    return {renames.get(name, name): tensor.detach().clone().contiguous()
+    renames = WEIGHT_RENAMES.get(reference.config.model_type, [])
+
+    def renamed(name: str) -> str:
+        for pattern, replacement in renames:
+            name = re.sub(pattern, replacement, name)
+        return name
+
+    return {renamed(name): tensor.detach().clone().contiguous()
             for name, tensor in reference.state_dict().items()}
 
 
@@ -194,6 +301,45 @@ def load_reference(model: nn.Module, reference: nn.Module) -> nn.Module:
     # A parameter VeOmni keeps in another dtype than the reference is not refused here: veosnap reports it
     # as a structure difference, naming the transformers versions when they differ from the golden's.
     return model.to(next(reference.parameters()).device)
+
+
+_PLACEHOLDERS = {"image_mask": ("image_token_id", "image_token_index"),
+                 "video_mask": ("video_token_id", "video_token_index"),
+                 "audio_mask": ("audio_token_id", "audio_token_index")}
+
+
+def _runs_here(model: nn.Module) -> None:
+    """Decline a VeOmni model whose modeling has no path on this machine (found by building it, not by name)."""
+    linear = [m for m in model.modules() if hasattr(m, "causal_conv1d_fn")]
+    if linear and any(m.causal_conv1d_fn is None for m in linear):
+        raise Unsupported(
+            f"VeOmni's {type(model).__name__} runs its linear attention (GatedDeltaNet) only varlen: its decoder "
+            "layers assert cu_seq_lens_q, and with causal_conv1d_implementation='eager' (its kernels are fla: GPU "
+            "or MLU, npu) causal_conv1d_fn is unset and the varlen path raises NotImplementedError ('can't process "
+            "varlen now'); no CPU path")
+
+
+def with_pipeline_masks(model: nn.Module) -> nn.Module:
+    """VeOmni's multimodal models take `image_mask`/`video_mask`/`audio_mask` from its data pipeline
+    (`process_sample`: `input_ids == <placeholder id>`); without them Qwen2.5-VL all-gathers the ids over its
+    sequence-parallel group (no process group in a single process) and the omni thinkers assert. A forward
+    pre-hook adds them as the pipeline makes them, from the ids each call gets (a rank's rows, a packed row)."""
+    config = model.config
+    ids = {mask: next((getattr(config, a) for a in attrs if isinstance(getattr(config, a, None), int)), None)
+           for mask, attrs in _PLACEHOLDERS.items()}
+    ids = {mask: token for mask, token in ids.items() if token is not None}
+    if "image_mask" not in ids:
+        return model  # a text model
+
+    def add_masks(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        input_ids = kwargs.get("input_ids")
+        if input_ids is not None:
+            for mask, token in ids.items():
+                kwargs.setdefault(mask, input_ids == token)
+        return args, kwargs
+
+    model.register_forward_pre_hook(add_masks, with_kwargs=True)
+    return model
 
 
 def parallelized(reference: nn.Module, ops, ctx: veosnap.Context) -> nn.Module:  # noqa: ANN001
@@ -256,12 +402,17 @@ def _data_collator():  # noqa: ANN202 - the module veomni.data.data_collator
 
 def _candidate(reference: nn.Module, ctx: veosnap.Context, ops, *, own: bool = False,  # noqa: ANN001
                collate: bool = False) -> Iterator[nn.Module | Candidate]:
-    if reference.config.model_type not in VEOMNI_FAMILIES:
-        raise Unsupported(f"VeOmni 0.1.12 has no model class for {reference.config.model_type!r}")
+    _import_veomni()
+    if registry_key(reference.config) is None:
+        raise Unsupported(f"VeOmni has no model class for {reference.config.model_type!r} (its registry: "
+                          f"{', '.join(families())})")
     with _restored():
         parallel_state(ctx)
         model = parallelized(reference, ops, ctx) if own else load_reference(build(reference, ops), reference)
-        yield Candidate(model, adapt_batch=packing_collator) if collate else model
+        _runs_here(model)
+        model = with_pipeline_masks(model)
+        yield Candidate(model, adapt_batch=packing_collator if collate else None,
+                        reference_path=EAGER_PATH if ops == _ops() and not collate else "")
 
 
 def veomni(model: nn.Module, ctx: veosnap.Context) -> Iterator[nn.Module]:

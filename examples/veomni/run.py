@@ -6,19 +6,23 @@ Needs `veomni` importable (build its environment with `tools/veomni_env.sh`, whi
 One veosnap call per (model, dtype, backend): its in-process layouts run here, its multi-process ones in
 one torchrun (the plugin is told which layout builds it). Writes `DIR/results.json` (one record per
 cell: model, dtype, backend, layout, status, worst tensor and ratio, reason, notes) and `DIR/table.md`,
-and prints the table. Exit status 0 when every cell is as `expected()` says (pass, or a skip or failure
-whose cause it names), 1 otherwise.
+and prints the table. Every zoo model runs (VeOmni's own registry decides which it builds). A cell that
+does not pass must match an expectation in `expected.toml` (data: model, cell selector, expected status,
+why, the upstream cause; never an ERROR); an expectation whose cells no longer show it is reported as
+stale. Exit status 0 when every cell passes or is expected and no expectation is stale, 1 otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import fnmatch
 import importlib.metadata as md
 import json
 import os
 import sys
 import time
+import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -29,11 +33,12 @@ PLUGIN = str((HERE / "plugin.py").relative_to(ROOT))
 
 IN_PROCESS = ("single", "packed", "microbatch")
 DISTRIBUTED = ("ddp", "fsdp2", "hsdp", "ep", "tp")
-QUICK_MODELS = ("qwen3", "qwen3_moe", "deepseek_v3", "mixtral")
+QUICK_MODELS = ("qwen3", "qwen3_moe", "deepseek_v3", "qwen3_vl", "mixtral")
+EXPECTED = HERE / "expected.toml"
 NO_LOGITS = "*"  # the cell's mark: the candidate computes its loss without logits, so they were not compared
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Cell:
     """One check: what ran, how it ended and why."""
 
@@ -85,21 +90,28 @@ def _stdout_to_stderr() -> Iterator[None]:
         os.close(saved)
 
 
-def run_cells(models: list[str], quick: bool, nproc: int, timeout_s: float) -> list[Cell]:
+def run_cells(models: list[str], quick: bool, nproc: int, timeout_s: float, start: float) -> list[Cell]:
     from veosnap import GoldenKey, Project
     from veosnap.candidates import backends
     from veosnap.runs.check import check_layouts
 
     project = Project.resolve(goldens=ROOT / "goldens", configs=ROOT / "toy_configs", testdata=ROOT / "testdata")
     cells = []
-    for model, dtype, name, names in plan(models, quick):
+    runs = plan(models, quick)
+    with _stdout_to_stderr():  # loading the plugin imports VeOmni, which prints
+        said = registrations()
+    print(f"VeOmni's import-time registrations (present before every check, not patches of a candidate): "
+          f"{', '.join(said) or 'none'}", file=sys.stderr, flush=True)
+    for index, (model, dtype, name, names) in enumerate(runs, 1):
         spec = name if name == "eager" else f"{PLUGIN}:{name}"
         backend = backends.resolve(spec)
-        start = time.monotonic()
+        began = time.monotonic()
+        print(f"[{index}/{len(runs)} {began - start:.0f} s] {model}/{dtype} {name}: {', '.join(names)}",
+              file=sys.stderr, flush=True)
         with _stdout_to_stderr():
             reports = check_layouts(project, GoldenKey(project.hardware_class, model, "step", dtype), backend,
                                     list(names), nproc=nproc, timeout_s=timeout_s)
-        seconds = (time.monotonic() - start) / len(reports)
+        seconds = (time.monotonic() - began) / len(reports)
         for report in reports:
             worst = report.worst
             reason = report.skipped or report.error or "; ".join(
@@ -114,23 +126,65 @@ def run_cells(models: list[str], quick: bool, nproc: int, timeout_s: float) -> l
     return cells
 
 
-def expected(cell: Cell) -> str | None:
-    """Why `cell` may be other than PASS (a known cause), or None when it must pass."""
-    if cell.model == "mixtral" and cell.backend != "eager":
-        return "VeOmni 0.1.12 has no Mixtral"
-    if cell.layout == "ep" and cell.model in ("llama", "qwen2", "qwen3"):
-        return "dense model: veosnap skips ep"
-    if cell.layout == "ep":
-        return "VeOmni's EP needs its fused MoE kernels (GPU)"
-    if cell.layout == "tp":
-        return "VeOmni 0.1.12 has no tensor-parallel plan for these models"
-    if (cell.layout == "packed" or cell.backend == "veomni_collator") and cell.model == "gpt_oss":
-        return "packed GPT-OSS in eager attention is skipped (a transformers mask bug)"
-    if cell.backend == "veomni_sdpa" and cell.model == "gpt_oss":
-        return "transformers has no SDPA with attention sinks"
-    if cell.model == "deepseek_v3" and cell.dtype == "bfloat16" and "structure differs" in cell.reason:
-        return "structure: transformers < 5.24 keeps DeepSeek-V3's router weight in bfloat16, the golden in float32"
-    return None
+@dataclass(frozen=True)
+class Expectation:
+    """A known non-PASS outcome (`expected.toml`): which cells (an fnmatch pattern, or a list of them, per
+    field), the status they show and the text their reason holds, why, and the upstream cause."""
+
+    model: str | list[str]
+    status: str
+    why: str
+    upstream: str
+    reason: str = ""  # a substring the cell's reason must contain
+    dtype: str | list[str] = "*"
+    backend: str | list[str] = "*"
+    layout: str | list[str] = "*"
+
+    def selects(self, cell: Cell) -> bool:
+        def any_of(value: str, patterns: str | list[str]) -> bool:
+            return any(fnmatch.fnmatchcase(value, p) for p in ([patterns] if isinstance(patterns, str) else patterns))
+
+        return all(any_of(getattr(cell, k), getattr(self, k)) for k in ("model", "dtype", "backend", "layout"))
+
+    def shown_by(self, cell: Cell) -> bool:
+        return self.selects(cell) and cell.status == self.status and self.reason in cell.reason
+
+    def label(self) -> str:
+        def text(value: str | list[str]) -> str:
+            return value if isinstance(value, str) else "|".join(value)
+
+        return (f"{self.status} {text(self.model)}/{text(self.dtype)} {text(self.backend)} {text(self.layout)} "
+                f"({self.reason!r})")
+
+
+def load_expectations(path: Path = EXPECTED) -> list[Expectation]:
+    """The expectations in `path`; an ERROR, or an entry without why or upstream cause, is refused."""
+    entries = tomllib.loads(path.read_text(encoding="utf-8")).get("expect", [])
+    out = []
+    for i, entry in enumerate(entries):
+        where = f"{path.name} entry {i + 1}"
+        if entry.get("status") not in ("skip", "FAIL"):
+            raise SystemExit(f"{where}: status {entry.get('status')!r}: only skip or FAIL can be expected (an ERROR "
+                             "is a bug in the candidate, the plugin or veosnap, never an expectation)")
+        if not entry.get("why") or not entry.get("upstream"):
+            raise SystemExit(f"{where}: says neither why nor the upstream cause")
+        out.append(Expectation(**entry))
+    return out
+
+
+def judge(cells: list[Cell], expectations: list[Expectation]) -> tuple[dict[Cell, Expectation], list[Cell],
+                                                                         list[Expectation]]:
+    """(each expected non-PASS cell -> its expectation, the unexpected cells, the stale expectations: those that
+    select cells of this run of which none shows them any more)."""
+    matched = {}
+    for cell in cells:
+        found = next((e for e in expectations if e.shown_by(cell)), None) if cell.status != "PASS" else None
+        if found is not None:
+            matched[cell] = found
+    unexpected = [c for c in cells if c.status != "PASS" and c not in matched]
+    stale = [e for e in expectations
+             if any(e.selects(c) for c in cells) and not any(e.shown_by(c) for c in cells)]
+    return matched, unexpected, stale
 
 
 def table(cells: list[Cell]) -> str:
@@ -172,27 +226,43 @@ def main(argv: list[str] | None = None) -> int:
 
     models = args.models.split(",") if args.models else list(QUICK_MODELS) if args.quick else \
         Project.resolve(configs=ROOT / "toy_configs").models()
+    expectations = load_expectations()
     env = versions()
     print("versions: " + ", ".join(f"{k} {v}" for k, v in env.items()), file=sys.stderr, flush=True)
+    os.environ.setdefault("VEOSNAP_RANK_STDERR", "1")  # the ranks' output reaches this console (stderr)
     start = time.monotonic()
-    cells = run_cells(models, args.quick, args.nproc, args.timeout)
-    unexpected = [c for c in cells if c.status != "PASS" and expected(c) is None]
+    cells = run_cells(models, args.quick, args.nproc, args.timeout, start)
+    matched, unexpected, stale = judge(cells, expectations)
     text = table(cells)
     summary = (f"{len(cells)} cells: {sum(c.status == 'PASS' for c in cells)} pass, "
-               f"{sum(c.status == 'skip' for c in cells)} skip, "
-               f"{sum(c.status in ('FAIL', 'ERROR') for c in cells)} fail/error "
-               f"({len(unexpected)} unexpected) in {time.monotonic() - start:.0f} s")
+               f"{sum(c.status == 'skip' for c in cells)} skip, {sum(c.status == 'FAIL' for c in cells)} fail, "
+               f"{sum(c.status == 'ERROR' for c in cells)} error; {len(matched)} expected, "
+               f"{len(unexpected)} unexpected, {len(stale)} stale expectations; "
+               f"{len({c.model for c in cells if c.status == 'PASS' and c.backend != 'eager'})} models with passing "
+               f"VeOmni cells; in {time.monotonic() - start:.0f} s")
     print(text + "\n\n" + summary)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "table.md").write_text(text + "\n\n" + summary + "\n", encoding="utf-8")
         (args.out / "results.json").write_text(json.dumps(
-            {"versions": env, "cells": [{**asdict(c), "expected": expected(c)} for c in cells]}, indent=1) + "\n",
+            {"versions": env, "import_registrations": list(registrations()),
+             "cells": [{**asdict(c), "expected": asdict(matched[c]) if c in matched else None} for c in cells],
+             "unexpected": [asdict(c) for c in unexpected], "stale": [asdict(e) for e in stale]}, indent=1) + "\n",
             encoding="utf-8")
     for cell in unexpected:
         print(f"unexpected: {cell.label} {cell.model}/{cell.dtype} {cell.backend} {cell.layout}: {cell.reason}",
               file=sys.stderr)
-    return 1 if unexpected else 0
+    for entry in stale:
+        print(f"stale expectation (no cell shows it any more; update {EXPECTED.name}): {entry.label()}: {entry.why}",
+              file=sys.stderr)
+    return 1 if unexpected or stale else 0
+
+
+def registrations() -> tuple[str, ...]:
+    """What `import veomni` registered in transformers (the plugin imports it when it loads, before any check)."""
+    from veosnap.candidates import backends
+
+    return backends.resolve(f"{PLUGIN}:veomni").steps[0].__globals__["IMPORT_REGISTRATIONS"]
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ from torch import nn
 from ..errors import NothingToChange, Unsupported, VeosnapError
 from ..reference.zoo import shown
 from . import context, specs
-from .candidate import Adapted, Candidate, forward_only  # noqa: F401 - Adapted: the backend API, importable here too
+from .candidate import REFERENCE_PATH, Adapted, Candidate, forward_only  # noqa: F401 - Adapted: the backend API, importable here too
 from .kernels import fa4, fla, liger, quack
 from .kernels.support import gpu_library
 
@@ -400,6 +400,8 @@ class Backend:
                 if isinstance(result, Candidate):
                     model = result.model
                     said.append(result.notes)
+                    if result.reference_path:
+                        said.append([REFERENCE_PATH + result.reference_path])
                     if result.forward_only:
                         reasons.append(result.forward_only)
                     for what in ("adapt_batch", "full_gradients"):

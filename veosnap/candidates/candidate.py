@@ -51,6 +51,9 @@ class Candidate:
       shards outside DTensor (a framework's expert-parallel shards held as plain local tensors); every
       rank calls it, rank 0's answer is compared. Parameters it leaves out are read as usual
       (`DTensor.full_tensor()`, or the tensor itself).
+    - `reference_path`: why this candidate computes the reference's own function, op for op ('' when it swaps
+      something in): a bit-identical result is then what it should give, and the report says so (a note
+      starting `REFERENCE_PATH`) instead of asking whether a swapped kernel was applied.
     - `notes` go into the check's report (what the backend replaced, what its kernels ran); a generator
       backend may append to the list after its `yield`, when the check's passes have run.
     """
@@ -60,6 +63,10 @@ class Candidate:
     adapt_batch: AdaptBatch | None = None
     full_gradients: FullGradients | None = None
     notes: list[str] = field(default_factory=list)
+    reference_path: str = ""
+
+
+REFERENCE_PATH = "runs the reference path: "  # the note a candidate's `reference_path` becomes
 
 
 def forward_only(model: nn.Module, reason: str) -> Candidate:

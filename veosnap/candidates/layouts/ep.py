@@ -7,7 +7,7 @@ from torch import nn
 
 from ...errors import Unsupported
 from ...golden.codec import Golden
-from .hf_parallel import NO_TRAIN, load_pretrained
+from .hf_parallel import NO_TRAIN, accept_causal_lm, load_pretrained
 from .protocol import Layout, LayoutContext, Setup
 
 
@@ -22,6 +22,7 @@ class EP(Layout):
             raise Unsupported(NO_TRAIN)
         if not golden.is_moe:
             raise Unsupported(f"{golden.key.model} is a dense model: {self.name} shards experts, it has none")
+        accept_causal_lm(golden, self.name)
         config = golden.manifest.config
         experts = next((config[k] for k in ("num_experts", "num_local_experts", "n_routed_experts") if k in config), 0)
         if experts % nproc:

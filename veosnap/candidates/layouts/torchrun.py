@@ -175,6 +175,11 @@ def remove_stale(root: Path | None = None) -> list[Path]:
     return removed
 
 
+# Set to 1: what the ranks printed (stdout and stderr, torchrun's own lines) is copied to this process's stderr
+# when the group ends, as an in-process candidate's output would be.
+RANK_STDERR = "VEOSNAP_RANK_STDERR"
+
+
 def _launch(cmd: list[str]) -> list[str]:
     """`cmd`, started so that it ends when this process dies (Linux: a parent-death signal)."""
     if not sys.platform.startswith("linux"):
@@ -195,6 +200,9 @@ def _run_group(cmd: list[str], env: dict, out: Path, timeout_s: float) -> str:
         finally:
             _end(proc)
     text = log.read_text(encoding="utf-8", errors="replace")
+    if os.environ.get(RANK_STDERR) == "1":  # the ranks' own output on this process's stderr (a CI's console)
+        sys.stderr.write(text)
+        sys.stderr.flush()
     errors = {int(p.stem.removeprefix("error-rank")): p.read_text(encoding="utf-8").strip().splitlines()[0]
               for p in sorted(out.glob("error-rank*.txt"), key=lambda p: p.stat().st_mtime_ns)}
     if code is None:

@@ -6,7 +6,7 @@ from torch import nn
 
 from ...errors import Unsupported
 from ...golden.codec import Golden
-from .hf_parallel import NO_TRAIN, load_pretrained
+from .hf_parallel import NO_TRAIN, accept_causal_lm, load_pretrained
 from .protocol import DataGroup, Layout, LayoutContext, Setup
 
 
@@ -18,6 +18,7 @@ class TP(Layout):
     def accept(self, golden: Golden, nproc: int) -> None:
         if golden.key.scenario == "train":
             raise Unsupported(NO_TRAIN)
+        accept_causal_lm(golden, self.name)
         config = golden.manifest.config  # transformers does not check this itself; it fails deep in a reshape
         heads = config.get("num_attention_heads", 0)
         for what, count in (("attention heads", heads), ("key/value heads", config.get("num_key_value_heads", heads))):
