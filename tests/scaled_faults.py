@@ -113,3 +113,11 @@ def one_expert_scaled(model: nn.Module) -> nn.Module:
     for moe in moes:
         moe.experts.register_forward_pre_hook(pre, with_kwargs=True)
     return model
+
+
+def norm_scaled(model: nn.Module) -> nn.Module:
+    """Every decoder layer's input norm's output scaled by 1 + s (a norm weight offset off, say)."""
+    s = _scale()
+    for layer in decoder_layers(model):
+        _on_output(layer.input_layernorm, lambda t: _scaled(t, 1 + s))
+    return model

@@ -32,6 +32,7 @@ FAULTS = {
     "one_head_scaled": (["qwen3_moe", "llama"], r"layer \d heads, head 0"),
     "experts_scaled": (["qwen3_moe"], r"layer \d mlp"),
     "one_expert_scaled": (["qwen3_moe"], r"layer \d mlp, expert 3"),
+    "norm_scaled": (["qwen3_moe", "llama"], r"layer \d input_layernorm(, positions .*)?"),
 }
 
 

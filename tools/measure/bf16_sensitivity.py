@@ -3,7 +3,7 @@
 Two tables, against the committed goldens of this machine's class:
 
 1. **Minimum detectable perturbation**: for each scaled bug of tests/scaled_faults.py (every attention
-   block, the last quarter of positions, one head, every routed expert, one expert) x model x dtype, the
+   block, the last quarter of positions, one head, every routed expert, one expert, every input norm) x model x dtype, the
    smallest scale in a ladder (10% down to 0.01%) whose check fails, "before" (the whole-model comparison
    alone: every tensor and route, as veosnap judged until the isolated parts) and "after" (the verdict now).
 2. **False alarms**: every legitimate candidate (other kernels, another thread count) x model x in-process
@@ -34,7 +34,8 @@ from veosnap.reference.zoo import Project  # noqa: E402
 from veosnap.runs.check import check  # noqa: E402
 from veosnap.runs.verdict import CheckReport  # noqa: E402
 
-FAULTS = ["attention_scaled", "last_quarter_scaled", "one_head_scaled", "experts_scaled", "one_expert_scaled"]
+FAULTS = ["attention_scaled", "last_quarter_scaled", "one_head_scaled", "experts_scaled", "one_expert_scaled",
+          "norm_scaled"]
 LADDER = [0.1, 0.03, 0.01, 0.003, 0.001, 0.0003, 0.0001]
 LEGIT = ["eager", "sdpa", "sdpa_math", "flex_attention", "grouped_mm", "batched_mm", "sdpa+grouped_mm", "compile"]
 LAYOUTS = ["single", "packed", "microbatch"]

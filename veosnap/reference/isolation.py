@@ -3,7 +3,7 @@
 In bfloat16 a whole-model comparison cannot see a 1% systematic error: rounding noise piles up through
 the layers and the backward to a few percent of a row, and the bound must cover it. Fed identical inputs,
 one part of one layer (its attention block, its per-head attention output before the output projection,
-its MLP or MoE block) differs from the reference by one part's rounding only, and a systematic error of
+its MLP or MoE block, each of its norms) differs from the reference by one part's rounding only, and a systematic error of
 the same size stands out, above all in statistics rounding does not move (`numerics.isolation`).
 
 `reference_units` runs the eager reference forward (no gradients) on the golden's batch and keeps every
@@ -36,7 +36,8 @@ class Part:
     """One isolated part of a decoder layer: where it hooks in, and what it is."""
 
     layer: int
-    kind: str  # "attention" (the block's output), "heads" (the output projection's input), "mlp"
+    kind: str  # "attention" (the block's output), "heads" (the output projection's input), "mlp", or the
+    # attribute name of another part with weights of its own (a norm: "input_layernorm", ...)
     module: nn.Module = field(compare=False, repr=False)
     forced: bool  # whether its input is replaced by the reference's (a block); "heads" follows its block
 
@@ -67,6 +68,10 @@ def parts(model: nn.Module) -> tuple[list[Part], list[str]]:
             missing.append(f"layer {index} has no MLP block ({'/'.join(MLP)})")
         else:
             found.append(Part(index, "mlp", mlp, forced=True))
+        # The layer's other parts with weights of their own (its norms: `input_layernorm`, ...), by name.
+        for name, child in layer.named_children():
+            if child is not attention and child is not mlp and any(True for _ in child.parameters(recurse=False)):
+                found.append(Part(index, name, child, forced=True))
     return found, missing
 
 
