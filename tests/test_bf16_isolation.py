@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 import pytest
+import scaled_faults
 import torch
 
 from veosnap.candidates import backends
@@ -108,3 +109,11 @@ def test_a_part_the_candidate_did_not_run_fails():
     results = isolation.judge_parts({}, own, own, torch.ones(2, 4, dtype=torch.bool), torch.arange(4).repeat(2, 1),
                                     {}, 0, {})
     assert [r.passed for r in results] == [False] and "did not run" in results[0].place
+
+
+def test_a_stacked_experts_gradient_names_its_expert_and_layer(repo_project):
+    """float32: the one expert's bug shows in its experts' gradients; the worst row is named by expert."""
+    report = run(repo_project, "qwen3_moe", "float32", f"{SCALED}:one_expert_scaled")
+    experts = [t for t in report.tensors if not t.passed and ".mlp.experts." in t.name]
+    assert experts and all(f"expert {scaled_faults.FAULT_EXPERT} of layer " in t.where for t in experts), \
+        [t.where for t in experts]

@@ -240,7 +240,18 @@ def _where(name: str, err: RowError, gold: torch.Tensor, tokens: Tokens) -> str:
         return f"row {b} pos {s} (token {token}) {values}"
     if gold.ndim == 1:
         return f"element {err.row}: golden {fmt.value(err.golden_value)} vs {fmt.value(err.candidate_value)}"
-    return f"row {err.row} {values}"
+    expert = _expert_of(name, err.row, tuple(gold.shape))
+    return f"{expert} {values}" if expert else f"row {err.row} {values}"
+
+
+def _expert_of(name: str, row: int, shape: tuple[int, ...]) -> str:
+    """A stacked experts tensor's row ([experts, rows, columns], flattened to rows) as its expert:
+    `expert 3 of layer 1, row 12`; '' for any other tensor."""
+    if len(shape) != 3 or ".experts." not in name:
+        return ""
+    layer = names.parse(name).layer
+    expert, within = divmod(row, shape[1])
+    return f"expert {expert}{'' if layer is None else f' of layer {layer}'}, row {within}"
 
 
 def _unmeasured_sketch(golden: Golden, name: str, cand: SketchProblem | None) -> TensorResult:
