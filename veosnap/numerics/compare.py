@@ -267,22 +267,22 @@ def _sketched_result(golden: Golden, name: str, err: SketchError, tokens: Tokens
     kind = {"width": spec.width, "group": spec.group}
     if err.nonfinite_rows:
         row = err.first_nonfinite_row
-        where = _row_place(name, row, row, len(spec.shape), tokens)
+        where = _row_place(name, row, row, tuple(spec.shape), tokens)
         return TensorResult(name, float("inf"), tol.bound, tol.noise, where=where, **kind,
                             problem=f"{err.nonfinite_rows} row(s) with non-finite values (NaN/Inf), first at {where}")
-    where = _where_sketched(name, err, len(spec.shape), tokens)
+    where = _where_sketched(name, err, tuple(spec.shape), tokens)
     return TensorResult(name, err.error, tol.bound, tol.noise, where=where, rows_over=err.rows_over, rows=err.groups,
                         estimate=err.estimate, **kind)
 
 
-def _where_sketched(name: str, err: SketchError, ndim: int, tokens: Tokens) -> str:
+def _where_sketched(name: str, err: SketchError, shape: tuple[int, ...], tokens: Tokens) -> str:
     """Where the worst group is: its rows (a token tensor's batch rows, positions and tokens)."""
-    place = _row_place(name, err.first_row, err.last_row, ndim, tokens)
+    place = _row_place(name, err.first_row, err.last_row, shape, tokens)
     return place if err.group >= 0 else f"{place}, outside the golden's non-zero rows"
 
 
-def _row_place(name: str, first: int, last: int, ndim: int, tokens: Tokens) -> str:
-    """Rows `first`..`last` of a tensor, named as a report names a row."""
+def _row_place(name: str, first: int, last: int, shape: tuple[int, ...], tokens: Tokens) -> str:
+    """Rows `first`..`last` of a tensor (of `shape`), named as a report names a row."""
     if is_token_tensor(name):
         (b0, s0), (b1, s1) = divmod(first, tokens.width), divmod(last, tokens.width)
         ids = [int(tokens.ids[r]) for r in range(first, last + 1)
@@ -294,7 +294,13 @@ def _row_place(name: str, first: int, last: int, ndim: int, tokens: Tokens) -> s
         if b0 == b1:
             return f"row {b0} pos {s0}-{s1}{token}"
         return f"row {b0} pos {s0} to row {b1} pos {s1}{token}"
-    unit = "element" if ndim <= 1 else "row"
+    expert = _expert_of(name, first, shape)
+    if expert and _expert_of(name, last, shape).split(",")[0] == expert.split(",")[0]:  # one expert's rows
+        if first == last:
+            return expert
+        within = first % shape[1]
+        return f"{expert.split(',')[0]}, rows {within}-{within + last - first}"
+    unit = "element" if len(shape) <= 1 else "row"
     return f"{unit} {first}" if first == last else f"{unit}s {first}-{last}"
 
 
