@@ -20,7 +20,8 @@ goes away):
   `FUSED_MOE_POINTERS`; register a fused MoE kernel the way VeOmni's own are: `register_fused_moe`;
 - where VeOmni stands: `MISSING` (why it is not importable, or ''), `IMPORT_REGISTRATIONS`, `import_veomni`;
 - the example's backends: `veomni`, `veomni_sdpa`, `veomni_chunk_loss`, `veomni_collator`, `veomni_fsdp2`,
-  `veomni_ulysses` (also served as `examples/veomni/plugin.py:<name>`, or `veosnap_veomni:<name>`).
+  `veomni_ulysses` (also served as `examples/veomni/plugin.py:<name>`, or as `veosnap_veomni:<name>`
+  with examples/veomni on PYTHONPATH).
 
 Importable without VeOmni: `MISSING` then says why, and every backend is a skip with that reason.
 """

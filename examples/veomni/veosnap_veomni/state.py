@@ -166,7 +166,7 @@ def register_fused_moe(name: str, forward: Callable, *, description: str = "") -
     VeOmni's own experts adapter, and `apply_veomni_fused_moe_patch` (which `build_foundation_model` calls to
     set the `_fused_moe_forward` pointer, and which refuses names it does not know) is wrapped to accept
     `name`, as VeOmni's docstring tells third-party backends to do. Call it inside `restored()`: both changes
-    are undone there.
+    are undone there. A `name` already in the registry is refused (VeOmni's `ValueError`).
     """
     from veomni.ops.kernel_registry import KERNEL_REGISTRY, HardwareRequirement, KernelSpec
     from veomni.ops.kernels import moe
