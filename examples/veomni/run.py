@@ -262,7 +262,10 @@ def registrations() -> tuple[str, ...]:
     """What `import veomni` registered in transformers (the plugin imports it when it loads, before any check)."""
     from veosnap.candidates import backends
 
-    return backends.resolve(f"{PLUGIN}:veomni").steps[0].__globals__["IMPORT_REGISTRATIONS"]
+    backends.resolve(f"{PLUGIN}:veomni")  # loads the plugin, which puts its package on sys.path
+    import veosnap_veomni
+
+    return veosnap_veomni.IMPORT_REGISTRATIONS
 
 
 if __name__ == "__main__":
