@@ -87,13 +87,17 @@ def one_head_scaled(model: nn.Module) -> nn.Module:
     return model
 
 
-def experts_scaled(model: nn.Module) -> nn.Module:
-    """Every routed expert's output scaled by 1 + s."""
-    s = _scale()
+def _moe_layers(model: nn.Module) -> list:
     moes = find_moe_layers(model)
     if not moes:
         raise Unsupported("no routed experts")
-    for moe in moes:
+    return moes
+
+
+def experts_scaled(model: nn.Module) -> nn.Module:
+    """Every routed expert's output scaled by 1 + s."""
+    s = _scale()
+    for moe in _moe_layers(model):
         _on_output(moe.experts, lambda t: _scaled(t, 1 + s))
     return model
 
@@ -101,16 +105,13 @@ def experts_scaled(model: nn.Module) -> nn.Module:
 def one_expert_scaled(model: nn.Module) -> nn.Module:
     """Expert FAULT_EXPERT's contribution scaled by 1 + s (its routing weight, as the experts receive it)."""
     s = _scale()
-    moes = find_moe_layers(model)
-    if not moes:
-        raise Unsupported("no routed experts")
 
     def pre(_m: nn.Module, args: tuple, kwargs: dict) -> tuple:
         hidden, index, weights = args[:3]
         weights = torch.where(index == FAULT_EXPERT, _scaled(weights, 1 + s), weights)
         return (hidden, index, weights, *args[3:]), kwargs
 
-    for moe in moes:
+    for moe in _moe_layers(model):
         moe.experts.register_forward_pre_hook(pre, with_kwargs=True)
     return model
 

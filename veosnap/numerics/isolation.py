@@ -19,7 +19,7 @@ Each group is named by the smallest place it is ("layer 1 attention, head 2", "l
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -42,6 +42,7 @@ class IsolatedResult:
     error: float
     bound: float
     rows: int
+    layer: int = 0  # the decoder layer the part is in
 
     @property
     def ratio(self) -> float:
@@ -61,8 +62,9 @@ class Group:
     columns: slice = field(default_factory=lambda: slice(None))
 
 
-def judge_part(place: str, c: torch.Tensor, r: torch.Tensor, p: torch.Tensor, groups: list[Group]) -> list[IsolatedResult]:
-    """Every statistic of one part: its rows, its whole scale and each group's scale."""
+def judge_part(place: str, c: torch.Tensor, r: torch.Tensor, p: torch.Tensor, groups: list[Group],
+               layer: int = 0) -> list[IsolatedResult]:
+    """Every statistic of one part (in decoder layer `layer`): its rows, its whole scale and each group's scale."""
     c, r, p = (t.to(torch.float64) for t in (c, r, p))
     results = [_rows(place, c, r, p)]
     for group in [Group(""), *groups]:
@@ -71,7 +73,7 @@ def judge_part(place: str, c: torch.Tensor, r: torch.Tensor, p: torch.Tensor, gr
             continue
         where = f"{place}, {group.where}" if group.where else place
         results.append(_scale(where, c[rows][:, group.columns], r[rows][:, group.columns], p[rows][:, group.columns]))
-    return results
+    return [replace(result, layer=layer) for result in results]
 
 
 def _rows(place: str, c: torch.Tensor, r: torch.Tensor, p: torch.Tensor) -> IsolatedResult:
@@ -137,12 +139,12 @@ def judge_parts(candidate: dict[tuple[int, str], torch.Tensor], own: dict[tuple[
             continue  # the reference's own part is not one row per token slot: nothing to judge it by
         if c is None or c.shape != r.shape:
             what = "did not run" if c is None else f"gave {tuple(c.shape)}, the reference {tuple(r.shape)}"
-            results.append(IsolatedResult(f"{place} ({what})", "rows", math.inf, 0.0, 0))
+            results.append(IsolatedResult(f"{place} ({what})", "rows", math.inf, 0.0, 0, layer))
             continue
         groups = position_groups(at)
         if kind == "heads":
             groups += head_groups(r.shape[1], heads)
         if kind == "mlp" and layer in routes and layer in experts:
             groups += expert_groups(routes[layer].reshape(token_mask.numel(), -1)[real], experts[layer])
-        results += judge_part(place, c[real], r[real], p[real], groups)
+        results += judge_part(place, c[real], r[real], p[real], groups, layer)
     return results

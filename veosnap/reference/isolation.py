@@ -38,8 +38,7 @@ class Part:
     layer: int
     kind: str  # "attention" (the block's output), "heads" (the output projection's input), "mlp", or the
     # attribute name of another part with weights of its own (a norm: "input_layernorm", ...)
-    module: nn.Module = field(compare=False, repr=False)
-    forced: bool  # whether its input is replaced by the reference's (a block); "heads" follows its block
+    module: nn.Module = field(compare=False, repr=False)  # every part but "heads" is fed the reference's input
 
 
 @dataclass
@@ -60,18 +59,18 @@ def parts(model: nn.Module) -> tuple[list[Part], list[str]]:
         if attention is None:
             missing.append(f"layer {index} has no attention block ({'/'.join(ATTENTION)})")
         else:
-            found.append(Part(index, "attention", attention, forced=True))
+            found.append(Part(index, "attention", attention))
             heads = _child(attention, HEADS_PROJECTION)
             if isinstance(heads, nn.Linear):
-                found.append(Part(index, "heads", heads, forced=False))
+                found.append(Part(index, "heads", heads))
         if mlp is None:
             missing.append(f"layer {index} has no MLP block ({'/'.join(MLP)})")
         else:
-            found.append(Part(index, "mlp", mlp, forced=True))
+            found.append(Part(index, "mlp", mlp))
         # The layer's other parts with weights of their own (its norms: `input_layernorm`, ...), by name.
         for name, child in layer.named_children():
             if child is not attention and child is not mlp and any(True for _ in child.parameters(recurse=False)):
-                found.append(Part(index, name, child, forced=True))
+                found.append(Part(index, name, child))
     return found, missing
 
 

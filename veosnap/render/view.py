@@ -167,7 +167,7 @@ def next_step(report: CheckReport) -> str:
         return f"look at the router inputs of the first flipped layer; full detail: {cmd}"
     failing = [i for i in report.isolated_ranked() if not i.passed]
     if failing and all(t.passed for t in report.tensors):
-        first = min(failing, key=lambda i: (int(i.place.split()[1]) if i.place.split()[1].isdigit() else 0, -i.ratio))
+        first = min(failing, key=lambda i: (i.layer, -i.ratio))
         return f"{cmd}  (every isolated statistic by place; start from {first.place})"
     return f"{cmd}  (every tensor, worst rows; start from the first diverging layer)"
 
