@@ -122,3 +122,11 @@ def norm_scaled(model: nn.Module) -> nn.Module:
     for layer in decoder_layers(model):
         _on_output(layer.input_layernorm, lambda t: _scaled(t, 1 + s))
     return model
+
+
+def residual_scaled(model: nn.Module) -> nn.Module:
+    """The last decoder layer's output, residual stream included, scaled by 1 + s (a fused add-and-norm kernel
+    that mis-adds the residual, say): no block's own output changes, only the layer's."""
+    s = _scale()
+    _on_output(list(decoder_layers(model))[-1], lambda t: _scaled(t, 1 + s))
+    return model

@@ -34,6 +34,8 @@ FAULTS = {
     "experts_scaled": (["qwen3_moe"], r"layer \d mlp"),
     "one_expert_scaled": (["qwen3_moe"], r"layer \d mlp, expert 3"),
     "norm_scaled": (["qwen3_moe", "llama"], r"layer \d input_layernorm(, positions .*)?"),
+    # the whole layer, its residual adds included; DeepSeek-V4 keeps several hyper-connection streams a token
+    "residual_scaled": (["qwen3_moe", "llama", "deepseek_v4"], r"layer \d output(, positions .*)?"),
 }
 
 

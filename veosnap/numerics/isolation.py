@@ -43,6 +43,7 @@ class IsolatedResult:
     bound: float
     rows: int
     layer: int = 0  # the decoder layer the part is in
+    part: str = ""  # the part's kind ("layer": the whole layer's output, which every narrower part is inside)
 
     @property
     def ratio(self) -> float:
@@ -63,7 +64,7 @@ class Group:
 
 
 def judge_part(place: str, c: torch.Tensor, r: torch.Tensor, p: torch.Tensor, groups: list[Group],
-               layer: int = 0) -> list[IsolatedResult]:
+               layer: int = 0, part: str = "") -> list[IsolatedResult]:
     """Every statistic of one part (in decoder layer `layer`): its rows, its whole scale and each group's scale."""
     c, r, p = (t.to(torch.float64) for t in (c, r, p))
     results = [_rows(place, c, r, p)]
@@ -73,7 +74,7 @@ def judge_part(place: str, c: torch.Tensor, r: torch.Tensor, p: torch.Tensor, gr
             continue
         where = f"{place}, {group.where}" if group.where else place
         results.append(_scale(where, c[rows][:, group.columns], r[rows][:, group.columns], p[rows][:, group.columns]))
-    return [replace(result, layer=layer) for result in results]
+    return [replace(result, layer=layer, part=part) for result in results]
 
 
 def _rows(place: str, c: torch.Tensor, r: torch.Tensor, p: torch.Tensor) -> IsolatedResult:
@@ -133,18 +134,22 @@ def judge_parts(candidate: dict[tuple[int, str], torch.Tensor], own: dict[tuple[
     results = []
     for key in sorted(own):
         layer, kind = key
-        place = f"layer {layer} {kind}"
+        place = f"layer {layer} output" if kind == "layer" else f"layer {layer} {kind}"
         r, p, c = own[key], exact.get(key), candidate.get(key)
-        if p is None or r.shape[0] != token_mask.numel():
-            continue  # the reference's own part is not one row per token slot: nothing to judge it by
+        if p is None or r.shape[0] % token_mask.numel():
+            continue  # the reference's own part is not rows per token slot: nothing to judge it by
+        streams = r.shape[0] // token_mask.numel()
+        if streams > 1:  # several rows per token (DeepSeek-V4's hyper-connection streams): one row per token
+            r, p = (t.reshape(token_mask.numel(), -1) for t in (r, p))
+            c = c.reshape(token_mask.numel(), -1) if c is not None and c.numel() == r.numel() else c
         if c is None or c.shape != r.shape:
             what = "did not run" if c is None else f"gave {tuple(c.shape)}, the reference {tuple(r.shape)}"
-            results.append(IsolatedResult(f"{place} ({what})", "rows", math.inf, 0.0, 0, layer))
+            results.append(IsolatedResult(f"{place} ({what})", "rows", math.inf, 0.0, 0, layer, kind))
             continue
         groups = position_groups(at)
         if kind == "heads":
             groups += head_groups(r.shape[1], heads)
         if kind == "mlp" and layer in routes and layer in experts:
             groups += expert_groups(routes[layer].reshape(token_mask.numel(), -1)[real], experts[layer])
-        results += judge_part(place, c[real], r[real], p[real], groups, layer)
+        results += judge_part(place, c[real], r[real], p[real], groups, layer, kind)
     return results

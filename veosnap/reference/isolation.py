@@ -2,8 +2,8 @@
 
 In bfloat16 a whole-model comparison cannot see a 1% systematic error: rounding noise piles up through
 the layers and the backward to a few percent of a row, and the bound must cover it. Fed identical inputs,
-one part of one layer (its attention block, its per-head attention output before the output projection,
-its MLP or MoE block, each of its norms) differs from the reference by one part's rounding only, and a systematic error of
+one part of one layer (the whole layer with its residual adds, its attention block, its per-head attention
+output before the output projection, its MLP or MoE block, each of its norms) differs from the reference by one part's rounding only, and a systematic error of
 the same size stands out, above all in statistics rounding does not move (`numerics.isolation`).
 
 `reference_units` runs the eager reference forward (no gradients) on the golden's batch and keeps every
@@ -36,7 +36,8 @@ class Part:
     """One isolated part of a decoder layer: where it hooks in, and what it is."""
 
     layer: int
-    kind: str  # "attention" (the block's output), "heads" (the output projection's input), "mlp", or the
+    kind: str  # "layer" (the decoder layer's output, residual adds included: a fused add-and-norm kernel is
+    # checked there), "attention" (the block's output), "heads" (the output projection's input), "mlp", or the
     # attribute name of another part with weights of its own (a norm: "input_layernorm", ...)
     module: nn.Module = field(compare=False, repr=False)  # every part but "heads" is fed the reference's input
 
@@ -54,6 +55,7 @@ def parts(model: nn.Module) -> tuple[list[Part], list[str]]:
     """Every decoder layer's isolated parts, and what could not be found."""
     found, missing = [], []
     for index, layer in enumerate(decoder_layers(model)):
+        found.append(Part(index, "layer", layer))
         attention = _child(layer, ATTENTION)
         mlp = _child(layer, MLP)
         if attention is None:

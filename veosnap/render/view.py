@@ -167,7 +167,8 @@ def next_step(report: CheckReport) -> str:
         return f"look at the router inputs of the first flipped layer; full detail: {cmd}"
     failing = [i for i in report.isolated_ranked() if not i.passed]
     if failing and all(t.passed for t in report.tensors):
-        first = min(failing, key=lambda i: (i.layer, -i.ratio))
+        # the first layer that fails, and in it a narrower part than the whole layer where one fails too
+        first = min(failing, key=lambda i: (i.layer, i.part == "layer", -i.ratio))
         return f"{cmd}  (every isolated statistic by place; start from {first.place})"
     return f"{cmd}  (every tensor, worst rows; start from the first diverging layer)"
 
