@@ -62,7 +62,7 @@ def _key(project: Project | None, model: str, dtype: str, scenario: str,
 
 def record(model: str, dtype: str = "float32", scenario: str = "step", *, project: Project | None = None,
            seed: int = 0, allow_near_ties: bool = False, allow_fragile: bool = False,
-           sketch: str = "auto", excuses: dict[str, str] | None = None) -> RecordOutcome:
+           sketch: str = "auto", excuses: dict[str, str] | None = None, certify: bool = True) -> RecordOutcome:
     """Record the golden of `model` in `dtype` for `scenario` on this machine (as `veosnap record` does).
 
     `project` says where the goldens, configs and test data are (default: `Project.for_recording()`:
@@ -72,6 +72,8 @@ def record(model: str, dtype: str = "float32", scenario: str = "step", *, projec
     unless each failing variant is excused (`excuses`: {variant: reason}, kept in the golden; checks of that
     variant still fail and say the reason). `sketch`: `auto` stores large tensors as sketches only when the
     golden would not fit its target size, `always` sketches every sketchable tensor, `never` none (docs/scale.md).
+    `certify`: plant veosnap's canaries and keep the sensitivity they certify (docs/trust.md); a golden one
+    passes is refused.
     """
     from .runs.record import parse_excuses
     from .runs.record import record as record_one
@@ -79,7 +81,7 @@ def record(model: str, dtype: str = "float32", scenario: str = "step", *, projec
     project, key = _key(project, model, dtype, scenario, recording=True)
     return record_one(project, key.model, key.dtype, scenario=key.scenario, seed=seed, allow_near_ties=allow_near_ties,
                       allow_fragile=allow_fragile, sketch=sketch,
-                      excuses=parse_excuses(f"{v}={r}" for v, r in (excuses or {}).items()))
+                      excuses=parse_excuses(f"{v}={r}" for v, r in (excuses or {}).items()), certify=certify)
 
 
 def check(model: str, backend: str = "eager", dtype: str = "float32", *, layouts: Sequence[str] = ("single",),

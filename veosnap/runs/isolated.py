@@ -6,7 +6,9 @@ one long-lived child (`python -m veosnap.runs.isolated_child`) that imports only
 transformers: it reads one JSON request per line on stdin, writes the golden's bytes to the file the
 request names, and answers one JSON line on its own channel (`{"ok": true}` or `{"error": "<one line>"}`).
 Asked to judge, the child also runs the recorder's fragility check there (`record.judge_variants`): the variants
-must run against the same pristine reference the golden came from, not in the touched parent.
+must run against the same pristine reference the golden came from, not in the touched parent. Given a golden's
+file instead of a key to record (`certify`), it plants the canaries against that golden there (`record.certified`)
+and writes it back with its certified sensitivity.
 
 `record_judged` keeps one such child per process and reuses it for the next recording while it can vouch for
 itself: it says after each request whether it is still pristine (veosnap's shipped variants leave it so unless
@@ -28,6 +30,8 @@ from pathlib import Path
 
 from ..about import IMPORT_ROOT
 from ..errors import VeosnapError
+from ..golden import codec
+from ..golden.codec import Golden
 from ..golden.key import GoldenKey
 from ..reference.zoo import Project
 from .verdict import Judgment
@@ -69,15 +73,26 @@ class FreshRecorder:
         """The golden for `key` as the reference records it in a fresh process (its file bytes)."""
         return self.record_judged(project, key, seed, allow_near_ties, judge=False, sketch=sketch)[0]
 
+    def certify(self, project: Project, golden: Golden) -> dict[str, float] | None:
+        """`golden`'s certified sensitivity, its canaries run in the fresh process (`record.certified`)."""
+        assert self._start() is not None and self._dir is not None
+        given = Path(self._dir.name) / "given.bin"
+        given.write_bytes(codec.encode(golden))
+        data, _ = self.record_judged(project, golden.manifest.key, judge=False, given=given)
+        return codec.decode(data, f"the certified {golden.manifest.key}").manifest.reference.sensitivity
+
     def record_judged(self, project: Project, key: GoldenKey, seed: int = 0, allow_near_ties: bool = False,
-                      judge: bool = True, sketch: str = "auto") -> tuple[bytes, list[Judgment]]:
-        """The golden's bytes and, if `judge`, the judgments of the variants run in that same process."""
+                      judge: bool = True, sketch: str = "auto", given: Path | None = None
+                      ) -> tuple[bytes, list[Judgment]]:
+        """The golden's bytes and, if `judge`, the judgments of the variants run in that same process.
+        `given`: a golden's file to certify there instead of recording one."""
         proc = self._start()
         assert self._dir is not None and proc.stdin is not None and proc.stdout is not None
         out = Path(self._dir.name) / "golden.bin"
         request = {"goldens": str(project.goldens), "configs": str(project.configs), "testdata": str(project.testdata),
                    "hardware_class": project.hardware_class, "key": str(key), "seed": seed,
                    "allow_near_ties": allow_near_ties, "sketch": sketch, "out": str(out), "judge": judge,
+                   "given": str(given) if given else None,
                    "cwd": os.getcwd()}  # a project's relative paths are the caller's, and so are its messages
         try:
             proc.stdin.write(json.dumps(request) + "\n")
@@ -132,10 +147,7 @@ def _environment() -> dict[str, str]:
     return {name: value for name, value in os.environ.items() if name != "PYTEST_CURRENT_TEST"}
 
 
-def record_judged(project: Project, key: GoldenKey, seed: int = 0, allow_near_ties: bool = False,
-                  sketch: str = "auto") -> tuple[bytes, list[Judgment]]:
-    """One golden recorded in a fresh process, and the fragility check's judgments from that process (this
-    process's one child, reused while it stays pristine: see the module's docstring)."""
+def _shared() -> FreshRecorder:
     global _SHARED
     if _SHARED is None or not _SHARED.reusable():
         if _SHARED is not None:
@@ -143,4 +155,16 @@ def record_judged(project: Project, key: GoldenKey, seed: int = 0, allow_near_ti
         else:
             atexit.register(lambda: _SHARED is not None and _SHARED.close())
         _SHARED = FreshRecorder()
-    return _SHARED.record_judged(project, key, seed, allow_near_ties, sketch=sketch)
+    return _SHARED
+
+
+def record_judged(project: Project, key: GoldenKey, seed: int = 0, allow_near_ties: bool = False,
+                  sketch: str = "auto") -> tuple[bytes, list[Judgment]]:
+    """One golden recorded in a fresh process, and the fragility check's judgments from that process (this
+    process's one child, reused while it stays pristine: see the module's docstring)."""
+    return _shared().record_judged(project, key, seed, allow_near_ties, sketch=sketch)
+
+
+def certify_fresh(project: Project, golden: Golden) -> dict[str, float] | None:
+    """`golden`'s certified sensitivity, its canaries run in this process's fresh one (`record.certified`)."""
+    return _shared().certify(project, golden)

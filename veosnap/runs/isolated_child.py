@@ -25,7 +25,7 @@ def main() -> int:
     sys.stdout = sys.stderr
     from ..candidates import pristine
     from ..golden import codec
-    from .record import build_golden, judge_variants
+    from .record import build_golden, certified, judge_variants
 
     for line in sys.stdin:
         request = json.loads(line)
@@ -33,8 +33,12 @@ def main() -> int:
             os.chdir(request.get("cwd", os.getcwd()))  # a reused child: where the caller is now
             project = Project(Path(request["goldens"]), Path(request["configs"]), Path(request["testdata"]),
                               request["hardware_class"])
-            golden = build_golden(project, GoldenKey.from_name(request["key"]), seed=request["seed"],
-                                  allow_near_ties=request["allow_near_ties"], sketch=request.get("sketch", "auto"))
+            if request.get("given"):  # an existing golden to certify
+                golden = codec.decode(Path(request["given"]).read_bytes(), request["given"])
+                certified(project, golden)
+            else:
+                golden = build_golden(project, GoldenKey.from_name(request["key"]), seed=request["seed"],
+                                      allow_near_ties=request["allow_near_ties"], sketch=request.get("sketch", "auto"))
             Path(request["out"]).write_bytes(codec.encode(golden))
             judged = judge_variants(project, golden) if request.get("judge") else []
             reply = {"ok": True, "judgments": [asdict(j) for j in judged]}

@@ -385,6 +385,12 @@ def stored_bytes(project: Project, new: Golden) -> tuple[bytes, str]:
     if not trail:
         return encode_checked(new, path), ""
     new.manifest.approvals = list(trail)
+    if old.manifest.reference.sensitivity and new.manifest.reference.sensitivity \
+            and set(old.manifest.reference.sensitivity) == set(new.manifest.reference.sensitivity):
+        # The same canaries caught at the same scales: the ratios approved with the trail are kept (another
+        # machine of the class measures them in other last digits than the one that certified the golden).
+        new.manifest = replace(new.manifest, reference=replace(new.manifest.reference,
+                                                               sensitivity=old.manifest.reference.sensitivity))
     data = encode_checked(new, path)
     if data != store.read_file(path):
         count = f"{len(trail)} approval{'s' if len(trail) > 1 else ''}"
@@ -521,16 +527,32 @@ def fragile_error(key: GoldenKey, fragile: list[str], command: str) -> VeosnapEr
         f"it with --excuse VARIANT=REASON; or keep it with `{command} --allow-fragile`")
 
 
+def certified(project: Project, golden: Golden) -> None:
+    """Plant the canaries against `golden` and keep the sensitivity they certify in its manifest (`canaries`):
+    here if no candidate ran in this process, else in a fresh one, so no candidate's leftovers can make a
+    canary fail."""
+    if pristine.touched():
+        from .isolated import certify_fresh
+
+        sensitivity = certify_fresh(project, golden)
+    else:
+        from .canaries import certify
+
+        sensitivity = certify(project, golden)
+    golden.manifest = replace(golden.manifest, reference=replace(golden.manifest.reference, sensitivity=sensitivity))
+
+
 def record(project: Project, model: str, dtype: str, scenario: str = "step", seed: int = 0,
            allow_near_ties: bool = False, allow_fragile: bool = False, sketch: str = "auto",
-           excuses: dict[str, str] | None = None, certify: bool = False) -> RecordOutcome:
+           excuses: dict[str, str] | None = None, certify: bool = True) -> RecordOutcome:
     """Record one golden into the project's goldens directory; leaves an identical file untouched. A scenario
     checked against another's golden (`frozen_vision`) records that one.
 
     A golden that cheap legitimate variants fail (`fragility`) is refused unless `allow_fragile` (then
     written, and the outcome lists them) or each failing variant is excused (`excuses`: {variant: reason},
-    kept in the manifest; an excuse for a variant that passes is refused). `certify`: plant veosnap's canaries
-    and keep the sensitivity they certify in the manifest, refusing a golden that one passes (`canaries`)."""
+    kept in the manifest; an excuse for a variant that passes is refused). `certify` (the default): plant
+    veosnap's canaries and keep the sensitivity they certify in the manifest, refusing a golden that one passes
+    (`canaries`); without it the golden says `not certified`."""
     key = GoldenKey(project.hardware_class, model, scenario, dtype).recorded
     writable(project.goldens)
     path = store.path_for(project.goldens, key)
@@ -538,10 +560,7 @@ def record(project: Project, model: str, dtype: str, scenario: str = "step", see
     fresh = recorded(project, key, seed=seed, allow_near_ties=allow_near_ties, sketch=sketch)
     new = fresh.golden
     if certify:  # in the manifest, so before the bytes
-        from .canaries import certify as certified
-
-        new.manifest = replace(new.manifest, reference=replace(new.manifest.reference,
-                                                                 sensitivity=certified(project, new)))
+        certified(project, new)
     command = project.recording_command("record", key)
     fragile: list[str] = []
     excused_lines: list[str] = []

@@ -13,7 +13,7 @@ are excused (`record.settle`).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..errors import GoldenError, VeosnapError
@@ -25,7 +25,7 @@ from ..numerics import fmt
 from ..reference import hardware
 from ..reference.zoo import Project, load_config, writable
 from .diff import GoldenDiff, diff_goldens
-from .record import encode_checked, recorded, settle
+from .record import certified, encode_checked, recorded, settle
 
 # Manifest fields whose change alone makes a refresh rewrite: the golden would describe another
 # function, batch, tolerance rule or format than the one on disk.
@@ -82,14 +82,15 @@ def reasons_to_rewrite(d: GoldenDiff) -> list[str]:
 def refresh(project: Project, model: str, dtype: str, reason: str, force: bool = False,
             scenario: str = "step", seed: int | None = None, allow_near_ties: bool = False,
             allow_fragile: bool = False, sketch: str | None = None,
-            excuses: dict[str, str] | None = None) -> RefreshOutcome:
+            excuses: dict[str, str] | None = None, certify: bool = True) -> RefreshOutcome:
     """Re-record one golden from the reference; rewrite it only if it moved beyond noise (or `force`).
 
     A new golden that cheap legitimate variants fail is refused, as `record` refuses it, unless
     `allow_fragile` or its failing variants are excused (`excuses`, as `record` takes them; None keeps the
     old golden's, dropping one whose variant passes now; a change of the excused variants or their reasons
     is a reason to rewrite). `sketch` (auto, always, never): None keeps the mode the old golden was recorded
-    with (auto when it has no sketched tensor, or there is none)."""
+    with (auto when it has no sketched tensor, or there is none). `certify` (the default) plants the canaries
+    as `record` does; a certificate that changes is a reason to rewrite."""
     reason = reason.strip()
     if not reason:
         raise VeosnapError("--reason: give the reason for this refresh (it is stored in the golden's approval trail)")
@@ -104,12 +105,13 @@ def refresh(project: Project, model: str, dtype: str, reason: str, force: bool =
     path = store.path_for(project.goldens, key)
     store.check_writable(path, project.goldens)
     with store.locked(project.goldens):  # from reading the old golden to writing the new one
-        return _refresh(project, key, path, reason, force, seed, allow_near_ties, allow_fragile, sketch, excuses)
+        return _refresh(project, key, path, reason, force, seed, allow_near_ties, allow_fragile, sketch, excuses,
+                        certify)
 
 
 def _refresh(project: Project, key: GoldenKey, path: Path, reason: str, force: bool, seed: int | None,
              allow_near_ties: bool, allow_fragile: bool, sketch: str | None,
-             excuses: dict[str, str] | None) -> RefreshOutcome:
+             excuses: dict[str, str] | None, certify: bool) -> RefreshOutcome:
     old = _read_old(project, key, force, reason)
     if seed is None:  # keep the weights the old golden was recorded with
         seed = old.manifest.reference.seed if old is not None else 0
@@ -127,6 +129,9 @@ def _refresh(project: Project, key: GoldenKey, path: Path, reason: str, force: b
         excuses = {v: r for v, r in excuses.items() if v in failing}
     if excuses:  # judged first: a stale excuse is refused even where nothing else changed
         settle(key, new, fresh.judge(project), excuses, allow_fragile, command)
+    if old is not None:  # the certificate is decided below, from whether the tensors move
+        new.manifest = replace(new.manifest, reference=replace(new.manifest.reference,
+                                                               sensitivity=old.manifest.reference.sensitivity))
     why = reasons_to_rewrite(diff_goldens(old, new)) if old is not None else []
     if old is not None and _reasons(old) != _reasons(new):
         why.append(f"excuse for {', '.join(dropped)} dropped (it no longer fails)" if dropped
@@ -135,11 +140,26 @@ def _refresh(project: Project, key: GoldenKey, path: Path, reason: str, force: b
         settle(key, new, fresh.judge(project), {}, allow_fragile, command)
     if old is None:
         why = "replaced an unreadable golden (--force)" if os.path.lexists(path) else "no golden before"
+        if certify:
+            certified(project, new)
         new.manifest.approvals = [Approval(reason, previous_payload_hash=None)]
         store.write_bytes(encode_checked(new, path), path, project.goldens)
         return RefreshOutcome(key, path, "created", why)
     if not why and not force:
-        return RefreshOutcome(key, path, "unchanged", "within noise of the recorded golden")
+        if not certify or old.manifest.reference.sensitivity:
+            return RefreshOutcome(key, path, "unchanged", "within noise of the recorded golden")
+        # Within noise and not certified: the old golden itself is certified, its tensors kept (a refresh on
+        # another CPU of the class must not churn them to add a certificate).
+        new = Golden(replace(old.manifest), dict(old.tensors), sketches=dict(old.sketches))
+        why = ["certified (its tensors kept: within noise of the reference)"]
+    if certify:
+        certified(project, new)
+        if not old.manifest.reference.sensitivity and not why[-1].startswith("certified"):
+            why.append("certified")
+    else:
+        new.manifest = replace(new.manifest, reference=replace(new.manifest.reference, sensitivity=None))
+        if old.manifest.reference.sensitivity:
+            why.append("not certified (--no-certify)")
     new.manifest.approvals = [*old.manifest.approvals, Approval(reason, old.manifest.payload_hash)]
     store.write_bytes(encode_checked(new, path), path, project.goldens)
     return RefreshOutcome(key, path, "rewrote", "; ".join(why) or "forced (--force)", diff_goldens(old, new))

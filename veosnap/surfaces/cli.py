@@ -108,6 +108,25 @@ def _scenarios(args: argparse.Namespace, project: Project, model: str, recording
     return list(dict.fromkeys(chosen))
 
 
+def _certify(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-certify", action="store_true",
+                   help="write the golden without planting veosnap's canaries (by default an error of 1e-3 in "
+                        "float32, 1-10%% in bfloat16, in one layer's output, one gradient and one expert must fail it, "
+                        "or it is refused; the sensitivity they certify is kept in the manifest and shown by every "
+                        "check); it then says 'not certified'")
+    p.add_argument("--certify", action="store_true", help=argparse.SUPPRESS)  # the default now: kept for a release
+
+
+def _certifying(args: argparse.Namespace) -> bool:
+    if args.certify:
+        print("veosnap: warning: --certify is the default now and the flag goes in the next release; "
+              "--no-certify turns certification off", file=sys.stderr)
+    if args.no_certify:
+        print("veosnap: warning: recording without certification (--no-certify): the golden's sensitivity is "
+              "not tested and every check of it says 'not certified'", file=sys.stderr)
+    return not args.no_certify
+
+
 def cmd_record(args: argparse.Namespace) -> int:
     from ..runs.canaries import sensitivity_note
     from ..runs.record import parse_excuses, record
@@ -118,7 +137,7 @@ def cmd_record(args: argparse.Namespace) -> int:
         for scenario in _scenarios(args, project, model, recording=True):
             outcome = record(project, model, dtype, scenario=scenario, seed=args.seed,
                              allow_near_ties=args.allow_near_ties, allow_fragile=args.allow_fragile,
-                             sketch=args.sketch, excuses=excuses, certify=args.certify)
+                             sketch=args.sketch, excuses=excuses, certify=_certifying(args))
             margin = "" if outcome.min_margin is None else f"  min router margin {fmt.num(outcome.min_margin)}"
             note = f"  ({outcome.note})" if outcome.note else ""
             state = "wrote" if outcome.written else "unchanged"
@@ -275,7 +294,7 @@ def cmd_refresh(args: argparse.Namespace) -> int:
         for scenario in chosen:
             outcome = refresh(project, model, dtype, args.reason, force=args.force, scenario=scenario,
                               allow_near_ties=args.allow_near_ties, allow_fragile=args.allow_fragile,
-                              sketch=args.sketch, excuses=excuses)
+                              sketch=args.sketch, excuses=excuses, certify=_certifying(args))
             print(f"{outcome.action:9s} {outcome.path}  ({outcome.why})")
             if outcome.diff is not None:
                 print("\n".join(render_text.diff_golden(outcome.diff)))
@@ -439,10 +458,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-fragile", action="store_true",
                    help="write a golden even if cheap legitimate variants (sdpa, grouped_mm, batched_mm) exceed "
                         "its bounds (warns, naming them)")
-    p.add_argument("--certify", action="store_true",
-                   help="plant veosnap's canaries (a 1e-3 error in one layer's output, one gradient, one expert) and "
-                        "refuse a golden that one passes; the sensitivity they certify is kept in the manifest and "
-                        "shown by every check (without it the golden is 'not certified')")
+    _certify(p)
     _excuse(p, "")
     commands["record"] = cmd_record
 
@@ -507,6 +523,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-fragile", action="store_true",
                    help="rewrite even if cheap legitimate variants exceed the new golden's bounds")
     _excuse(p, " (default: the old golden's excuses, dropping one whose variant no longer fails)")
+    _certify(p)
     commands["refresh"] = cmd_refresh
 
     p = sub.add_parser("verify", help="check golden files for corruption and inconsistency")

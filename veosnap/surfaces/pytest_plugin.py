@@ -224,6 +224,8 @@ class VeosnapSession:
     def recording(self, key: GoldenKey) -> bytes:
         """The golden for `key` as the reference records it now, in a fresh process (once per process and
         key), carrying the stored golden's approval trail (refused if it would change a trailed golden)."""
+        from dataclasses import replace
+
         from ..golden import codec
         from ..runs.isolated import FreshRecorder
         from ..runs.record import stored_bytes
@@ -232,9 +234,12 @@ class VeosnapSession:
         if name not in self._recordings:
             if self._recorder is None:
                 self._recorder = FreshRecorder()
-            # Sketch mode auto (large models' goldens stay bounded); stored_bytes runs the reader's checks.
+            # Sketch mode auto (large models' goldens stay bounded), certified as `veosnap record` certifies
+            # (in the same fresh process); stored_bytes runs the reader's checks.
             fresh = codec.decode(self._recorder.record(self.project, key, sketch="auto"),
                                  f"the fresh recording of {key}")
+            fresh.manifest = replace(fresh.manifest, reference=replace(
+                fresh.manifest.reference, sensitivity=self._recorder.certify(self.project, fresh)))
             self._recordings[name], _ = stored_bytes(self.project, fresh)
         return self._recordings[name]
 
