@@ -71,6 +71,18 @@ def test_legitimate_kernels_pass_their_isolated_parts(repo_project, backend, lay
     assert report.isolated and max(i.ratio for i in report.isolated) < 0.5
 
 
+@pytest.mark.parametrize(("backend", "fails"), [("sdpa", False), (f"{SCALED}:attention_scaled", True),
+                                               (f"{SCALED}:residual_scaled", True)])
+def test_in_the_train_scenario_the_parts_are_isolated_on_the_goldens_weights(repo_project, backend, fails):
+    """Train: the candidate's parts run on the golden's own weights before its optimizer moves them; a 1%
+    error AdamW's normalised updates would hide fails there, and a legitimate kernel passes."""
+    report = check(repo_project, GoldenKey(repo_project.hardware_class, "llama", "train", "bfloat16"),
+                   backends.resolve(backend))
+    assert not report.error and report.isolated, report.error or report.not_isolated
+    assert report.passed is not fails, text.checks([report])
+    assert (report.isolated_ranked()[0].ratio > 2) is fails
+
+
 def test_float32_is_judged_as_before_with_no_isolation_line(repo_project):
     report = run(repo_project, "qwen3_moe", "float32", "sdpa")
     assert report.passed and not report.isolated and not report.not_isolated

@@ -139,17 +139,24 @@ def run(layout: Layout, backend: Backend, ctx: LayoutContext, staged: Staged | N
             raise LayoutError(f"layout {layout.name}: wrap() set up data share {setup.data} but data() told the "
                               f"backend {data}; override data()")
         runner = _Runner(layout, ctx, setup, candidate, where, staged if ctx.world == 1 else None)
-        result = runner.train() if ctx.hyper is not None else runner.step()
-        if reference is not None and candidate.adapt_batch is not None:
-            not_isolated = "the candidate adapts the batch to its own form"
-        elif reference is not None and _compiled(setup.inner):
-            # Hooks added to a compiled module make dynamo recompile it, up to its limit, then run eager:
-            # the isolated run would check the reference's code, not the candidate's.
-            not_isolated = "the candidate is compiled (torch.compile): a hooked run would not run its compiled code"
-        elif reference is not None:
-            units, not_isolated = _isolating(lambda: isolation.candidate_units(
+
+        def isolate() -> tuple[tuple[isolation.Reference, isolation.Units] | None, str]:
+            if candidate.adapt_batch is not None:
+                return None, "the candidate adapts the batch to its own form"
+            if _compiled(setup.inner):
+                # Hooks added to a compiled module make dynamo recompile it, up to its limit, then run eager:
+                # the isolated run would check the reference's code, not the candidate's.
+                return None, "the candidate is compiled (torch.compile): a hooked run would not run its compiled code"
+            units, why = _isolating(lambda: isolation.candidate_units(
                 setup.inner, ctx.batch.model_kwargs(), reference), "the candidate")
-            isolated = (reference, units) if units is not None else None
+            return ((reference, units) if units is not None else None), why
+
+        if reference is not None and ctx.hyper is not None:
+            # Train: the parts are the candidate's on the golden's own weights, before its optimizer moves them.
+            isolated, not_isolated = isolate()
+        result = runner.train() if ctx.hyper is not None else runner.step()
+        if reference is not None and ctx.hyper is None:
+            isolated, not_isolated = isolate()
     if result is not None:
         result.isolated, result.not_isolated = isolated, not_isolated
         result.device, result.golden_on = ctx.device, runner.golden_on
@@ -160,15 +167,13 @@ def run(layout: Layout, backend: Backend, ctx: LayoutContext, staged: Staged | N
 
 def isolation_declined(ctx: LayoutContext, backend: Backend) -> str:
     """Why this run's layer parts are not checked in isolation ('' when they are): only a low-precision
-    step golden with whole layer outputs (the toy tier), in one process, on a model the layout did not
-    hand to the backend to parallelize."""
+    golden with whole layer outputs (the toy tier), in one process, on a model the layout did not hand to
+    the backend to parallelize (in the train scenario, on the golden's weights before the first step)."""
     golden = ctx.golden
     if golden.key.dtype not in ("bfloat16", "float16"):
         return "float32"
     if ctx.world > 1:
         return "the layout runs in several processes"
-    if ctx.hyper is not None:
-        return "the train scenario"
     if backend.parallelizes:
         return "the backend parallelizes the model itself"
     if any(isinstance(names.try_parse(name), names.LayerOutput) for name in golden.sketches):
