@@ -125,8 +125,9 @@ def norm_scaled(model: nn.Module) -> nn.Module:
 
 
 def residual_scaled(model: nn.Module) -> nn.Module:
-    """The last decoder layer's output, residual stream included, scaled by 1 + s (a fused add-and-norm kernel
-    that mis-adds the residual, say): no block's own output changes, only the layer's."""
+    """The first decoder layer's output, residual stream included, scaled by 1 + s (a fused add-and-norm kernel
+    that mis-adds the residual, say): no block's own output changes, only the layer's. (Not the last layer's:
+    the final RMSNorm would undo a scale there, and the model would compute the same function.)"""
     s = _scale()
-    _on_output(list(decoder_layers(model))[-1], lambda t: _scaled(t, 1 + s))
+    _on_output(list(decoder_layers(model))[0], lambda t: _scaled(t, 1 + s))
     return model

@@ -81,6 +81,12 @@ def test_clipping_per_micro_batch_fails_on_train_while_step_passes(repo_project:
     assert not report.passed
     assert GRAD_NORM in names_over(report)
     assert any(n.startswith(UPDATE) for n in names_over(report))
+    # the per-step figures say which step diverged, counting from 1, as the report's text does
+    grad_norm = next(t for t in report.tensors if t.name == GRAD_NORM)
+    assert grad_norm.where.startswith("step ") and " of 3: golden " in grad_norm.where, grad_norm.where
+    from veosnap.render import text
+
+    assert "/3 steps over; step " in text.checks([report])
 
 
 @gpus_for(2)

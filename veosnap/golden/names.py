@@ -368,3 +368,4 @@ class TrainGradNorm(_Named):
 
 
 LOSS, LOGITS, TRAIN_LOSS, TRAIN_GRAD_NORM = Loss(), Logits(), TrainLoss(), TrainGradNorm()
+PER_STEP = (TRAIN_LOSS, TRAIN_GRAD_NORM)  # one element per train step

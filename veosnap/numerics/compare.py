@@ -11,6 +11,7 @@ place a group of rows, which the result says (`estimate`, `width`, `group`).
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -185,7 +186,8 @@ def compare_tensors(golden: Golden, produced: Mapping[str, torch.Tensor], tokens
         if suspect and _nonfinite(golden, name, cand, at, results):
             continue
         tol = golden.manifest.tolerance[name]
-        results[at] = TensorResult(name, err.error, tol.bound, tol.noise, where=_where(name, err, gold, tokens),
+        results[at] = TensorResult(name, err.error, tol.bound, tol.noise,
+                                   where=_where(name, err, gold, tokens, tol.bound),
                                    rows_over=err.rows_over, rows=err.rows,
                                    worst_rows=tuple(_worst_row(name, row, e, tokens) for row, e in err.worst_rows))
     # Sketched tensors: one batched pass (a sync per tensor cost more on a GPU than the arithmetic).
@@ -229,7 +231,7 @@ def _worst_row(name: str, row: int, error: float, tokens: Tokens) -> WorstRow:
     return WorstRow(row, error, b, s, token)
 
 
-def _where(name: str, err: RowError, gold: torch.Tensor, tokens: Tokens) -> str:
+def _where(name: str, err: RowError, gold: torch.Tensor, tokens: Tokens, bound: float = math.inf) -> str:
     """Where the worst row is: a token's batch row, position and id; a gradient's output row; an element."""
     if gold.ndim == 0:
         return f"golden {fmt.value(err.golden_value, 6)}, candidate {fmt.value(err.candidate_value, 6)}"
@@ -238,6 +240,11 @@ def _where(name: str, err: RowError, gold: torch.Tensor, tokens: Tokens) -> str:
         b, s = divmod(err.row, tokens.width)
         token = int(tokens.ids[err.row]) if err.row < tokens.ids.numel() else -1
         return f"row {b} pos {s} (token {token}) {values}"
+    if names.try_parse(name) in names.PER_STEP:  # one element per train step: say which step diverged first
+        over = sorted(row for row, error in err.worst_rows if error > bound)
+        first = f"; first over its bound at step {over[0] + 1}" if over and over[0] != err.row else ""
+        return (f"step {err.row + 1} of {gold.numel()}: golden {fmt.value(err.golden_value)} vs "
+                f"{fmt.value(err.candidate_value)}{first}")
     if gold.ndim == 1:
         return f"element {err.row}: golden {fmt.value(err.golden_value)} vs {fmt.value(err.candidate_value)}"
     expert = _expert_of(name, err.row, tuple(gold.shape))

@@ -113,7 +113,7 @@ def check_view(report: CheckReport, shown: int = SHOWN_ROWS) -> CheckView:
     room = shown if failing else min(shown, SHOWN_PASSING)
     for t in failing + [t for t in ranked if t.passed][: max(0, room - len(failing))]:
         where = t.problem or t.where
-        unit = "groups" if t.sketched else "rows"
+        unit = "groups" if t.sketched else "steps" if names.try_parse(t.name) in names.PER_STEP else "rows"
         if t.rows_over and not t.problem:
             where = f"{t.rows_over}/{t.rows} {unit} over; {where}"
         elif t.error == 0 and not t.problem:
