@@ -131,3 +131,13 @@ def residual_scaled(model: nn.Module) -> nn.Module:
     s = _scale()
     _on_output(list(decoder_layers(model))[0], lambda t: _scaled(t, 1 + s))
     return model
+
+
+def one_gradient_scaled(model: nn.Module) -> nn.Module:
+    """The first decoder layer's attention query projection's weight gradient scaled by 1 + s (a fused
+    backward that mis-scales one weight's gradient, say): the forward is untouched."""
+    s = _scale()
+    layer = list(decoder_layers(model))[0]
+    weight = next(p for name, p in layer.named_parameters() if p.requires_grad and p.dim() == 2)
+    weight.register_hook(lambda grad: _scaled(grad, 1 + s))
+    return model

@@ -360,9 +360,10 @@ def test_item6_in_bfloat16_each_canary_is_certified_at_the_smallest_scale_it_fai
     sensitivity = store.read(tmp_path / "goldens" / CLASS / "deepseek_v3" / "step-bfloat16.safetensors.zst"
                              ).manifest.reference.sensitivity
     # a 1% error in one decoder layer's output fails in isolation; one expert's share of its tokens' output,
-    # beside the shared expert and the other routed one, is caught from 10%; a gradient is judged whole
+    # beside the shared expert and the other routed one, is caught from 10%; one gradient's projection onto
+    # the golden from 3% (this model's backward rounds by more than llama's, caught at 1%)
     assert {name.partition("@")[0]: name.partition("@")[2] for name in sensitivity} == \
-        {"layer_output": "0.01", "expert": "0.1", "gradient": "0.1"}
+        {"layer_output": "0.01", "expert": "0.1", "gradient": "0.03"}
     assert min(sensitivity.values()) > 1
     assert "certified: catches the relative error planted in each of: layer_output 0.01 at " in capsys.readouterr().out
 

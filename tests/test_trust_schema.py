@@ -34,7 +34,7 @@ from safetensors.torch import save as st_save
 from veosnap.golden import codec, names, schema
 from veosnap.golden.codec import Golden
 from veosnap.golden.key import GoldenKey
-from veosnap.golden.manifest import Absence, Approval, Excuse, Manifest, config_hash
+from veosnap.golden.manifest import SCALE_ALPHA, SCALE_FLOOR, Absence, Approval, Excuse, Manifest, Tolerance, config_hash
 from veosnap.golden.sketches import tau_of
 from veosnap.surfaces.cli import main
 
@@ -47,6 +47,7 @@ REPRESENTATIVES = {
     schema.TRAIN: GoldenKey(CLASS, "llama", "train", "float32"),
     schema.MULTIMODAL: GoldenKey(CLASS, "qwen2_5_omni", "audio", "float32"),
     schema.AUX: GoldenKey(CLASS, "qwen3_moe_aux", "step", "float32"),
+    schema.LOW: GoldenKey(CLASS, "llama", "step", "bfloat16"),
 }
 
 
@@ -80,6 +81,24 @@ def _remake_bounds(g: Golden) -> None:
 def _scale_noise(g: Golden) -> None:
     g.manifest.tolerance = {n: replace(t, noise=t.noise * 1000) for n, t in g.manifest.tolerance.items()}
     _remake_bounds(g)
+
+
+def _projected(g: Golden) -> dict[str, Tolerance]:
+    held = {n: t for n, t in g.manifest.tolerance.items() if t.scale_bound is not None}
+    if not held:
+        raise NotHeld  # recorded before projection bounds (the cuda-sm90 goldens)
+    return held
+
+
+def _projection_noise_grown(g: Golden) -> None:
+    for name, t in _projected(g).items():
+        grown = t.scale_noise * 1000
+        g.manifest.tolerance[name] = replace(t, scale_noise=grown, scale_bound=float(SCALE_ALPHA * grown + SCALE_FLOOR))
+
+
+def _projection_removed(g: Golden) -> None:
+    for name, t in _projected(g).items():
+        g.manifest.tolerance[name] = replace(t, scale_noise=None, scale_bound=None)
 
 
 def _rule(field: str, factor: float) -> Callable[[Golden], None]:
@@ -270,6 +289,8 @@ FORGERIES: dict[str, tuple[Callable, str]] = {
     "reference.sensitivity*": (_reference(sensitivity={"layer_output@0.001": 1e6}), ""),
     "tolerance.*.noise": (_scale_noise, ""),
     "tolerance.*.bound": (_scale_noise, ""),
+    "tolerance.*.scale_noise": (_projection_noise_grown, ""),
+    "tolerance.*.scale_bound": (_projection_removed, ""),
     "alpha": (_rule("alpha", 2.0), ""),
     "floor": (_rule("floor", 2.0), ""),
     "tie_epsilon": (_rule("tie_epsilon", 1000.0), ""),

@@ -3,14 +3,17 @@
 Two tables, against the committed goldens of this machine's class:
 
 1. **Minimum detectable perturbation**: for each scaled bug of tests/scaled_faults.py (every attention
-   block, the last quarter of positions, one head, every routed expert, one expert, every input norm) x model x dtype, the
-   smallest scale in a ladder (10% down to 0.01%) whose check fails, "before" (the whole-model comparison
-   alone: every tensor and route, as veosnap judged until the isolated parts) and "after" (the verdict now).
+   block, the last quarter of positions, one head, every routed expert, one expert, every input norm, the
+   first layer's output with its residual, one weight's gradient) x model x dtype, the smallest scale in a
+   ladder (10% down to 0.01%) whose check fails, "before" (the whole-model comparison alone: every tensor,
+   with the gradients' projections where the golden has their bounds, and every route) and "after" (the
+   verdict now, with the isolated parts).
 2. **False alarms**: every legitimate candidate (other kernels, another thread count) x model x in-process
    layout in bfloat16: its status, the worst tensor ratio and the worst isolated statistic's ratio.
 
     python tools/measure/bf16_sensitivity.py                        # qwen3_moe and llama, every candidate
     python tools/measure/bf16_sensitivity.py --model qwen3 --legit sdpa --layout single --no-ladder
+    python tools/measure/bf16_sensitivity.py --no-legit --fault one_gradient_scaled
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from veosnap.runs.check import check  # noqa: E402
 from veosnap.runs.verdict import CheckReport  # noqa: E402
 
 FAULTS = ["attention_scaled", "last_quarter_scaled", "one_head_scaled", "experts_scaled", "one_expert_scaled",
-          "norm_scaled"]
+          "norm_scaled", "residual_scaled", "one_gradient_scaled"]
 LADDER = [0.1, 0.03, 0.01, 0.003, 0.001, 0.0003, 0.0001]
 LEGIT = ["eager", "sdpa", "sdpa_math", "flex_attention", "grouped_mm", "batched_mm", "sdpa+grouped_mm", "compile"]
 LAYOUTS = ["single", "packed", "microbatch"]
@@ -73,11 +76,11 @@ def _pct(scale: float | None) -> str:
     return f"<= {scale * 100:g}%" if scale == LADDER[-1] else f"{scale * 100:g}%"
 
 
-def ladder(project: Project, models: list[str], dtypes: list[str]) -> Table:
+def ladder(project: Project, models: list[str], dtypes: list[str], faults: list[str] = FAULTS) -> Table:
     table = Table(title="minimum detectable perturbation (smallest failing scale; before: whole-model comparison only)")
     for col in ("bug", "model", *(f"{d} {w}" for d in dtypes for w in ("before", "after"))):
         table.add_column(col)
-    for fault in FAULTS:
+    for fault in faults:
         for model in models:
             cells = []
             for dtype in dtypes:
@@ -120,13 +123,14 @@ def main() -> None:
     parser.add_argument("--legit", action="append", help=f"legitimate candidates (default: {', '.join(LEGIT)}, eager@1)")
     parser.add_argument("--layout", action="append", help=f"layouts of the false-alarm table (default: {', '.join(LAYOUTS)})")
     parser.add_argument("--no-ladder", action="store_true", help="only the false-alarm table")
+    parser.add_argument("--fault", action="append", choices=FAULTS, help="the ladder's bugs (default: all)")
     parser.add_argument("--no-legit", action="store_true", help="only the ladder")
     args = parser.parse_args()
     project = Project.resolve(goldens=ROOT / "goldens", configs=ROOT / "toy_configs", testdata=ROOT / "testdata")
     models = args.model or ["qwen3_moe", "llama"]
     console = Console(width=200)
     if not args.no_ladder:
-        console.print(ladder(project, models, ["float32", "bfloat16"]))
+        console.print(ladder(project, models, ["float32", "bfloat16"], args.fault or FAULTS))
     if not args.no_legit:
         legit = args.legit or [*LEGIT, "eager@1"]
         console.print(false_alarms(project, models, legit, args.layout or LAYOUTS))

@@ -32,12 +32,28 @@ def config_hash(config: dict) -> str:
     return "sha256:" + hashlib.sha256(blob).hexdigest()
 
 
+# The rule of a projection bound (`numerics.projection`): scale_bound = SCALE_ALPHA x scale_noise + SCALE_FLOOR.
+# Part of the format, as alpha and floor are: the reader recomputes every stored scale bound from it.
+SCALE_ALPHA = 3.0
+SCALE_FLOOR = 5e-4
+
+
 @dataclass(frozen=True)
 class Tolerance:
-    """One tensor's tolerance: the reference's measured noise and the bound a candidate must meet."""
+    """One tensor's tolerance: the reference's measured noise and the bound a candidate must meet; in low
+    precision, a whole gradient's projection bound too (`numerics.projection`: the reference's own rounding
+    bias along itself, and the bound a candidate's projection onto the golden must meet; None: not judged)."""
 
     noise: float
     bound: float
+    scale_noise: float | None = None
+    scale_bound: float | None = None
+
+    def stored(self) -> list[float]:
+        """As the manifest keeps it: [noise, bound], or [noise, bound, scale_noise, scale_bound]."""
+        if self.scale_bound is None:
+            return [self.noise, self.bound]
+        return [self.noise, self.bound, self.scale_noise, self.scale_bound]
 
 
 @dataclass(frozen=True)
@@ -184,7 +200,7 @@ class Manifest:
             self.schema_version = SKETCHED_SCHEMA
         data = {f.name: getattr(self, f.name) for f in fields(self)}
         data.update(key=asdict(self.key), reference=json_object(self.reference), provenance=json_object(self.provenance),
-                    tolerance={name: [t.noise, t.bound] for name, t in sorted(self.tolerance.items())},
+                    tolerance={name: t.stored() for name, t in sorted(self.tolerance.items())},
                     min_margin={str(layer): value for layer, value in self.min_margin.items()},
                     approvals=[asdict(a) for a in self.approvals],
                     absent=[{"kind": a.kind, "names": list(a.names), "reason": a.reason} for a in self.absent],
@@ -231,6 +247,9 @@ class Manifest:
             if tol.bound != made:
                 raise GoldenError(source, f"tolerance of {name!r}: bound {tol.bound!r} is not alpha x noise + floor "
                                           f"({made!r}): edited apart from its noise")
+            if tol.scale_bound is not None and tol.scale_bound != float(SCALE_ALPHA * tol.scale_noise + SCALE_FLOOR):
+                raise GoldenError(source, f"tolerance of {name!r}: projection bound {tol.scale_bound!r} is not "
+                                          f"{SCALE_ALPHA:g} x its noise + {SCALE_FLOOR:g}: edited apart from its noise")
         return manifest
 
 
@@ -443,10 +462,12 @@ def _parse(data: dict) -> Manifest:
             raise ValueError(f"field {name!r} is not a finite non-negative number")
     tolerance = {}
     for name, value in data["tolerance"].items():
-        if not isinstance(value, list) or len(value) != 2 or not all(map(_finite_non_negative, value)) or value[1] <= 0:
+        if not isinstance(value, list) or len(value) not in (2, 4) or not all(map(_finite_non_negative, value)) \
+                or value[1] <= 0 or (len(value) == 4 and value[3] <= 0):
             # every bound has a positive floor: a zero one was written by hand
-            raise ValueError(f"tolerance of {name!r} is not [noise, bound] with finite numbers, noise >= 0 and bound > 0")
-        tolerance[name] = Tolerance(float(value[0]), float(value[1]))
+            raise ValueError(f"tolerance of {name!r} is not [noise, bound] (or [noise, bound, projection noise, "
+                             "projection bound]) with finite numbers, noises >= 0 and bounds > 0")
+        tolerance[name] = Tolerance(*map(float, value))
     min_margin = {}
     for layer, value in data["min_margin"].items():
         if not _finite_non_negative(value):

@@ -30,7 +30,8 @@ import typing
 from dataclasses import dataclass
 
 WHOLE, SKETCHED, ROUTES, TRAIN, MULTIMODAL, AUX = "whole", "sketched", "routes", "train", "multimodal", "aux"
-KINDS = (WHOLE, SKETCHED, ROUTES, TRAIN, MULTIMODAL, AUX)
+LOW = "low precision"  # a bfloat16 golden: its whole gradients carry projection bounds
+KINDS = (WHOLE, SKETCHED, ROUTES, TRAIN, MULTIMODAL, AUX, LOW)
 RULES = ("moved", "routes", "near_ties", "grows", "tau", "rule", "changes", "form", "added", "trail", "derived",
          "metadata")
 _ALL = frozenset(KINDS)
@@ -69,10 +70,12 @@ def _t(path: str, rule: str, loosens: str, reader: str, kinds: frozenset[str] = 
 _CHECK = "runs.check (the candidate is built and run from it)"
 _TENSORS = "numerics.compare.compare_tensors (row error against the bound)"
 _SKETCH = "numerics.sketch.compare_sketches (the candidate is sketched with this spec)"
+_PROJECTION = "numerics.projection (a low-precision gradient's projection onto the golden, against this bound)"
 _MM = frozenset({MULTIMODAL})
 _SK = frozenset({SKETCHED})
 _MOE = frozenset({ROUTES, AUX})
 _TR = frozenset({TRAIN})
+_LOW = frozenset({LOW})
 
 FIELDS: tuple[Field, ...] = (
     # --- identity: the golden describes another function or batch when any of these changes
@@ -93,6 +96,8 @@ FIELDS: tuple[Field, ...] = (
     # --- the tolerance: bounds and the rule that made them
     _f("tolerance.*.noise", "grows", "up", _TENSORS),
     _f("tolerance.*.bound", "grows", "up", _TENSORS),
+    _f("tolerance.*.scale_noise", "grows", "up (or removed)", _PROJECTION, _LOW),
+    _f("tolerance.*.scale_bound", "grows", "up (or removed)", _PROJECTION, _LOW),
     _f("alpha", "rule", "up", "numerics.tolerance (bound = alpha x noise + floor)"),
     _f("floor", "rule", "up", "numerics.tolerance (bound = alpha x noise + floor)"),
     _f("tie_epsilon", "rule", "up", "numerics.routes.compare_routes (a flip under it is a near-tie)", _MOE),
@@ -156,8 +161,10 @@ def json_paths(value: object, prefix: str = "") -> list[str]:
     out: list[str] = []
     if prefix == "config":
         return [prefix]  # the model's config is one field: its hash covers it whole
-    if prefix == "tolerance.*":  # stored as [noise, bound]
-        return ["tolerance.*.noise", "tolerance.*.bound"]
+    if prefix == "tolerance.*":  # stored as [noise, bound] or [noise, bound, scale_noise, scale_bound]
+        scale = ["tolerance.*.scale_noise", "tolerance.*.scale_bound"] if isinstance(value, list) and len(value) == 4 \
+            else []
+        return ["tolerance.*.noise", "tolerance.*.bound", *scale]
     if isinstance(value, dict) and value:
         named = prefix in ("tolerance", "min_margin", "excused", "sketch.tensors")
         for k, v in value.items():

@@ -22,6 +22,7 @@ from ..golden import names
 from ..golden.codec import Golden
 from . import fmt
 from .metric import RowError, is_token_tensor, row_errors_later, uncompared_rows
+from .projection import projections_later
 from .readback import read_together
 from .routes import RouteDiff, compare_routes
 from .sketch import CandidateSketch, SketchError, SketchProblem, compare_sketches_later
@@ -74,13 +75,27 @@ class TensorResult:
         """The typed name: where the tensor sits in the model (`stage`, `group`, `layer`)."""
         return names.parse(self.name)
 
+    # a low-precision whole gradient: its projection onto the golden and that statistic's bound
+    # (`numerics.projection`); None: not judged
+    scale: float | None = None
+    scale_bound: float | None = None
+
+    @property
+    def scale_ratio(self) -> float:
+        if self.scale is None or self.scale_bound is None:
+            return 0.0
+        return abs(self.scale) / self.scale_bound if math.isfinite(self.scale) else float("inf")
+
     @property
     def ratio(self) -> float:
-        return float("inf") if self.problem else self.error / self.bound if self.bound > 0 else float("inf")
+        if self.problem:
+            return float("inf")
+        rows = self.error / self.bound if self.bound > 0 else float("inf")
+        return max(rows, self.scale_ratio)
 
     @property
     def passed(self) -> bool:
-        return not self.problem and self.error <= self.bound
+        return not self.problem and self.error <= self.bound and self.scale_ratio <= 1
 
 
 def compare_route_sets(golden: Golden, experts: Mapping[int, torch.Tensor], tokens: Tokens,
@@ -175,21 +190,29 @@ def compare_tensors(golden: Golden, produced: Mapping[str, torch.Tensor], tokens
     golden_on = golden_on or {}
     # Both passes are queued before either is read: on a GPU the host queues them behind the candidate's
     # backward, and one transfer per device then waits for all of it (`readback`).
-    errors, sketched = read_together([
+    projected = [i for i, (_, name, *_) in enumerate(whole) if golden.manifest.tolerance[name].scale_bound is not None]
+    errors, sketched, scales = read_together([
         row_errors_later([(name, cand, golden_on.get(name, gold), token_mask, golden.manifest.tolerance[name].bound)
                           for _, name, cand, gold, token_mask in whole], device=device),
         compare_sketches_later([(golden.sketches[name], cand, golden.manifest.tolerance[name].bound, name)
-                                for _, name, cand in pending])])
-    for (at, name, cand, gold, token_mask), err in zip(whole, errors):
+                                for _, name, cand in pending]),
+        projections_later([(whole[i][2], golden_on.get(whole[i][1], whole[i][3])) for i in projected], device=device)])
+    scale_of = dict(zip(projected, scales))
+    for i, ((at, name, cand, gold, token_mask), err) in enumerate(zip(whole, errors)):
         suspect = err.error == float("inf") or (
             token_mask is not None and not bool(torch.isfinite(uncompared_rows(name, cand, token_mask)).all()))
         if suspect and _nonfinite(golden, name, cand, at, results):
             continue
         tol = golden.manifest.tolerance[name]
-        results[at] = TensorResult(name, err.error, tol.bound, tol.noise,
-                                   where=_where(name, err, gold, tokens, tol.bound),
+        where = _where(name, err, gold, tokens, tol.bound)
+        scale = scale_of.get(i)
+        if scale is not None and not abs(scale) <= tol.scale_bound:  # a systematic share: said first
+            where = (f"scaled {scale:+.2%}: projection onto the golden {fmt.num(scale)} vs bound "
+                     f"{fmt.num(tol.scale_bound)} ({fmt.times(abs(scale) / tol.scale_bound)}); worst row: {where}")
+        results[at] = TensorResult(name, err.error, tol.bound, tol.noise, where=where,
                                    rows_over=err.rows_over, rows=err.rows,
-                                   worst_rows=tuple(_worst_row(name, row, e, tokens) for row, e in err.worst_rows))
+                                   worst_rows=tuple(_worst_row(name, row, e, tokens) for row, e in err.worst_rows),
+                                   scale=scale, scale_bound=tol.scale_bound if scale is not None else None)
     # Sketched tensors: one batched pass (a sync per tensor cost more on a GPU than the arithmetic).
     for (at, name, _), err in zip(pending, sketched):
         results[at] = _sketched_result(golden, name, err, tokens)

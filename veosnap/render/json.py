@@ -85,6 +85,7 @@ def tensor_dict(t: TensorResult) -> dict:
                         "batch": w.batch, "pos": w.pos, "token": w.token} for w in t.worst_rows],
         **_encoder_place(t.name),
         "estimate": sketch_note(t) or None, "sketch": {"width": t.width, "group": t.group} if t.sketched else None,
+        "scale": json_number(t.scale) if t.scale is not None else None, "scale_bound": t.scale_bound,
     }
 
 
@@ -127,7 +128,9 @@ def golden_diff_dict(d: GoldenDiff) -> dict:
                     "status": r.status} for r in d.routes],
         "route_layers": d.route_layers,
         "tolerance": [{"name": t.name, "old_bound": t.old_bound, "new_bound": t.new_bound,
-                       "old_noise": t.old_noise, "new_noise": t.new_noise} for t in d.tolerance],
+                       "old_noise": t.old_noise, "new_noise": t.new_noise,
+                       "old_scale_bound": json_number(t.old_scale_bound), "new_scale_bound": json_number(t.new_scale_bound)}
+                      for t in d.tolerance],
         "tolerance_rule": _fields(d.tolerance_rule),
         "manifest": _fields(d.manifest),
         "provenance": _fields(d.provenance),

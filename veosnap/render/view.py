@@ -499,6 +499,8 @@ def golden_view(g: Golden, full: bool = False) -> GoldenView:
     for name in shown:
         tol = m.tolerance.get(name)
         bound = f"noise {fmt.num(tol.noise)} bound {fmt.num(tol.bound)}" if tol else ""
+        if tol and tol.scale_bound is not None:
+            bound += f" projection bound {fmt.num(tol.scale_bound)}"
         if name in g.sketches:
             sketch = g.sketches[name]
             tensors.append((name, sketch.dtype, str(list(sketch.spec.shape)),

@@ -34,7 +34,7 @@ from ..golden.background import PendingGolden, errors_after
 from ..golden.codec import Golden
 from ..golden.key import GoldenKey
 from ..golden.manifest import Excuse, rerecord
-from ..numerics import fmt
+from ..numerics import fmt, projection
 from ..numerics.compare import TensorResult, compare_route_sets, compare_tensors, same_route_tokens, structure_changes
 from ..numerics.isolation import judge_parts
 from ..reference import coverage, determinism, hardware, limits, models, scenarios
@@ -184,7 +184,7 @@ def _check_loaded(project: Project, key: GoldenKey, backend: Backend, chosen: li
     # the run (the project's flags alone stat its directories, a millisecond).
     flags, portable, drift = project.flags(), backends.portable(backend.spec) or "", version_drift(golden)
     head_notes = cross_class_notes(key) + routes_not_captured_notes(golden) + excused_notes(golden, backend.spec) \
-        + [n for n in [determinism.random_off_note(random_off)] if n]
+        + [n for n in [determinism.random_off_note(random_off), unprojected_note(golden)] if n]
     reports: dict[int, CheckReport] = {}
     spawned: list[int] = []
     for index, (spec, layout) in enumerate(chosen):
@@ -378,6 +378,20 @@ def cross_class_notes(key: GoldenKey) -> list[str]:
     if key.hardware_class == here:
         return []
     return [f"cross-class: a {key.hardware_class} golden checked on {here}; ratios measure how far the classes are apart"]
+
+
+def unprojected_note(golden: Golden) -> str:
+    """The report note for a low-precision golden whose whole gradients hold no projection bound (recorded
+    before `numerics.projection`): they are judged by row error alone, which a 1% scale passes."""
+    m = golden.manifest
+    if m.key.dtype not in projection.LOW_PRECISION:
+        return ""
+    bare = [n for n, t in m.tolerance.items() if t.scale_bound is None and n in golden.tensors
+            and isinstance(names.try_parse(n), names.Grad)]
+    if not bare:
+        return ""
+    return (f"{len(bare)} gradient(s) judged by row error alone: this golden was recorded before projection bounds "
+            f"(a {m.key.dtype} gradient 1% off passes row error); refresh it to add them")
 
 
 def routes_not_captured_notes(golden: Golden) -> list[str]:

@@ -101,10 +101,23 @@ class ToleranceChange:
     new_bound: float
     old_noise: float
     new_noise: float
+    # a low-precision gradient's projection bound and its noise (`numerics.projection`); inf: none (not judged)
+    old_scale_bound: float = math.inf
+    new_scale_bound: float = math.inf
+    old_scale_noise: float = math.inf
+    new_scale_noise: float = math.inf
 
     @property
     def factor(self) -> float:
         return self.new_bound / self.old_bound if self.old_bound > 0 else math.inf
+
+    @property
+    def loosened_fields(self) -> set[str]:
+        """The schema fields of this change that grew (a projection bound removed grows to inf)."""
+        grew = {"tolerance.*.bound": self.new_bound > self.old_bound, "tolerance.*.noise": self.new_noise > self.old_noise,
+                "tolerance.*.scale_bound": self.new_scale_bound > self.old_scale_bound,
+                "tolerance.*.scale_noise": self.new_scale_noise > self.old_scale_noise}
+        return {name for name, yes in grew.items() if yes}
 
 
 @dataclass(frozen=True)
@@ -176,7 +189,7 @@ class GoldenDiff:
     @property
     def loosened(self) -> list[ToleranceChange]:
         """Bounds (or the noise they are made of) that grew: each would let a larger error pass."""
-        return [t for t in self.tolerance if t.new_bound > t.old_bound or t.new_noise > t.old_noise]
+        return [t for t in self.tolerance if t.loosened_fields]
 
     @property
     def trail_rewritten(self) -> list[TrailChange]:
@@ -222,8 +235,7 @@ class GoldenDiff:
             found.add("routes.*.experts")
         found |= {"config" if c.field == "config_hash" else "inputs.*" for c in self.identity_changed}
         for t in self.loosened:
-            found |= ({"tolerance.*.bound"} if t.new_bound > t.old_bound else set()) | \
-                     ({"tolerance.*.noise"} if t.new_noise > t.old_noise else set())
+            found |= t.loosened_fields
         found |= {c.field for c in self.tolerance_rule}
         if self.absent:
             found.add("absent[].*")
@@ -272,6 +284,10 @@ class DiffReport:
 # Comparing two goldens
 
 
+def _or_inf(value: float | None) -> float:
+    return math.inf if value is None else value
+
+
 def diff_goldens(old: Golden, new: Golden) -> GoldenDiff:
     """Every way `new` differs from `old` (same key), measured against `old`'s bounds."""
     om, nm = old.manifest, new.manifest
@@ -288,7 +304,9 @@ def diff_goldens(old: Golden, new: Golden) -> GoldenDiff:
             out.tensors.append(move)
         ot, nt = om.tolerance[name], nm.tolerance[name]
         if ot != nt:
-            out.tolerance.append(ToleranceChange(name, ot.bound, nt.bound, ot.noise, nt.noise))
+            out.tolerance.append(ToleranceChange(name, ot.bound, nt.bound, ot.noise, nt.noise,
+                                                 *(_or_inf(v) for v in (ot.scale_bound, nt.scale_bound,
+                                                                        ot.scale_noise, nt.scale_noise))))
     out.routes, out.route_layers = _route_changes(old, new, mask)
     out.tolerance_rule = [c for c in (_field("alpha", om.alpha, nm.alpha), _field("floor", om.floor, nm.floor),
                                       _field("tie_epsilon", om.tie_epsilon, nm.tie_epsilon)) if c]

@@ -49,7 +49,7 @@ from ..golden.key import DTYPE_NAMES, SCENARIOS, GoldenKey
 from ..golden.manifest import EXCUSABLE, BatchSpec, Excuse, Manifest, Provenance, Reference
 from ..golden.limits import mib
 from ..golden.sketches import MODES, SketchPlan
-from ..numerics import fmt
+from ..numerics import fmt, projection
 from ..numerics.routes import flips
 from ..numerics.sketch import CandidateSketch, Plan, compare_sketch, plan
 from ..numerics.tolerance import ALPHA, FLOOR, TIE_EPSILON, Sample, noise, pooled_noises, tolerance_for
@@ -160,6 +160,10 @@ def build_golden(project: Project, key: GoldenKey, seed: int = 0, allow_near_tie
         err = compare_sketch(gold, twin, name=name)  # a maximum over groups: pooled on the group count
         measured[name] = Sample(err.error, err.groups)
     tolerance = {name: tolerance_for(value, key.dtype) for name, value in pooled_noises(measured).items()}
+    if key.dtype in projection.LOW_PRECISION:  # each whole gradient's projection bound, from the same twin
+        for name, value in ref_all.items():
+            if isinstance(names.parse(name), names.Grad) and name in tolerance:
+                tolerance[name] = projection.with_projection(tolerance[name], projection.noise(value, truth_all[name]))
 
     manifest = Manifest(
         key=key,

@@ -12,6 +12,7 @@ are excused (`record.settle`).
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -74,6 +75,9 @@ def reasons_to_rewrite(d: GoldenDiff) -> list[str]:
         worst = max(looser, key=lambda t: t.old_bound / t.new_bound)
         why.append(f"{len(looser)} bound(s) looser than the reference measures (largest {worst.name} "
                    f"{fmt.times(worst.old_bound / worst.new_bound)})")
+    added = [t for t in d.tolerance if math.isinf(t.old_scale_bound) and not math.isinf(t.new_scale_bound)]
+    if added:  # recorded before gradients had projection bounds (`numerics.projection`)
+        why.append(f"{len(added)} gradient projection bound(s) added")
     if d.absent:
         why.append("absences changed")
     return why

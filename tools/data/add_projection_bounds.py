@@ -1,0 +1,85 @@
+"""Give committed low-precision goldens their gradients' projection bounds, in place, and certify them again.
+
+A golden recorded before `numerics.projection` holds no projection bound for its whole gradients, so a check
+judges them by row error alone (a 10% scaled gradient passes a bfloat16 one). A refresh adds the bounds but
+re-records the tensors; on another CPU of the class than the one that recorded them that churns every
+tensor. This script keeps the tensors: it runs the golden's float64 twin here (the same weights, from the
+golden's seed, and the same batch, as `record.build_golden` does), measures each whole gradient's projection
+noise of the stored gradient against it, stores the bounds, plants the canaries again (what the golden
+catches changed), and appends an approval. Train goldens hold updates, not gradients: left as they are.
+
+    python tools/data/add_projection_bounds.py --reason "projection bounds" goldens/cpu/*/step-bfloat16*.zst
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from veosnap.errors import VeosnapError
+from veosnap.golden import names, store
+from veosnap.golden.manifest import Approval
+from veosnap.numerics import projection
+from veosnap.reference import inputs, models
+from veosnap.reference.capture import run_step
+from veosnap.reference.determinism import deterministic
+from veosnap.reference.zoo import Project
+from veosnap.runs import record
+from veosnap.runs.canaries import sensitivity_note
+
+
+def exact_gradients(project: Project, golden) -> dict[str, torch.Tensor]:  # noqa: ANN001 - a Golden
+    """The golden's float64 twin's gradients, as `record.build_golden` computes them."""
+    key = golden.manifest.key
+    toy, scenario, batch, _ = record._admitted(project, key)
+    with deterministic():
+        torch.manual_seed(golden.manifest.reference.seed)
+        model = scenario.freeze(models.build(toy, models.dtype_from_name(key.dtype), "cpu",
+                                             golden.manifest.reference.seed))
+        batch = inputs.with_rope_positions(batch, model)
+        high = scenario.freeze(models.upcast_copy(model, toy, torch.float64))
+        del model
+        with models.KeepFloat64():
+            truth = run_step(high, batch, own_loss=True)
+    return {name: value for name, value in truth.all_tensors().items() if isinstance(names.parse(name), names.Grad)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("paths", nargs="+", type=Path)
+    parser.add_argument("--reason", required=True, help="kept in each golden's approval trail")
+    args = parser.parse_args()
+    project = Project.resolve()
+    refused = 0
+    for path in args.paths:
+        golden = store.read(path, root=project.goldens)
+        m = golden.manifest
+        grads = [n for n in m.tolerance if isinstance(names.parse(n), names.Grad) and n in golden.tensors]
+        if m.key.dtype not in projection.LOW_PRECISION or not grads:
+            print(f"skipped   {path}  (no whole low-precision gradients)")
+            continue
+        if all(m.tolerance[n].scale_bound is not None for n in grads):
+            print(f"unchanged {path}  (has its projection bounds)")
+            continue
+        previous = m.payload_hash
+        exact = exact_gradients(project, golden)
+        for name in grads:
+            m.tolerance[name] = projection.with_projection(m.tolerance[name],
+                                                           projection.noise(golden.tensors[name], exact[name]))
+        try:
+            record.certified(project, golden)
+        except VeosnapError as exc:
+            print(f"veosnap: error: {exc} (its projection bounds are not written either)", file=sys.stderr)
+            refused += 1
+            continue
+        golden.manifest.approvals = [*m.approvals, Approval(args.reason, previous)]
+        store.write_bytes(record.encode_checked(golden, path), path, project.goldens)
+        print(f"bounded   {path}  {len(grads)} projection bounds; {sensitivity_note(golden.manifest.reference.sensitivity)}")
+    return 1 if refused else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
