@@ -105,7 +105,8 @@ def test_item7_record_writes_to_dot_goldens_creating_it(tmp_path, monkeypatch, c
 
     assert main(["record", *dirs, "--model", "llama", "--dtype", "float32"]) == 0
 
-    assert capsys.readouterr().out == f"wrote     {Path('goldens') / LLAMA.relpath}\n"  # relative to where it ran
+    out = capsys.readouterr().out  # relative to where it ran; then what its canaries certify
+    assert out.startswith(f"wrote     {Path('goldens') / LLAMA.relpath}\n          certified: catches ")
     assert (tmp_path / "goldens" / LLAMA.relpath).read_bytes() == recorded_here("llama")
     assert snapshot(REPO / "goldens" / CLASS / "llama") == bundled
 

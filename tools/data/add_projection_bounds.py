@@ -5,10 +5,11 @@ judges them by row error alone (a 10% scaled gradient passes a bfloat16 one). A 
 re-records the tensors; on another CPU of the class than the one that recorded them that churns every
 tensor. This script keeps the tensors: it runs the golden's float64 twin here (the same weights, from the
 golden's seed, and the same batch, as `record.build_golden` does), measures each whole gradient's projection
-noise of the stored gradient against it, stores the bounds, plants the canaries again (what the golden
-catches changed), and appends an approval. Train goldens hold updates, not gradients: left as they are.
+noise of the stored gradient against it, stores the bounds and plants the canaries again (what the golden
+catches changed). No approval is appended (the commit is the review). Train goldens hold updates, not
+gradients: left as they are. `--again` measures goldens that have their bounds already.
 
-    python tools/data/add_projection_bounds.py --reason "projection bounds" goldens/cpu/*/step-bfloat16*.zst
+    python tools/data/add_projection_bounds.py goldens/cpu/*/step-bfloat16*.zst
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import torch
 
 from veosnap.errors import VeosnapError
 from veosnap.golden import names, store
-from veosnap.golden.manifest import Approval
 from veosnap.numerics import projection
 from veosnap.reference import inputs, models
 from veosnap.reference.capture import run_step
@@ -50,7 +50,7 @@ def exact_gradients(project: Project, golden) -> dict[str, torch.Tensor]:  # noq
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("paths", nargs="+", type=Path)
-    parser.add_argument("--reason", required=True, help="kept in each golden's approval trail")
+    parser.add_argument("--again", action="store_true", help="measure goldens that have their bounds already")
     args = parser.parse_args()
     project = Project.resolve()
     refused = 0
@@ -61,10 +61,9 @@ def main() -> int:
         if m.key.dtype not in projection.LOW_PRECISION or not grads:
             print(f"skipped   {path}  (no whole low-precision gradients)")
             continue
-        if all(m.tolerance[n].scale_bound is not None for n in grads):
+        if all(m.tolerance[n].scale_bound is not None for n in grads) and not args.again:
             print(f"unchanged {path}  (has its projection bounds)")
             continue
-        previous = m.payload_hash
         exact = exact_gradients(project, golden)
         for name in grads:
             m.tolerance[name] = projection.with_projection(m.tolerance[name],
@@ -75,7 +74,6 @@ def main() -> int:
             print(f"veosnap: error: {exc} (its projection bounds are not written either)", file=sys.stderr)
             refused += 1
             continue
-        golden.manifest.approvals = [*m.approvals, Approval(args.reason, previous)]
         store.write_bytes(record.encode_checked(golden, path), path, project.goldens)
         print(f"bounded   {path}  {len(grads)} projection bounds; {sensitivity_note(golden.manifest.reference.sensitivity)}")
     return 1 if refused else 0

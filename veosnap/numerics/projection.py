@@ -41,7 +41,9 @@ def noise(reference: torch.Tensor, exact: torch.Tensor) -> float:
         return 0.0
     bias = abs(float(((g - p) * p).sum()) / energy)
     relative = math.sqrt(float(((g - p) ** 2).sum()) / energy)
-    return max(bias, relative / math.sqrt(rows(g)))
+    # Three significant digits: a float64 twin computed on another CPU of the class differs in its last bits,
+    # and a golden recorded there must still be the same bytes.
+    return float(f"{max(bias, relative / math.sqrt(rows(g))):.3g}")
 
 
 def with_projection(tol: Tolerance, scale_noise: float) -> Tolerance:

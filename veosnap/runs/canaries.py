@@ -46,7 +46,9 @@ def layer_output(scale: float) -> Plant:
     """The middle decoder layer's output, scaled by 1 + `scale`."""
     def plant(model: nn.Module) -> nn.Module:
         def scaled(_module: nn.Module, _args: tuple, out: object) -> object:
-            return (out[0] * (1 + scale), *out[1:]) if isinstance(out, tuple) else out * (1 + scale)
+            if isinstance(out, (tuple, list)):  # (hidden, ...): GPT-style blocks return a list
+                return type(out)([out[0] * (1 + scale), *out[1:]])
+            return out * (1 + scale)
 
         _middle(list(probes.decoder_layers(model))).register_forward_hook(scaled)
         return model
