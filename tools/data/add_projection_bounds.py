@@ -4,10 +4,11 @@ A golden recorded before `numerics.projection` holds no projection bound for its
 judges them by row error alone (a 10% scaled gradient passes a bfloat16 one). A refresh adds the bounds but
 re-records the tensors; on another CPU of the class than the one that recorded them that churns every
 tensor. This script keeps the tensors: it runs the golden's float64 twin here (the same weights, from the
-golden's seed, and the same batch, as `record.build_golden` does), measures each whole gradient's projection
-noise of the stored gradient against it, stores the bounds and plants the canaries again (what the golden
-catches changed). No approval is appended (the commit is the review). Train goldens hold updates, not
-gradients: left as they are. `--again` measures goldens that have their bounds already.
+golden's seed, and the same batch, as `record.build_golden` does) and its legitimate variants
+(`record.PROJECTION_VARIANTS`), measures each whole gradient's projection noise of the stored gradient,
+stores the bounds and plants the canaries again (what the golden catches changed). No approval is appended
+(the commit is the review). Train goldens hold updates, not gradients: left as they are. `--again`
+measures goldens that have their bounds already.
 
     python tools/data/add_projection_bounds.py goldens/cpu/*/step-bfloat16*.zst
 """
@@ -31,8 +32,9 @@ from veosnap.runs import record
 from veosnap.runs.canaries import sensitivity_note
 
 
-def exact_gradients(project: Project, golden) -> dict[str, torch.Tensor]:  # noqa: ANN001 - a Golden
-    """The golden's float64 twin's gradients, as `record.build_golden` computes them."""
+def calibration(project: Project, golden) -> tuple[dict, list[dict]]:  # noqa: ANN001 - a Golden
+    """The golden's float64 twin's gradients and its legitimate variants' (`record.variant_gradients`), run here
+    on its weights (from its seed) and batch, as `record.build_golden` runs them."""
     key = golden.manifest.key
     toy, scenario, batch, _ = record._admitted(project, key)
     with deterministic():
@@ -41,10 +43,12 @@ def exact_gradients(project: Project, golden) -> dict[str, torch.Tensor]:  # noq
                                              golden.manifest.reference.seed))
         batch = inputs.with_rope_positions(batch, model)
         high = scenario.freeze(models.upcast_copy(model, toy, torch.float64))
+        variants = record.variant_gradients(model, batch)
         del model
         with models.KeepFloat64():
             truth = run_step(high, batch, own_loss=True)
-    return {name: value for name, value in truth.all_tensors().items() if isinstance(names.parse(name), names.Grad)}
+    exact = {name: value for name, value in truth.all_tensors().items() if isinstance(names.parse(name), names.Grad)}
+    return exact, variants
 
 
 def main() -> int:
@@ -64,10 +68,10 @@ def main() -> int:
         if all(m.tolerance[n].scale_bound is not None for n in grads) and not args.again:
             print(f"unchanged {path}  (has its projection bounds)")
             continue
-        exact = exact_gradients(project, golden)
+        exact, variants = calibration(project, golden)
+        noises = record.projection_noises({n: golden.tensors[n] for n in grads}, exact, variants)
         for name in grads:
-            m.tolerance[name] = projection.with_projection(m.tolerance[name],
-                                                           projection.noise(golden.tensors[name], exact[name]))
+            m.tolerance[name] = projection.with_projection(m.tolerance[name], noises[name])
         try:
             record.certified(project, golden)
         except VeosnapError as exc:

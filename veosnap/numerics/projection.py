@@ -6,7 +6,9 @@ whose gradient is 1% too large (or a share of it dropped) passes it. Its **proje
 direction, moves it by about its relative size over the square root of the rows, or by the reference's
 own rounding bias along the tensor, if larger. At record time the reference's gradient `g` and its float64
 twin `p` give the tensor's **projection noise**, `max(|<g - p, p>| / <p, p>, |g - p| / |p| / sqrt(rows))`,
-and its bound, `SCALE_ALPHA x noise + SCALE_FLOOR` (the isolated parts' rule: `numerics.isolation`), both
+or a legitimate kernel's projection onto `g` where larger (`record.PROJECTION_VARIANTS`: SDPA attention and grouped_mm
+experts, run on the same weights and batch: a bound calibrated on eager's rounding alone was too tight for
+SDPA's on Qwen2-VL's attention), and its bound, `SCALE_ALPHA x noise + SCALE_FLOOR` (the isolated parts' rule: `numerics.isolation`), both
 stored in the golden's tolerance (`golden.manifest.Tolerance`) for every whole gradient of a low-precision
 golden. A check measures `s` on the candidate's device with the row errors, in the same one read.
 
@@ -41,9 +43,20 @@ def noise(reference: torch.Tensor, exact: torch.Tensor) -> float:
         return 0.0
     bias = abs(float(((g - p) * p).sum()) / energy)
     relative = math.sqrt(float(((g - p) ** 2).sum()) / energy)
-    # Three significant digits: a float64 twin computed on another CPU of the class differs in its last bits,
-    # and a golden recorded there must still be the same bytes.
-    return float(f"{max(bias, relative / math.sqrt(rows(g))):.3g}")
+    return rounded(max(bias, relative / math.sqrt(rows(g))))
+
+
+def rounded(value: float) -> float:
+    """A projection noise as stored: three significant digits (a float64 twin computed on another CPU of the
+    class differs in its last bits, and a golden recorded there must still be the same bytes)."""
+    return float(f"{value:.3g}")
+
+
+def projection(candidate: torch.Tensor, golden: torch.Tensor) -> float:
+    """`<c - g, g> / <g, g>` on the host (0 for an all-zero golden): one tensor, as a check measures it."""
+    c, g = candidate.detach().double(), golden.detach().double()
+    energy = float((g * g).sum())
+    return float(((c - g) * g).sum()) / energy if energy > 0 else 0.0
 
 
 def with_projection(tol: Tolerance, scale_noise: float) -> Tolerance:
