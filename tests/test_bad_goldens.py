@@ -225,7 +225,8 @@ def test_manifest_is_not_json(capsys, goldens):
                                     "double quotes: line 1 column 2 (char 1))")
 
 
-NOT_A_BOUND = "tolerance of 'logits' is not [noise, bound] with finite numbers, noise >= 0 and bound > 0"
+NOT_A_BOUND = ("tolerance of 'logits' is not [noise, bound] (or [noise, bound, projection noise, projection bound]) "
+               "with finite numbers, noises >= 0 and bounds > 0")
 
 
 @pytest.mark.parametrize("bound, cause", [

@@ -24,7 +24,7 @@ import torch
 from veosnap.errors import VeosnapError
 from veosnap.golden import names, store
 from veosnap.numerics import projection
-from veosnap.reference import inputs, models
+from veosnap.reference import hardware, inputs, models
 from veosnap.reference.capture import run_step
 from veosnap.reference.determinism import deterministic
 from veosnap.reference.zoo import Project
@@ -39,15 +39,17 @@ def calibration(project: Project, golden) -> tuple[dict, list[dict]]:  # noqa: A
     toy, scenario, batch, _ = record._admitted(project, key)
     with deterministic():
         torch.manual_seed(golden.manifest.reference.seed)
-        model = scenario.freeze(models.build(toy, models.dtype_from_name(key.dtype), "cpu",
-                                             golden.manifest.reference.seed))
+        model = scenario.freeze(models.build(toy, models.dtype_from_name(key.dtype),
+                                             hardware.device_for(key.hardware_class), golden.manifest.reference.seed))
         batch = inputs.with_rope_positions(batch, model)
         high = scenario.freeze(models.upcast_copy(model, toy, torch.float64))
         variants = record.variant_gradients(model, batch)
         del model
         with models.KeepFloat64():
             truth = run_step(high, batch, own_loss=True)
-    exact = {name: value for name, value in truth.all_tensors().items() if isinstance(names.parse(name), names.Grad)}
+    exact = {name: value.cpu() for name, value in truth.all_tensors().items()
+             if isinstance(names.parse(name), names.Grad)}
+    variants = [{name: value.cpu() for name, value in v.items()} for v in variants]
     return exact, variants
 
 

@@ -158,7 +158,7 @@ def _refresh(project: Project, key: GoldenKey, path: Path, reason: str, force: b
         why = ["certified (its tensors kept: within noise of the reference)"]
     if certify:
         certified(project, new)
-        if not old.manifest.reference.sensitivity and not why[-1].startswith("certified"):
+        if not old.manifest.reference.sensitivity and not (why and why[-1].startswith("certified")):
             why.append("certified")
     else:
         new.manifest = replace(new.manifest, reference=replace(new.manifest.reference, sensitivity=None))
