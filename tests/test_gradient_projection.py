@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
-from golden_repo import REPO
+from golden_repo import CLASS, REPO
 
 from veosnap.candidates import backends
 from veosnap.errors import GoldenError
@@ -91,7 +91,10 @@ def test_a_golden_recorded_before_projection_bounds_is_checked_by_row_error_and_
 
 
 def test_the_committed_low_precision_goldens_carry_them():
-    for path in sorted((REPO / "goldens" / "cpu").glob("*/step-bfloat16.safetensors.zst")):
+    paths = sorted((REPO / "goldens" / CLASS).glob("*/step-bfloat16.safetensors.zst"))
+    if not paths:
+        pytest.skip(f"this checkout lacks the committed {CLASS} goldens (a device call carries only some)")
+    for path in paths:
         m = store.read_manifest(path, REPO / "goldens")
         grads = [t for n, t in m.tolerance.items() if isinstance(names.parse(n), names.Grad)]
         assert grads and all(t.scale_bound is not None for t in grads), path
