@@ -69,6 +69,33 @@ def rope_low_precision_far(model: nn.Module) -> nn.Module:
     return model
 
 
+def rope_angle_low_precision_far(model: nn.Module) -> nn.Module:
+    """The rotary angles (position x inverse frequency) are computed in bfloat16 for positions from 2048 on, as a
+    kernel running under autocast without transformers' guard would (exact below). Unlike a table rounded to
+    bfloat16 (`rope_low_precision_far`, which a bfloat16 model's table already is), this is wrong in every dtype:
+    bfloat16 holds positions past 2048 only to a multiple of 16."""
+    rotary = getattr(getattr(model, "model", model), "rotary_emb", None)
+    if rotary is None or not isinstance(getattr(rotary, "inv_freq", None), torch.Tensor):
+        raise Unsupported("no shared rotary embedding with inv_freq (model.model.rotary_emb) to plant this fault in")
+
+    def hook(module, args, kwargs, output):  # noqa: ANN001, ANN202
+        positions = kwargs.get("position_ids", args[1] if len(args) > 1 else None)
+        if positions is None or positions.dim() != 2 or int(positions.max()) < ROPE_EXACT_UNTIL:
+            return output
+        cos, sin = output
+        angles = (positions[..., None].to(torch.bfloat16) * module.inv_freq.to(positions.device, torch.bfloat16))
+        table = torch.cat((angles, angles), dim=-1).float()
+        if table.shape != cos.shape:
+            raise RuntimeError(f"rotary table {tuple(cos.shape)} is not [batch, positions, 2 x inv_freq]")
+        scale = getattr(module, "attention_scaling", 1.0)
+        far = (positions >= ROPE_EXACT_UNTIL).unsqueeze(-1)
+        return (torch.where(far, (table.cos() * scale).to(cos.dtype), cos),
+                torch.where(far, (table.sin() * scale).to(sin.dtype), sin))
+
+    rotary.register_forward_hook(hook, with_kwargs=True)
+    return model
+
+
 def loss_int16_vocab(model: nn.Module) -> nn.Module:
     """The loss kernel indexes the vocabulary with an int16: a label id of 32768 or more reads the
     row of (id mod 32768) (the sign bit masked off), so it trains the wrong logit."""
@@ -132,6 +159,7 @@ def varlen_boundary_late(model: nn.Module) -> nn.Module:
 FAULTS = {
     "tail_key_block_dropped": ("layers.0.output", "a key length over 128 and not a multiple of it"),
     "rope_low_precision_far": ("layers.0.output", "positions of 2048 or more"),
+    "rope_angle_low_precision_far": ("layers.0.output", "positions of 2048 or more"),
     "loss_int16_vocab": ("loss", "label ids of 32768 or more"),
     "empty_expert_shifts_groups": ("moe", "an expert without tokens, before one with tokens"),
     "varlen_boundary_late": ("layers.0.output", "more than 16 sequences packed in one row"),

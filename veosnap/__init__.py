@@ -86,11 +86,12 @@ def record(model: str, dtype: str = "float32", scenario: str = "step", *, projec
 
 def check(model: str, backend: str = "eager", dtype: str = "float32", *, layouts: Sequence[str] = ("single",),
           scenario: str = "step", project: Project | None = None, nproc: int = 2, timeout_s: float | None = None,
-          cross_class: bool = False) -> list[CheckReport]:
+          cross_class: bool = False, isolate: bool = False) -> list[CheckReport]:
     """Check `backend` (a SPEC) on `model` in `dtype` under each of `layouts` (SPECs): one report each.
 
     Multi-process layouts run on `nproc` torchrun ranks (one torchrun for all of them), ended after
-    `timeout_s` seconds. A report's `passed`, `status`, `worst`, `first_divergence` and `tensors` say how
+    `timeout_s` seconds. `isolate`: a bfloat16 real-shape golden's layers are also checked in isolation
+    (`veosnap check --isolate`; the toys' always are). A report's `passed`, `status`, `worst`, `first_divergence` and `tensors` say how
     it went; `render.text.checks(reports)` draws them as `veosnap check` does.
     """
     from .candidates.backends import resolve
@@ -98,7 +99,8 @@ def check(model: str, backend: str = "eager", dtype: str = "float32", *, layouts
 
     project, key = _key(project, model, dtype, scenario)
     return check_layouts(project, key, resolve(backend), list(layouts), nproc=nproc,
-                         timeout_s=DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s, cross_class=cross_class)
+                         timeout_s=DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s, cross_class=cross_class,
+                         isolate=isolate)
 
 
 def context() -> Context:

@@ -134,7 +134,7 @@ def judge_parts(candidate: dict[tuple[int, str], torch.Tensor], own: dict[tuple[
     results = []
     for key in sorted(own):
         layer, kind = key
-        place = f"layer {layer} output" if kind == "layer" else f"layer {layer} {kind}"
+        place = {"layer": f"layer {layer} output", "rotary": "rotary table"}.get(kind, f"layer {layer} {kind}")
         r, p, c = own[key], exact.get(key), candidate.get(key)
         if p is None or r.shape[0] % token_mask.numel():
             continue  # the reference's own part is not rows per token slot: nothing to judge it by

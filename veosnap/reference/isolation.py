@@ -29,6 +29,7 @@ from .probes import decoder_layers, find_moe_layers, replay_routes
 ATTENTION = ("self_attn", "attention", "attn", "linear_attn", "mixer")
 MLP = ("mlp", "block_sparse_moe", "feed_forward", "moe", "ffn")
 HEADS_PROJECTION = ("o_proj", "out_proj", "dense", "c_proj", "wo")
+ROTARY_LAYER = -1  # the shared rotary embedding's "layer": before the first decoder layer
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,8 @@ class Part:
     """One isolated part of a decoder layer: where it hooks in, and what it is."""
 
     layer: int
-    kind: str  # "layer" (the decoder layer's output, residual adds included: a fused add-and-norm kernel is
+    kind: str  # "rotary" (the model's rotary table, cos and sin side by side: its positions' angles; layer -1),
+    # "layer" (the decoder layer's output, residual adds included: a fused add-and-norm kernel is
     # checked there), "attention" (the block's output), "heads" (the output projection's input), "mlp", or the
     # attribute name of another part with weights of its own (a norm: "input_layernorm", ...)
     module: nn.Module = field(compare=False, repr=False)  # every part but "heads" is fed the reference's input
@@ -52,8 +54,12 @@ class Units:
 
 
 def parts(model: nn.Module) -> tuple[list[Part], list[str]]:
-    """Every decoder layer's isolated parts, and what could not be found."""
+    """Every decoder layer's isolated parts (and the model's shared rotary embedding), and what could not be found."""
     found, missing = [], []
+    rotary = [m for name, m in model.named_modules()
+              if name.rsplit(".", 1)[-1] == "rotary_emb" and ".layers." not in f".{name}."]
+    if len(rotary) == 1:
+        found.append(Part(ROTARY_LAYER, "rotary", rotary[0]))
     for index, layer in enumerate(decoder_layers(model)):
         found.append(Part(index, "layer", layer))
         attention = _child(layer, ATTENTION)
@@ -115,6 +121,14 @@ def _hooked(model: nn.Module, units: Units, feed: Units | None, dtype: torch.dty
     with ExitStack() as stack:
         for part in found:
             key = (part.layer, part.kind)
+            if part.kind == "rotary":
+                # Its inputs are the positions (and the activations only for their dtype): nothing to feed.
+                def keep_table(_m: nn.Module, _args: tuple, output: object, key: tuple = key) -> None:
+                    if isinstance(output, (tuple, list)) and output and all(
+                            isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape == output[0].shape for t in output):
+                        units.outputs[key] = _rows(torch.cat(list(output), dim=-1))  # [batch, positions, cos|sin]
+                stack.callback(part.module.register_forward_hook(keep_table).remove)
+                continue
             if part.kind == "heads":
                 def keep_in(_m: nn.Module, args: tuple, key: tuple = key) -> None:
                     if args and isinstance(args[0], torch.Tensor):

@@ -46,12 +46,15 @@ MAX_SEQUENCE_TOKENS = 16384  # positions "in the thousands" for real shapes; the
 MAX_BATCH_TOKENS = 65536  # a batch's positions (rows x width); the real-shape goldens hold 8192
 WHERE = "veosnap/reference/limits.py"
 # Bytes per parameter while recording: the weights and gradients in the golden's dtype (4 + 4 at most),
-# and their float64 twins for the noise run (8 + 8); a check needs only the first two.
+# and their float64 twins for the noise run (8 + 8); a check needs only the first two. A recording's
+# activations are the larger of its two runs' (the float64 twin runs after the reference's are freed).
 RECORD_BYTES_PER_PARAMETER = 24
 CHECK_BYTES_PER_PARAMETER = 8
-# Activations kept for backward, per token: about 34 hidden-sized values per layer (attention and MLP
-# intermediates, as in the Megatron estimate) and the logits three times over (logits, softmax, gradient).
-HIDDEN_VALUES_PER_LAYER = 34
+# Activations kept for backward, per token: about 17 hidden-sized values per layer (attention and MLP
+# intermediates: Megatron's estimate, 34 bytes of 16-bit values, its attention scores apart as here; 34 values
+# refused llama-1b-12l at 148 GiB, which the H200 recorded in its 140) and the logits three times over (logits,
+# softmax, gradient).
+HIDDEN_VALUES_PER_LAYER = 17
 LOGIT_COPIES = 3
 # Eager attention's scores ([rows, heads, width, width]): every layer keeps its softmax for backward, and one
 # layer's scores are made beside them.
@@ -132,6 +135,19 @@ def check_memory(toy: ToyConfig, parameters: int, tokens: int, dtype: torch.dtyp
                  recording: bool, width: int = 0) -> None:
     """Refuse a run whose estimated memory is more than the device has (weights, gradients, activations).
     `tokens`: the batch's positions, rows x `width` (its rows' width, when known: eager attention's scores)."""
+    need = memory_needed(toy, parameters, tokens, dtype, recording, width)
+    have, what = _memory(device)
+    if have and need > have:
+        parts = ("parameters, gradients, their float64 twins and activations" if recording
+                 else "parameters, gradients and activations")
+        raise VeosnapError(f"{toy.path}: needs about {need / 2**30:.0f} GiB to {'record' if recording else 'check'} "
+                           f"({parts}), more than this machine's {have / 2**30:.0f} GiB of {what}")
+
+
+def memory_needed(toy: ToyConfig, parameters: int, tokens: int, dtype: torch.dtype, recording: bool,
+                  width: int = 0) -> int:
+    """Estimated peak bytes of a check (weights, gradients, activations) or a recording, whose float64 twin
+    runs after the reference's own run has freed its activations: the larger of the two runs' activations."""
     text = models.hf_config(toy).get_text_config()
     nbytes = torch.finfo(dtype).bits // 8
     hidden, layers = getattr(text, "hidden_size", 0) or 0, getattr(text, "num_hidden_layers", 0) or 0
@@ -140,13 +156,7 @@ def check_memory(toy: ToyConfig, parameters: int, tokens: int, dtype: torch.dtyp
     activations = tokens * (layers * hidden * HIDDEN_VALUES_PER_LAYER + vocab * LOGIT_COPIES
                             + width * heads * (layers + 1))
     per_parameter = RECORD_BYTES_PER_PARAMETER if recording else CHECK_BYTES_PER_PARAMETER
-    need = parameters * per_parameter + activations * (nbytes + (8 if recording else 0))
-    have, what = _memory(device)
-    if have and need > have:
-        parts = ("parameters, gradients, their float64 twins and activations" if recording
-                 else "parameters, gradients and activations")
-        raise VeosnapError(f"{toy.path}: needs about {need / 2**30:.0f} GiB to {'record' if recording else 'check'} "
-                           f"({parts}), more than this machine's {have / 2**30:.0f} GiB of {what}")
+    return parameters * per_parameter + activations * (max(nbytes, 8) if recording else nbytes)
 
 
 def _memory(device: torch.device) -> tuple[int, str]:

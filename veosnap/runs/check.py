@@ -51,20 +51,23 @@ DEFAULT_NPROC = 2
 
 
 def check(project: Project, key: GoldenKey, backend: Backend, layout: str = "single", *, nproc: int = DEFAULT_NPROC,
-          timeout_s: float = DEFAULT_TIMEOUT_S, cross_class: bool = False, gold: Golden | None = None) -> CheckReport:
+          timeout_s: float = DEFAULT_TIMEOUT_S, cross_class: bool = False, gold: Golden | None = None,
+          isolate: bool = False) -> CheckReport:
     """Check `backend` under one `layout` (a SPEC) against the golden for `key`; see `check_layouts`."""
     return check_layouts(project, key, backend, [layout], nproc=nproc, timeout_s=timeout_s,
-                         cross_class=cross_class, gold=gold)[0]
+                         cross_class=cross_class, gold=gold, isolate=isolate)[0]
 
 
 def check_layouts(project: Project, key: GoldenKey, backend: Backend, layouts: Sequence[str] = ("single",), *,
                   nproc: int = DEFAULT_NPROC, timeout_s: float = DEFAULT_TIMEOUT_S, cross_class: bool = False,
-                  gold: Golden | None = None) -> list[CheckReport]:
+                  gold: Golden | None = None, isolate: bool = False) -> list[CheckReport]:
     """Check `backend` under each of `layouts` (SPECs) against the golden for `key`: one report each, in order.
 
     Multi-process layouts share one torchrun of `nproc` ranks, ended after `timeout_s` seconds. `gold` is
     the golden for `key` when the caller has already read it (the pytest plugin does). Goldens of another
-    hardware class than this machine's are refused unless `cross_class`, which measures the gap.
+    hardware class than this machine's are refused unless `cross_class`, which measures the gap. `isolate`: a
+    low-precision real-shape golden's layers are checked in isolation too (toy goldens' always are), at the cost
+    of the reference's forward and a float64 copy's beside the candidate's.
     """
     timeout_s = guard.check_timeout(timeout_s)
     chosen = [(spec, registry.resolve(spec)) for spec in layouts]
@@ -93,7 +96,7 @@ def check_layouts(project: Project, key: GoldenKey, backend: Backend, layouts: S
             golden, toy = load_checked(project, key, cross_class, gold, background=True)
         with errors_after(golden):  # a golden still decoding: its own error, if any, comes first
             return _check_loaded(project, key, backend, chosen, golden, toy, nproc, timeout_s, cross_class, scenario,
-                                 prebuilt)
+                                 prebuilt, isolate)
     finally:
         if prebuilt is not None:
             prebuilt.cancel()
@@ -154,7 +157,8 @@ def _vetted(prebuilt: Prebuild | None, toy: ToyConfig) -> Vetted | None:
 
 def _check_loaded(project: Project, key: GoldenKey, backend: Backend, chosen: list[tuple[str, Layout]],
                   golden: Golden, toy: ToyConfig, nproc: int, timeout_s: float,
-                  cross_class: bool, scenario: Scenario, prebuilt: Prebuild | None = None) -> list[CheckReport]:
+                  cross_class: bool, scenario: Scenario, prebuilt: Prebuild | None = None,
+                  isolate: bool = False) -> list[CheckReport]:
     """`check_layouts` once its golden and config are read."""
     batch = Batch.from_golden(golden)
     # Beside a build, the facts of the model it constructed: a skeleton built here would be Python beside the
@@ -202,7 +206,7 @@ def _check_loaded(project: Project, key: GoldenKey, backend: Backend, chosen: li
             spawned.append(index)
         else:
             reports[index] = _in_process(golden, batch, toy, backend, layout, fields, timeout_s, family, scenario,
-                                         prebuilt, staged)
+                                         prebuilt, staged, isolate)
             staged = None  # made once, for the first
     if isinstance(golden, PendingGolden):
         # A corrupt golden is refused even when no layout ran (all declined, or the candidate failed first).
@@ -221,7 +225,7 @@ def _check_loaded(project: Project, key: GoldenKey, backend: Backend, chosen: li
                 reports[index] = judge(golden, batch, outcome.result, fields, scenario)
     ordered = [reports[index] for index in range(len(chosen))]
     selection = [*flags, *(["--scenario", key.scenario] if key.scenario != "step" else []),
-                 *(["--cross-class"] if cross_class else []),
+                 *(["--cross-class"] if cross_class else []), *(["--isolate"] if isolate else []),
                  *(["--nproc", str(nproc)] if spawned and nproc != DEFAULT_NPROC else []),
                  *(["--timeout", f"{timeout_s:g}"] if timeout_s != DEFAULT_TIMEOUT_S else [])]  # every layout
     for report in ordered:
@@ -247,10 +251,12 @@ def version_drift(golden: Golden) -> list[VersionDrift]:
 
 def _in_process(golden: Golden, batch: Batch, toy: ToyConfig, backend: Backend, layout: Layout,
                 fields: dict[str, str], timeout_s: float, family: str, scenario: Scenario,
-                prebuilt: Prebuild | None = None, staged: engine.Staged | None = None) -> CheckReport:
+                prebuilt: Prebuild | None = None, staged: engine.Staged | None = None,
+                isolate: bool = False) -> CheckReport:
     """Run a layout here, on this machine's device, guarded and restored; its failure or decline becomes
     its report, and patches it left behind a note on it."""
-    ctx = LayoutContext.checking(golden, toy, hardware.device_for(hardware.detect()), scenario, prebuilt=prebuilt)
+    ctx = LayoutContext.checking(golden, toy, hardware.device_for(hardware.detect()), scenario, prebuilt=prebuilt,
+                                 isolate_real=isolate)
     header = f"ERROR  {golden.key}  backend={fields['backend']}  layout={fields['layout']}"
     if prebuilt is not None:
         prebuilt.wait()  # its build patches transformers while it runs: snapshot the modeling code after it

@@ -26,11 +26,11 @@ LayoutsCheck = Callable[[Project, GoldenKey, Backend, list[str]], list[CheckRepo
 STATUSES = ("pass", "fail", "skip", "error")
 
 
-def default_check(nproc: int = 2, timeout_s: float = DEFAULT_TIMEOUT_S) -> LayoutsCheck:
+def default_check(nproc: int = 2, timeout_s: float = DEFAULT_TIMEOUT_S, isolate: bool = False) -> LayoutsCheck:
     """`runs.check.check_layouts`: in-process layouts here, the multi-process ones under one torchrun."""
 
     def run(project: Project, key: GoldenKey, backend: Backend, layouts: list[str]) -> list[CheckReport]:
-        return check_layouts(project, key, backend, layouts, nproc=nproc, timeout_s=timeout_s)
+        return check_layouts(project, key, backend, layouts, nproc=nproc, timeout_s=timeout_s, isolate=isolate)
 
     return run
 

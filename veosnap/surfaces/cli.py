@@ -199,7 +199,7 @@ def cmd_check(args: argparse.Namespace) -> int:
                       f"({progress})", file=sys.stderr)
             start = time.perf_counter()
             reports += (ran := check_layouts(project, key, backend, chosen, nproc=args.nproc, timeout_s=args.timeout,
-                                             cross_class=args.cross_class))
+                                             cross_class=args.cross_class, isolate=args.isolate))
             if progress:
                 said = ", ".join(f"{r.layout} {r.status}" for r in ran)
                 print(f"[{done}/{len(checked)}] {key}: {said} ({time.perf_counter() - start:.1f} s)", file=sys.stderr)
@@ -336,7 +336,7 @@ def cmd_matrix(args: argparse.Namespace) -> int:
     progress = _progress
     with _candidates_print_to_stderr() as terminal:
         result = matrix.run_matrix(project, models, dtypes, specs, layouts,
-                                   check_cells=matrix.default_check(args.nproc, args.timeout), on_cell=progress,
+                                   check_cells=matrix.default_check(args.nproc, args.timeout, args.isolate), on_cell=progress,
                                    unavailable=unavailable, scenario=scenario, rows=selection)
     out = render_json.matrix(result) if args.format == "json" else \
         render_text.where(project.where()) + "\n" + render_text.matrix(result, color=terminal)
@@ -487,6 +487,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "and backward, route flips per expert, worst rows")
     p.add_argument("--cross-class", action="store_true",
                    help="allow goldens of another hardware class than this machine's (measures the gap)")
+    p.add_argument("--isolate", action="store_true",
+                   help="bfloat16/float16 real-shape goldens: also check each layer in isolation, fed the "
+                        "reference's inputs, where a 1%% systematic error shows above rounding (costs the "
+                        "reference's forward and a float64 copy's; toy goldens are always isolated)")
     commands["check"] = cmd_check
 
     p = sub.add_parser("diff", help="how goldens moved between two git revisions or directories")

@@ -64,13 +64,15 @@ class CandidateCheck:
     layout: str | None = None
     report: CheckReport | None = field(default=None, repr=False)
     missing: str = ""  # set by the plugin: how to record the golden when it does not exist
+    isolate: bool = False  # a low-precision real-shape golden's layers checked in isolation too (`check`)
 
     def matches(self, stored: bytes, path: Path) -> bool:
         from ..golden import store
         from ..runs.check import check
 
         gold = store.decode_at(stored, path, self.project.goldens)
-        self.report = check(self.project, self.key, self.backend, self.layout or "single", gold=gold)
+        self.report = check(self.project, self.key, self.backend, self.layout or "single", gold=gold,
+                            isolate=self.isolate)
         return self.report.passed
 
     def diff_lines(self, stored: bytes | None) -> Iterator[str]:

@@ -260,7 +260,8 @@ class VeosnapSession:
 
     # --- the check -----------------------------------------------------------------------------
     def check(self, request: pytest.FixtureRequest, model: str, backend: str = REFERENCE_BACKEND,
-              dtype: str = "float32", *, layout: str | None = None, scenario: str = "step") -> CheckReport:
+              dtype: str = "float32", *, layout: str | None = None, scenario: str = "step",
+              isolate: bool = False) -> CheckReport:
         """Check `backend` under `layout` on `model` in `dtype` against its golden; see `veosnap_check`."""
         __tracebackhide__ = True
         from ..candidates import backends, specs
@@ -314,7 +315,8 @@ class VeosnapSession:
 
         if self.update and backend != REFERENCE_BACKEND:
             self.outcome.candidates += 1
-        candidate = CandidateCheck(project, key, resolved, layout, missing=self._missing_message(request, key, path))
+        candidate = CandidateCheck(project, key, resolved, layout, missing=self._missing_message(request, key, path),
+                                   isolate=isolate)
         snapshot = self.assertion(request, update=False)  # a candidate never writes
         matched = snapshot(name=name) == candidate
         self._count(candidate.report)
@@ -627,19 +629,20 @@ def veosnap_project(request: pytest.FixtureRequest) -> Project:
 
 @pytest.fixture
 def veosnap_check(request: pytest.FixtureRequest) -> Callable[..., CheckReport]:
-    """`veosnap_check(model, backend="eager", dtype="float32", *, layout=None, scenario="step")`.
+    """`veosnap_check(model, backend="eager", dtype="float32", *, layout=None, scenario="step", isolate=False)`.
 
     Checks the backend under the layout (any layout SPEC `veosnap check --layout` takes; None: single)
     on the model against its golden and returns veosnap's CheckReport. A failed check raises
     `GoldenMismatch` (an AssertionError) carrying the report; a backend or layout that does not apply
-    to the model skips the test; so does a hardware class with no goldens at all. Under
+    to the model skips the test; so does a hardware class with no goldens at all. `isolate`: a bfloat16
+    real-shape golden's layers are checked in isolation too (`veosnap check --isolate`). Under
     `--snapshot-update` the golden is re-recorded from the reference first.
     """
     state = request.config.stash[_STATE]
 
     def veosnap_check(model: str, backend: str = REFERENCE_BACKEND, dtype: str = "float32", *,
-                      layout: str | None = None, scenario: str = "step") -> CheckReport:
+                      layout: str | None = None, scenario: str = "step", isolate: bool = False) -> CheckReport:
         __tracebackhide__ = True
-        return state.check(request, model, backend, dtype, layout=layout, scenario=scenario)
+        return state.check(request, model, backend, dtype, layout=layout, scenario=scenario, isolate=isolate)
 
     return veosnap_check

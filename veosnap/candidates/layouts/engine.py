@@ -167,8 +167,8 @@ def run(layout: Layout, backend: Backend, ctx: LayoutContext, staged: Staged | N
 
 def isolation_declined(ctx: LayoutContext, backend: Backend) -> str:
     """Why this run's layer parts are not checked in isolation ('' when they are): only a low-precision
-    golden with whole layer outputs (the toy tier), in one process, on a model the layout did not hand to
-    the backend to parallelize (in the train scenario, on the golden's weights before the first step)."""
+    golden, in one process, on a model the layout did not hand to the backend to parallelize (in the train
+    scenario, on the golden's weights before the first step); a real-shape golden only when asked."""
     golden = ctx.golden
     if golden.key.dtype not in ("bfloat16", "float16"):
         return "float32"
@@ -176,8 +176,9 @@ def isolation_declined(ctx: LayoutContext, backend: Backend) -> str:
         return "the layout runs in several processes"
     if backend.parallelizes:
         return "the backend parallelizes the model itself"
-    if any(isinstance(names.try_parse(name), names.LayerOutput) for name in golden.sketches):
-        return "a real-shape golden: its parts would need a float64 copy of the model beside it (toy tier only)"
+    if not ctx.isolate_real and any(isinstance(names.try_parse(name), names.LayerOutput) for name in golden.sketches):
+        return ("a real-shape golden: isolating its layers runs the reference and a float64 copy of it beside the "
+                "candidate, several times the step's cost; opt in with --isolate")
     return ""
 
 

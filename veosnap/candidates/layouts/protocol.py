@@ -65,10 +65,13 @@ class LayoutContext:
     hyper: TrainHyper | None = None  # the train scenario's steps; None for `step`
     local_rank: int = 0
     mesh: object | None = None  # the DeviceMesh `Layout.mesh` built for this run (set by the engine)
+    # Isolate a real-shape golden's layers too (opt-in: a reference forward and a float64 copy's run beside the
+    # candidate, several times the step's cost at 1B; toy goldens are isolated always).
+    isolate_real: bool = False
 
     @classmethod
     def checking(cls, golden: Golden, toy: ToyConfig, device: torch.device, scenario: Scenario | None = None,
-                 prebuilt: Prebuild | None = None, **place: object) -> LayoutContext:
+                 prebuilt: Prebuild | None = None, isolate_real: bool = False, **place: object) -> LayoutContext:
         """The context of a check against `golden`, the model built from `toy` (with the encoders `scenario`
         freezes frozen; the first build taking `prebuilt`'s model when it is that one); `place`: rank, world,
         local_rank, workdir."""
@@ -78,7 +81,8 @@ class LayoutContext:
             build = prebuilt.builder(build, seed)
         if scenario is not None and scenario.frozen:
             build = _frozen(build, scenario)
-        return cls(golden, Batch.from_golden(golden), device, build, hyper=golden.manifest.reference.train, **place)
+        return cls(golden, Batch.from_golden(golden), device, build, hyper=golden.manifest.reference.train,
+                   isolate_real=isolate_real, **place)
 
     @property
     def last(self) -> bool:
