@@ -65,9 +65,14 @@ def golden_folders(root: Path) -> list[str]:
                    if name.startswith("goldens/") and name.count("/") >= 3})
 
 
-def chosen_aside(root: Path, keep: list[str], exclude: list[str]) -> list[str]:
+def chosen_aside(root: Path, keep: list[str], exclude: list[str], named: list[str] = ()) -> list[str]:
+    """Golden folders to leave out: those no `keep` pattern matches, and those a preset's `exclude` takes back
+    from its broader patterns, unless a pattern `named` on the command line (`--keep`) keeps them."""
+    def matches(folder: str, patterns: list[str]) -> bool:
+        return any(fnmatch.fnmatch(folder, pattern) for pattern in patterns)
+
     return [folder for folder in golden_folders(root)
-            if not any(fnmatch.fnmatch(folder, k) for k in keep) or any(fnmatch.fnmatch(folder, e) for e in exclude)]
+            if not matches(folder, named) and (not matches(folder, keep) or matches(folder, exclude))]
 
 
 def folder_bytes(path: Path) -> int:
@@ -133,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.action == "restore":
         return do_restore(root)
     keep = args.keep + PRESETS.get(args.preset, [])
-    aside = chosen_aside(root, keep, EXCLUDE.get(args.preset, []))
+    aside = chosen_aside(root, keep, EXCLUDE.get(args.preset, []), args.keep)
     if args.action == "plan":
         print(plan(root, aside, args.carry)[1])
         return 0
