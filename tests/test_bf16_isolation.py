@@ -131,3 +131,12 @@ def test_a_stacked_experts_gradient_names_its_expert_and_layer(repo_project):
     experts = [t for t in report.tensors if not t.passed and ".mlp.experts." in t.name]
     assert experts and all(f"expert {scaled_faults.FAULT_EXPERT} of layer " in t.where for t in experts), \
         [t.where for t in experts]
+
+
+def test_experts_that_received_the_same_tokens_are_named_together():
+    """A block's output on a set of tokens cannot tell apart experts that all received exactly those tokens (a
+    batch of repeated tokens routes them together): the place names every one of them, not one at random."""
+    routes = torch.tensor([[3, 6], [3, 6], [1, 2], [1, 7]])
+    groups = {g.where: g.rows.tolist() for g in isolation.expert_groups(routes, 8)}
+    assert groups == {"expert 1": [2, 3], "expert 2": [2],
+                      "experts 3, 6 (the same tokens)": [0, 1], "expert 7": [3]}

@@ -119,8 +119,21 @@ def head_groups(width: int, heads: int) -> list[Group]:
 
 
 def expert_groups(experts: torch.Tensor, count: int) -> list[Group]:
-    """The tokens each expert received (`experts`: [tokens, top_k] expert ids)."""
-    return [Group(f"expert {e}", torch.nonzero((experts == e).any(dim=-1)).flatten()) for e in range(count)]
+    """The tokens each expert received (`experts`: [tokens, top_k] expert ids). Experts that received exactly the
+    same tokens (a batch of repeated tokens routes them together) are one group: the block's output on those tokens
+    cannot tell them apart, so the place names them all ("experts 3, 50, 117 (the same tokens)")."""
+    together: dict[tuple[int, ...], list[int]] = {}
+    for e in range(count):
+        rows = torch.nonzero((experts == e).any(dim=-1)).flatten()
+        if rows.numel() == 0:
+            continue  # an expert without tokens has nothing to judge
+        together.setdefault(tuple(rows.tolist()), []).append(e)
+    groups = []
+    for rows, members in together.items():
+        where = f"expert {members[0]}" if len(members) == 1 else \
+            f"experts {', '.join(map(str, members))} (the same tokens)"
+        groups.append(Group(where, torch.tensor(rows, dtype=torch.long)))
+    return sorted(groups, key=lambda g: int(g.where.split()[1].rstrip(",")))
 
 
 def judge_parts(candidate: dict[tuple[int, str], torch.Tensor], own: dict[tuple[int, str], torch.Tensor],
