@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from golden_repo import needs_goldens
+from golden_repo import CLASS, needs_goldens
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -180,3 +180,24 @@ def test_a_library_that_fails_to_import_errors_every_later_cell_of_its_worker_wi
     assert rows[0]["reason"].startswith("ModuleNotFoundError: No module named 'cutlass.cute'")
     assert rows[1]["reason"].startswith(rows[0]["reason"]) and "not run" in rows[1]["reason"]
     assert calls.read_text() == "x"  # the second model was never built for the broken backend
+
+
+@needs_goldens(CLASS, "qwen3_moe")
+def test_a_bug_only_isolation_sees_fails_and_the_table_names_its_place(tmp_path: Path) -> None:
+    """One attention head off by 1% in bfloat16: the whole model cannot see it, the isolated heads can. The
+    row keeps the isolated statistic beside the whole-model ratio and the table says where."""
+    dirs = {"goldens": str(ROOT / "goldens"), "configs": str(ROOT / "toy_configs"),
+            "testdata": str(ROOT / "testdata"), "hardware_class": CLASS}
+    cells = [dict(model="qwen3_moe", dtype="bfloat16", scenario="step", layouts=["single"], dirs=dirs)]
+    (tmp_path / "cells.json").write_text(json.dumps(cells))
+    tool = load_tool()
+    tool.worker(f"{ROOT / 'tests' / 'scaled_faults.py'}:one_head_scaled", tmp_path / "cells.json",
+                tmp_path / "results.jsonl", time.time() + 600)
+
+    done = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    row = next(event for event in done if event["event"] == "done")["rows"][0]
+    assert row["status"] == "FAIL" and row["ratio"] < 1 < row["isolated"]
+    assert "head" in row["isolated_place"]
+    text, _ = tool.table([dict(cells[0], backend="tests/scaled_faults.py:one_head_scaled", **row)])
+    assert "one_head_scaled (bug)" in text and f"iso {tool.fmt_ratio(row['isolated'])}" in text
+    assert f"isolated: {row['isolated_place']}" in text

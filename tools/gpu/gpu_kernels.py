@@ -6,6 +6,8 @@ float32 reproductions, in one unattended command.
     python3 tools/gpu/gpu_kernels.py --out DIR --backends liger,liger@ieee --dtypes float32 --no-repro
     python3 tools/gpu/gpu_kernels.py --plan --backends fa4,quack --models llama-real --jobs 2   # no GPU: fits?
     python3 tools/gpu/gpu_kernels.py --no-liger-autotune ...     # LIGER_FUSED_MOE_AUTOTUNE=0 (the table says so)
+    python3 tools/gpu/gpu_kernels.py --isolate --dtypes bfloat16 --models llama-real \
+        --backends eager,fa4,tests/realshape_faults.py:rope_angle_low_precision_far   # real shape, layers isolated
 
 `--plan` prints, for the cuda-sm90 goldens, the schedule the run would follow if every cell took its estimated
 seconds (the measured H200 figures: see "the time model" below), the memory of the cells running at once, and
@@ -27,8 +29,9 @@ What it runs (all of it under the budget; cells it cannot reach in time are list
    One worker process per backend, --jobs at once, toy-width goldens first, bfloat16 first; a library
    that fails to import or compile is that cell's ERROR; a worker that dies (a CUDA fault) costs its
    current cell (ERROR, with its last stderr line) and is restarted for the rest.
-3. The table (model x dtype x backend: single and packed status and worst error/bound ratio, the first
-   divergence or the reason), printed and written to table.md; results.json holds every cell with its
+3. The table (model x dtype x backend: single and packed status and worst error/bound ratio, then `iso`
+   and the worst isolated statistic's ratio where the layers were isolated, the first divergence, the
+   isolated place that failed, or the reason), printed and written to table.md; results.json holds every cell with its
    notes (what each library ran, for which modules) and, for failing cells, the whole check report;
    repro.json the reproductions' numbers; log.txt every worker's output.
 
@@ -136,11 +139,12 @@ def applies(label: str, config: dict, dtype: str) -> str | None:
 
 
 def plan(projects: list[tuple[object, dict]], labels: list[str], models: list[str] | None,
-         dtypes: list[str] | None = None) -> tuple[dict[str, list[dict]], list[dict]]:
+         dtypes: list[str] | None = None, only: list[str] | None = None) -> tuple[dict[str, list[dict]], list[dict]]:
     """Cells per backend label (ordered: toy width first, bfloat16 first) and the cells not run.
 
     `projects` are (Project, the dirs that resolve it in a worker): the machine's goldens, and a
-    scratch project this run recorded (see `scratch_linear_attention`)."""
+    scratch project this run recorded (see `scratch_linear_attention`). `only`: run just these of the
+    layouts (--layouts)."""
     from veosnap.golden import store
     from veosnap.reference.zoo import load_config
 
@@ -161,7 +165,8 @@ def plan(projects: list[tuple[object, dict]], labels: list[str], models: list[st
             for label in labels:
                 # eager is the control, in single; and in packed where it fails by design (linear attention)
                 control = label == "eager" and not has_linear_attention(config)
-                layouts = ["single"] if control else ["single", "packed"]
+                layouts = [layout for layout in (["single"] if control else ["single", "packed"])
+                           if not only or layout in only]
                 why = applies(label, config, key.dtype)
                 base = dict(model=key.model, dtype=key.dtype, scenario=key.scenario, backend=label,
                             width=width(config), dirs=dirs)
@@ -347,6 +352,7 @@ def project_from(dirs: dict):
 
 
 def worker(label: str, cells_file: Path, results_file: Path, deadline: float) -> None:
+    """Run one backend's cells in this process (`isolate` from $GPU_KERNELS_ISOLATE: the parent's --isolate)."""
     from veosnap.candidates import backends
     from veosnap.errors import describe
     from veosnap.golden.key import GoldenKey
@@ -375,7 +381,8 @@ def worker(label: str, cells_file: Path, results_file: Path, deadline: float) ->
                              "to import in this worker's earlier cell)") for layout in cell["layouts"]]
             else:
                 try:
-                    for report in check_layouts(project, key, backend, cell["layouts"]):
+                    for report in check_layouts(project, key, backend, cell["layouts"],
+                                                isolate=os.environ.get("GPU_KERNELS_ISOLATE") == "1"):
                         rows.append(row(report, render_json.check_dict(report)))
                 except Exception as exc:  # noqa: BLE001 - a bad golden or config is this cell's error
                     rows = [dict(layout=layout, status="ERROR", reason=describe(exc)) for layout in cell["layouts"]]
@@ -383,8 +390,8 @@ def worker(label: str, cells_file: Path, results_file: Path, deadline: float) ->
                     r.get("reason") or "").startswith(("ModuleNotFoundError", "ImportError"))), None)
             seconds = round(time.perf_counter() - t0, 2)
             for r in rows:
-                print(f"[{label}] {cell['model']} {cell['dtype']} {r['layout']}: {r['status']} "
-                      f"{fmt_ratio(r.get('ratio'))} {r.get('reason') or r.get('first_divergence') or ''}"[:240],
+                print(f"[{label}] {cell['model']} {cell['dtype']} {r['layout']}: {show(r)} "
+                      f"{explain(r) or ''}"[:240],
                       flush=True)
             out.write(json.dumps({"event": "done", **cell, "rows": rows, "seconds": seconds}) + "\n")
             out.flush()
@@ -396,6 +403,12 @@ def row(report, full: dict) -> dict:
                  worst=worst.name if worst else None, first_divergence=report.first_divergence,
                  first_gradient_divergence=report.first_gradient_divergence,
                  reason=report.skipped or report.error, notes=list(report.notes))
+    isolated = report.isolated_ranked()
+    if isolated:  # the layers in isolation: the worst statistic, and where (a 1% bug shows here, not in `ratio`)
+        found.update(isolated=isolated[0].ratio, isolated_place=f"{isolated[0].place} ({isolated[0].statistic})",
+                     isolated_parts=len(isolated))
+    elif report.not_isolated:
+        found["not_isolated"] = report.not_isolated
     if report.status in ("FAIL", "ERROR"):
         found["report"] = full
     return found
@@ -550,7 +563,7 @@ def table(rows: list[dict]) -> tuple[str, str]:
         cell = by_cell.setdefault((model, r.get("scenario", "step"), r["dtype"], r["backend"]), {})
         cell[r["layout"]] = r
     lines, md = [], ["| model | dtype | backend | single | packed | first divergence, or why |", "|---|---|---|---|---|---|"]
-    header = f"{'model':24s} {'dtype':9s} {'backend':18s} {'single':14s} {'packed':14s} first divergence, or why"
+    header = f"{'model':24s} {'dtype':9s} {'backend':18s} {'single':22s} {'packed':22s} first divergence, or why"
     lines.append(header)
     order = {label: i for i, label in enumerate(BACKENDS)}
     not_applicable: dict[str, int] = {}
@@ -564,7 +577,8 @@ def table(rows: list[dict]) -> tuple[str, str]:
         shown = {name: show(layouts.get(name) or layouts.get("*")) for name in ("single", "packed")}
         why = next((explain(r) for r in layouts.values() if explain(r)), "")
         name = model if scenario == "step" else f"{model} ({scenario})"
-        lines.append(f"{name:24s} {dtype:9s} {backend:18s} {shown['single']:14s} {shown['packed']:14s} {why[:150]}")
+        backend = f"{backend.rsplit(':', 1)[1]} (bug)" if ":" in backend else backend
+        lines.append(f"{name:24s} {dtype:9s} {backend:18s} {shown['single']:22s} {shown['packed']:22s} {why[:150]}")
         md.append(f"| {name} | {dtype} | {backend} | {shown['single']} | {shown['packed']} | {why[:200]} |")
     for reason, count in sorted(not_applicable.items()):
         lines.append(f"not applicable, {count} model/dtype rows: {reason}")
@@ -576,11 +590,14 @@ def show(r: dict | None) -> str:
     if r is None:
         return "-"
     status = {"PASS": "pass", "FAIL": "FAIL", "ERROR": "ERROR", "skip": "skip"}.get(r["status"], r["status"])
-    return f"{status} {fmt_ratio(r.get('ratio'))}".strip()
+    iso = f" iso {fmt_ratio(r['isolated'])}" if r.get("isolated") is not None else ""
+    return f"{status} {fmt_ratio(r.get('ratio'))}{iso}".strip()
 
 
 def explain(r: dict) -> str:
     if r["status"] == "FAIL":
+        if r.get("isolated") is not None and r["isolated"] > 1 and (r.get("ratio") or 0) <= 1:
+            return f"isolated: {r['isolated_place']}"
         return r.get("first_divergence") or r.get("first_gradient_divergence") or f"worst {r.get('worst')}"
     if r["status"] in ("ERROR", "skip", "n/a", "not run"):
         return r.get("reason") or ""
@@ -630,12 +647,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="print the estimated schedule for the cuda-sm90 goldens and whether it fits; run nothing")
     parser.add_argument("--capacity-gib", type=float, default=0.92 * 139.8,
                         help="--plan: GPU memory the cells running at once may share (default: 92%% of an H200)")
+    parser.add_argument("--layouts", default="", help="comma-separated: single, packed (default: both)")
+    parser.add_argument("--isolate", action="store_true",
+                        help="check real-shape low-precision goldens' layers in isolation too (check --isolate); "
+                             "the table's `iso` is the worst isolated statistic's ratio")
     parser.add_argument("--no-liger-autotune", action="store_true",
                         help="set LIGER_FUSED_MOE_AUTOTUNE=0 for the workers: liger's fused MoE runs one fixed "
                              "configuration per kernel instead of autotuning (the table says so)")
     args = parser.parse_args(argv)
     if args.no_liger_autotune:
         os.environ["LIGER_FUSED_MOE_AUTOTUNE"] = "0"
+    if args.isolate:  # the workers inherit it
+        os.environ["GPU_KERNELS_ISOLATE"] = "1"
     labels = [b.strip() for b in args.backends.split(",") if b.strip()]
     models = [m for m in args.models.split(",") if m] or None
     dtypes = [d for d in args.dtypes.split(",") if d] or None
@@ -661,7 +684,7 @@ def main(argv: list[str] | None = None) -> int:
             scratch = None
         if scratch is not None:
             projects.append(scratch)
-    groups, not_applicable = plan(projects, labels, models, dtypes)
+    groups, not_applicable = plan(projects, labels, models, dtypes, args.layouts.split(",") if args.layouts else None)
     estimate = None
     try:  # the --plan estimate of this very run, beside what it measures (results.json), to refit the time model
         sizes = {c["model"]: model_size(project_from(c["dirs"]), c["model"]) for cs in groups.values() for c in cs}
