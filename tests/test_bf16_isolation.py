@@ -15,13 +15,14 @@ from pathlib import Path
 import pytest
 import scaled_faults
 import torch
+from golden_repo import gpus_for
 
 from veosnap.candidates import backends
 from veosnap.golden.key import GoldenKey
 from veosnap.numerics import isolation
 from veosnap.render import json as json_report
 from veosnap.render import text
-from veosnap.runs.check import check
+from veosnap.runs.check import check, check_layouts
 from veosnap.runs.verdict import CheckReport
 
 SCALED = Path(__file__).with_name("scaled_faults.py")
@@ -81,6 +82,35 @@ def test_in_the_train_scenario_the_parts_are_isolated_on_the_goldens_weights(rep
     assert not report.error and report.isolated, report.error or report.not_isolated
     assert report.passed is not fails, text.checks([report])
     assert (report.isolated_ranked()[0].ratio > 2) is fails
+
+
+MULTI = ["fsdp2", "ddp", "hsdp", "tp", "ep"]
+
+
+@gpus_for(2)
+def test_a_one_percent_expert_error_fails_under_every_multi_process_layout(repo_project):
+    """The parts are isolated on every rank too (each runs the whole batch through the candidate: FSDP's
+    gathers and the tensor/expert plans' collectives joined by all), so no layout lets a 1% bug through;
+    under tensor parallel the per-head part, a shard on each rank, is left out and said to be."""
+    key = GoldenKey(repo_project.hardware_class, "qwen3_moe", "step", "bfloat16")
+    buggy = check_layouts(repo_project, key, backends.resolve(f"{SCALED}:one_expert_scaled"), MULTI, nproc=2)
+    for report in buggy:
+        assert not report.error and not report.passed, (report.layout, text.checks([report]))
+        assert re.fullmatch(r"layer \d mlp, expert 3", report.isolated_ranked()[0].place), report.layout
+    assert "layer 0 heads: each rank holds a shard" in buggy[MULTI.index("tp")].not_isolated
+    clean = check_layouts(repo_project, key, backends.resolve("sdpa+grouped_mm"), MULTI, nproc=2)
+    for report in clean:
+        assert report.passed and report.isolated, (report.layout, text.checks([report]))
+
+
+@gpus_for(2)
+def test_sequence_parallel_says_its_parts_were_not_isolated_and_train_under_fsdp2_isolates(repo_project):
+    key = GoldenKey(repo_project.hardware_class, "llama", "train", "bfloat16")
+    fsdp2, sp = check_layouts(repo_project, key, backends.resolve(f"{SCALED}:attention_scaled"), ["fsdp2", "sp"],
+                              nproc=2)
+    assert not fsdp2.passed and fsdp2.isolated_ranked()[0].ratio > 2, text.checks([fsdp2])
+    assert not sp.isolated and sp.not_isolated.startswith("sp: the sequence is split across ranks")
+    assert f"isolated parts: not checked ({sp.not_isolated})" in text.checks([sp])
 
 
 def test_float32_is_judged_as_before_with_no_isolation_line(repo_project):

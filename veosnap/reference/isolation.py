@@ -194,6 +194,19 @@ def reference_units(model: nn.Module, kwargs: dict, experts: dict[int, torch.Ten
                      {moe.layer: moe.num_experts for moe in find_moe_layers(model)})
 
 
+def leave_out_shards(reference: Reference, candidate: Units, layout: str) -> None:
+    """Several ranks: a part whose output is this rank's shard (tensor parallel's heads, before the output
+    projection) is left out of both, and said to be; every part a parallel plan completes is judged."""
+    for key, own in list(reference.own.outputs.items()):
+        given = candidate.outputs.get(key)
+        if given is not None and given.shape != own.shape:
+            layer, kind = key
+            reference.own.missing.append(f"layer {layer} {kind}: each rank holds a shard {tuple(given.shape)} of "
+                                         f"it under {layout}")
+            for units in (reference.own, reference.exact, candidate):
+                units.outputs.pop(key, None)
+
+
 def candidate_units(model: nn.Module, kwargs: dict, reference: Reference) -> Units:
     """Run the candidate with every block fed the reference's input, keeping every part's output. Its routers
     choose for themselves: fed the reference's input, a router that flips a golden route (every margin is

@@ -215,7 +215,8 @@ def _check_loaded(project: Project, key: GoldenKey, backend: Backend, chosen: li
         _check_nproc(batch, nproc)
         for index in spawned:
             registry.check_reachable(chosen[index][0])
-        outcomes = torchrun.run(project, key, backend.spec, [chosen[index][0] for index in spawned], nproc, timeout_s)
+        outcomes = torchrun.run(project, key, backend.spec, [chosen[index][0] for index in spawned], nproc, timeout_s,
+                                isolate)
         for index, outcome in zip(spawned, outcomes):
             fields = {"backend": backend.spec, "layout": chosen[index][0]}
             if outcome.result is None:

@@ -112,12 +112,14 @@ def run(layout: Layout, backend: Backend, ctx: LayoutContext, staged: Staged | N
     ctx = replace(ctx, mesh=layout.mesh(ctx))
     data = layout.data(ctx)
     where = told(layout, ctx, data)
-    not_isolated = isolation_declined(ctx, backend)
+    not_isolated = isolation_declined(ctx, backend, layout)
     reference, isolated = None, None
     if not not_isolated:
-        # The reference's parts run before the candidate is applied: its patches are not in place yet.
+        # The reference's parts run before the candidate is applied: its patches are not in place yet. A model
+        # transformers' tensor or expert plan already split (tp, ep) is no reference: each rank runs a whole one.
+        plain = (lambda: ctx.build(ctx.device)) if _sharded(model) else (lambda: model)
         reference, not_isolated = _isolating(lambda: isolation.reference_units(
-            model, ctx.batch.model_kwargs(), ctx.golden.experts()), "the reference")
+            plain(), ctx.batch.model_kwargs(), ctx.golden.experts()), "the reference")
     with context.told(where), backend.prepare(model, where) as candidate:
         why = candidate.forward_only
         if why and not layout.checks_forward_only:
@@ -147,8 +149,13 @@ def run(layout: Layout, backend: Backend, ctx: LayoutContext, staged: Staged | N
                 # Hooks added to a compiled module make dynamo recompile it, up to its limit, then run eager:
                 # the isolated run would check the reference's code, not the candidate's.
                 return None, "the candidate is compiled (torch.compile): a hooked run would not run its compiled code"
+            # Several ranks: each runs the same whole-batch forward (FSDP gathers, tensor-parallel collectives).
             units, why = _isolating(lambda: isolation.candidate_units(
                 setup.inner, ctx.batch.model_kwargs(), reference), "the candidate")
+            if ctx.world > 1:
+                _reshard(setup.inner)
+                if units is not None:
+                    isolation.leave_out_shards(reference, units, layout.name)
             return ((reference, units) if units is not None else None), why
 
         if reference is not None and ctx.hyper is not None:
@@ -165,21 +172,36 @@ def run(layout: Layout, backend: Backend, ctx: LayoutContext, staged: Staged | N
     return result
 
 
-def isolation_declined(ctx: LayoutContext, backend: Backend) -> str:
+def isolation_declined(ctx: LayoutContext, backend: Backend, layout: Layout | None = None) -> str:
     """Why this run's layer parts are not checked in isolation ('' when they are): only a low-precision
-    golden, in one process, on a model the layout did not hand to the backend to parallelize (in the train
-    scenario, on the golden's weights before the first step); a real-shape golden only when asked."""
+    golden (in the train scenario, on the golden's weights before the first step), under a layout whose ranks
+    can each run the whole batch (`Layout.isolation`); a real-shape golden only when asked."""
     golden = ctx.golden
     if golden.key.dtype not in ("bfloat16", "float16"):
         return "float32"
-    if ctx.world > 1:
-        return "the layout runs in several processes"
-    if backend.parallelizes:
-        return "the backend parallelizes the model itself"
+    if layout is not None and layout.isolation:
+        return f"{layout.name}: {layout.isolation}"
     if not ctx.isolate_real and any(isinstance(names.try_parse(name), names.LayerOutput) for name in golden.sketches):
         return ("a real-shape golden: isolating its layers runs the reference and a float64 copy of it beside the "
                 "candidate, several times the step's cost; opt in with --isolate")
     return ""
+
+
+def _reshard(model: nn.Module) -> None:
+    """FSDP2 keeps the root's parameters gathered after a forward with no backward (the isolated run's): shard
+    them again, as the training step after it expects (its parameters are read sharded)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def _sharded(model: nn.Module) -> bool:
+    """Whether a parameter of `model` is a DTensor (a model transformers' tensor or expert plan split)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def _compiled(model: nn.Module) -> bool:

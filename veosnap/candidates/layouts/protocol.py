@@ -190,6 +190,9 @@ class Layout:
     description: str = ""
     distributed: bool = False  # runs as `nproc` ranks under torchrun (one shared run for all such layouts)
     checks_forward_only: bool = False  # a forward-only backend is checked (gradients unchecked), not skipped
+    # Why the candidate's layer parts cannot be isolated under this layout ('' when they can: in process, and
+    # under data, tensor and expert parallel, whose ranks all run the same whole-batch forward together).
+    isolation: str = ""
 
     def accept(self, golden: Golden, nproc: int) -> None:
         """Raise `Unsupported(reason)` when this layout does not apply to `golden` on `nproc` ranks."""

@@ -46,6 +46,8 @@ class SequenceParallel(Layout):
 
     distributed = True
     attention = "ulysses"  # a `sequence.KINDS` entry
+    isolation = ("the sequence is split across ranks: the candidate's attention takes a rank's slice of every row "
+                 "and trades it with the other ranks, so the whole batch cannot run through it part by part")
 
     def __init__(self, name: str, description: str, *, packed: bool = False, params: str = "replicated") -> None:
         if params not in PARAMS:

@@ -41,6 +41,7 @@ import torch
 from ...about import IMPORT_ROOT
 from ...golden.key import GoldenKey
 from ...numerics.sketch import CandidateSketch, SketchProblem
+from ...reference import isolation
 from ...reference.capture import Capture
 from ...reference.zoo import Project
 from .engine import LayoutResult
@@ -50,6 +51,7 @@ END_GRACE_S = 10.0  # how long torchrun gets to end its ranks after a timeout
 WORKER = "veosnap.candidates.layouts.worker"
 REPLAYED = "replayed."
 PROGRESS = "progress-rank"  # OUT/progress-rank<R>.txt: the block rank R last entered (see `where_ranks_were`)
+ISOLATED = "isolated."  # a layer part's rows: isolated.<own|exact|candidate>.<layer>.<kind>
 SKETCH = "sketch."  # a sketched tensor's reduction: sketch.<name>.values / .counts / .off_support
 PREFIX = "veosnap-layouts-"
 LOCK = "owner.lock"  # held by the parent while the run lives
@@ -80,8 +82,9 @@ class Outcome:
 
 
 def run(project: Project, key: GoldenKey, backend: str, layouts: list[str], nproc: int,
-        timeout_s: float = DEFAULT_TIMEOUT_S) -> list[Outcome]:
-    """Run `layouts` (SPECs) of the golden for `key` with `backend` (a SPEC) on `nproc` torchrun ranks."""
+        timeout_s: float = DEFAULT_TIMEOUT_S, isolate: bool = False) -> list[Outcome]:
+    """Run `layouts` (SPECs) of the golden for `key` with `backend` (a SPEC) on `nproc` torchrun ranks
+    (`isolate`: a real-shape golden's layers isolated too, as `check --isolate`)."""
     remove_stale()
     with tempfile.TemporaryDirectory(prefix=PREFIX) as tmp, _owned(Path(tmp)):
         out = Path(tmp)
@@ -89,7 +92,8 @@ def run(project: Project, key: GoldenKey, backend: str, layouts: list[str], npro
                "-m", WORKER, "--goldens", str(project.goldens), "--configs", str(project.configs),
                "--testdata", str(project.testdata), "--hardware-class", key.hardware_class, "--model", key.model,
                "--dtype", key.dtype, "--scenario", key.scenario, "--backend", backend,
-               *(arg for spec in layouts for arg in ("--layout", spec)), "--out", str(out), "--timeout", str(timeout_s)]
+               *(arg for spec in layouts for arg in ("--layout", spec)), "--out", str(out), "--timeout", str(timeout_s),
+               *(["--isolate"] if isolate else [])]
         env = dict(os.environ)
         # The ranks import this very veosnap, and the backend's and layouts' modules wherever the parent found them.
         paths = [str(IMPORT_ROOT), *(p for p in sys.path if p and Path(p).is_dir())]
@@ -295,7 +299,15 @@ def write_result(path: Path, result: LayoutResult) -> None:
                                 for part, t in parts.items() if t is not None})
     meta = {"notes": result.notes, "forward_only": result.forward_only, "backward": result.capture.backward,
             "sketches": sketches, "absent": result.capture.absent,
-            "replayed_absent": result.replayed.absent if result.replayed else {}}
+            "replayed_absent": result.replayed.absent if result.replayed else {},
+            "not_isolated": result.not_isolated, "isolated": None}
+    if result.isolated is not None:
+        reference, candidate = result.isolated
+        for which, units in (("own", reference.own), ("exact", reference.exact), ("candidate", candidate)):
+            tensors.update({f"{ISOLATED}{which}.{layer}.{kind}": rows.contiguous().clone()
+                            for (layer, kind), rows in units.outputs.items()})
+        meta["isolated"] = {"heads": reference.heads, "experts": {str(k): v for k, v in reference.experts.items()},
+                            "missing": reference.own.missing}
     save_file(tensors, str(path), metadata={"veosnap": json.dumps(meta)})
 
 
@@ -328,7 +340,7 @@ def read_result(path: Path) -> LayoutResult:
     with safe_open(str(path), framework="pt") as fh:
         meta = json.loads((fh.metadata() or {})["veosnap"])
     tensors: dict[str, torch.Tensor] = load_file(str(path))
-    main = {n: t for n, t in tensors.items() if not n.startswith((REPLAYED, SKETCH))}
+    main = {n: t for n, t in tensors.items() if not n.startswith((REPLAYED, SKETCH, ISOLATED))}
     replayed = {n[len(REPLAYED):]: t for n, t in tensors.items() if n.startswith(REPLAYED)}
     backward = meta["backward"]
     capture = Capture.from_tensors(main, backward, meta.get("absent"))
@@ -337,4 +349,21 @@ def read_result(path: Path) -> LayoutResult:
     if replayed:
         again = Capture.from_tensors(replayed, backward, meta.get("replayed_absent"))
         again.sketches = _read_sketches(meta["sketches"], tensors, REPLAYED)
-    return LayoutResult(capture, again, notes=meta["notes"], forward_only=meta["forward_only"])
+    return LayoutResult(capture, again, notes=meta["notes"], forward_only=meta["forward_only"],
+                        isolated=_read_isolated(meta.get("isolated"), tensors),
+                        not_isolated=meta.get("not_isolated", ""))
+
+
+def _read_isolated(meta: dict | None, tensors: dict[str, torch.Tensor]
+                   ) -> tuple[isolation.Reference, isolation.Units] | None:
+    if meta is None:
+        return None
+    units = {which: isolation.Units() for which in ("own", "exact", "candidate")}
+    for name, rows in tensors.items():
+        if name.startswith(ISOLATED):
+            which, layer, kind = name[len(ISOLATED):].split(".", 2)
+            units[which].outputs[(int(layer), kind)] = rows
+    units["own"].missing = list(meta["missing"])
+    reference = isolation.Reference(units["own"], units["exact"], meta["heads"],
+                                    {int(k): v for k, v in meta["experts"].items()})
+    return reference, units["candidate"]

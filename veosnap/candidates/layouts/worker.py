@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layout", action="append", required=True)
     p.add_argument("--scenario", default="step")
     p.add_argument("--timeout", type=float, default=torchrun.DEFAULT_TIMEOUT_S)
+    p.add_argument("--isolate", action="store_true")
     args = p.parse_args(argv)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", rank))
@@ -120,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                                    cross_class=True)
         backend = backends.resolve(args.backend)
         ctx = LayoutContext.checking(golden, toy, device, scenarios.get(args.scenario), rank=rank, world=world,
-                                     local_rank=local, workdir=out)
+                                     local_rank=local, workdir=out, isolate_real=args.isolate)
         ctx.build = _reporting_progress(ctx.build, out / f"{torchrun.PROGRESS}{rank}.txt")
         family = models.modeling_module(toy)
         models.skeleton(toy)  # pins the reference's torch fallbacks before the modules are snapshot
