@@ -81,6 +81,7 @@ def test_no_pythonpath_or_one_without_pth_files_changes_nothing(tmp_path: Path,
     assert env["PYTHONPATH"] == os.pathsep.join([str(tmp_path), str(tmp_path / "missing")])
 
 
+@needs_goldens(CLASS, "mixtral", "llama")
 def test_plan_keeps_only_the_models_and_dtypes_asked_for() -> None:
     tool = load_tool()
     dirs = {"goldens": "", "configs": ""}
