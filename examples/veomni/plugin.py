@@ -64,8 +64,9 @@ from pathlib import Path
 if str(Path(__file__).resolve().parent) not in sys.path:  # the package beside this file (torchrun ranks too)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from veosnap_veomni import (veomni, veomni_chunk_loss, veomni_collator, veomni_fsdp2,  # noqa: E402, F401
-                            veomni_sdpa, veomni_ulysses)
+from veosnap_veomni import (veomni, veomni_chunk_loss, veomni_collator, veomni_fa4,  # noqa: E402, F401
+                            veomni_fla, veomni_fsdp2, veomni_fused_moe, veomni_liger, veomni_liger_loss,
+                            veomni_production, veomni_quack, veomni_sdpa, veomni_ulysses)
 
 # name this file had until now -> its name in veosnap_veomni (served here, warning, for one release)
 MOVED = {name: name for name in (

@@ -20,7 +20,9 @@ goes away):
   `FUSED_MOE_POINTERS`; register a fused MoE kernel the way VeOmni's own are: `register_fused_moe`;
 - where VeOmni stands: `MISSING` (why it is not importable, or ''), `IMPORT_REGISTRATIONS`, `import_veomni`;
 - the example's backends: `veomni`, `veomni_sdpa`, `veomni_chunk_loss`, `veomni_collator`, `veomni_fsdp2`,
-  `veomni_ulysses` (also served as `examples/veomni/plugin.py:<name>`, or as `veosnap_veomni:<name>`
+  `veomni_ulysses`, and VeOmni's production GPU kernels (`kernels`: what each needs, what a check ran):
+  `veomni_fused_moe`, `veomni_quack`, `veomni_liger`, `veomni_liger_loss`, `veomni_fa4`, `veomni_fla`,
+  `veomni_production` (also served as `examples/veomni/plugin.py:<name>`, or as `veosnap_veomni:<name>`
   with examples/veomni on PYTHONPATH).
 
 Importable without VeOmni: `MISSING` then says why, and every backend is a skip with that reason.
@@ -32,8 +34,9 @@ from .state import FUSED_MOE_POINTERS, IMPORT_REGISTRATIONS, MISSING, Snapshot, 
 from .core import (EAGER_OPS, EAGER_PATH, WEIGHT_RENAMES, build, families, import_veomni, load_reference,  # noqa: I001
                    ops_config, packing_collator, parallel_state, parallelized, reference_state, registry_key,
                    runs_here, with_pipeline_masks)
-from .backends import (candidate, veomni, veomni_chunk_loss, veomni_collator, veomni_fsdp2, veomni_sdpa,
-                       veomni_ulysses)
+from .backends import (candidate, veomni, veomni_chunk_loss, veomni_collator, veomni_fa4, veomni_fla,
+                       veomni_fsdp2, veomni_fused_moe, veomni_liger, veomni_liger_loss, veomni_production,
+                       veomni_quack, veomni_sdpa, veomni_ulysses)
 
 __all__ = [
     "candidate", "ops_config", "EAGER_OPS", "EAGER_PATH", "build", "load_reference", "reference_state",
@@ -42,4 +45,6 @@ __all__ = [
     "restored", "Snapshot", "FUSED_MOE_POINTERS", "register_fused_moe",
     "MISSING", "IMPORT_REGISTRATIONS", "import_veomni",
     "veomni", "veomni_sdpa", "veomni_chunk_loss", "veomni_collator", "veomni_fsdp2", "veomni_ulysses",
+    "veomni_fused_moe", "veomni_quack", "veomni_liger", "veomni_liger_loss", "veomni_fa4", "veomni_fla",
+    "veomni_production",
 ]

@@ -130,9 +130,20 @@ def build(reference: nn.Module, ops, init_device: str = "cpu") -> nn.Module:  # 
         return build_foundation_model(config, torch_dtype=_dtype_name(reference), init_device=init_device,
                                       ops_implementation=ops)
     except ValueError as exc:  # transformers refuses an attention implementation (GPT-OSS: sinks)
-        if "does not support an attention implementation" not in str(exc):
+        if "does not support an attention implementation" in str(exc):
+            raise Unsupported(str(exc).split(". ")[0]) from None
+        if " is not a registered backend for " in str(exc) or " is explicitly disabled for " in str(exc):
+            raise Unsupported(f"VeOmni's {key} modeling: {str(exc).split('. ')[0]}") from None  # a per-model op
+        raise
+    except KeyError as exc:  # KERNEL_REGISTRY.resolve: no such kernel for this op slot's variant
+        message = str(exc.args[0]) if exc.args else ""
+        if not message.startswith("Unknown kernel"):
             raise
-        raise Unsupported(str(exc).split(". ")[0]) from None
+        raise Unsupported(f"VeOmni's {key} modeling: {message}") from None
+    except RuntimeError as exc:  # KERNEL_REGISTRY.resolve: the kernel's hardware requirement is not met here
+        if "but the current hardware does not satisfy this" not in str(exc):
+            raise
+        raise Unsupported(f"VeOmni's {key} modeling: {str(exc).splitlines()[0]}") from None
     except ModuleNotFoundError as exc:  # VeOmni's modeling needs a package this environment does not have
         where = _frame_in_veomni(exc.__traceback__)
         raise Unsupported(f"VeOmni's {key} modeling imports {exc.name} at import time ({where}); {exc.name} is not "

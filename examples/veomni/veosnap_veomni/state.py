@@ -11,7 +11,13 @@ registrations (`IMPORT_REGISTRATIONS`) are part of the process every check start
   module's `veomni_moe_experts_forward`, ...), bound by `build_foundation_model`; slots of modules first
   imported inside the block are put back unbound;
 - the fused-MoE pointers: `veomni.ops.kernels.moe._fused_moe_forward` and `apply_veomni_fused_moe_patch`,
-  and the LoRA ones it binds (`veomni.lora.ops._fused_lora_moe_forward`, ...).
+  and the LoRA ones it binds (`veomni.lora.ops._fused_lora_moe_forward`, ...); the load-balancing loss pointer
+  `apply_ops_config` binds (`veomni.ops.kernels.load_balancing_loss._load_balancing_loss`) and the attention
+  pointer `veomni.ops.kernels.attention.flash._flash_attention_forward`;
+- the per-model patches `apply_per_model_patches` makes in a generated modeling module (DeepSeek-V3's
+  `device_patch.py` replaces its RMSNorm class and `apply_rotary_pos_emb` there, and an eager build never
+  puts them back: a later all-eager DeepSeek-V3 would run liger's RMSNorm): recorded while `restored()` is
+  open, undone when it closes.
 """
 
 from __future__ import annotations
@@ -32,6 +38,9 @@ FUSED_MOE_POINTERS = (("veomni.ops.kernels.moe", "_fused_moe_forward"),
                       ("veomni.lora.ops", "_fused_lora_moe_forward"),
                       ("veomni.lora.ops", "_fused_independent_lora_moe_forward"),
                       ("veomni.lora.ops", "bind_lora_moe_kernels"))
+# other module pointers VeOmni binds (apply_ops_config's global ops) or a backend here wraps (veosnap_veomni.kernels)
+_POINTERS = FUSED_MOE_POINTERS + (("veomni.ops.kernels.load_balancing_loss", "_load_balancing_loss"),
+                                  ("veomni.ops.kernels.attention.flash", "_flash_attention_forward"))
 _ABSENT = object()
 
 
@@ -84,13 +93,31 @@ def _unbound(slot: object) -> dict:
     return {"_kernel": None, "_impl_name": None} if isinstance(slot, OpSlot) else {"_value": "eager"}
 
 
+@dataclass(frozen=True)
+class Patch:
+    """One per-model patch VeOmni made (`apply_per_model_patches`): `owner.attr` (a generated modeling module's
+    class or function, or a class's `forward`) and what it was before (`_ABSENT`: nothing)."""
+
+    owner: object
+    attr: str
+    before: object
+
+    def undo(self) -> None:
+        if self.before is _ABSENT:
+            with contextlib.suppress(AttributeError):
+                delattr(self.owner, self.attr)
+        else:
+            setattr(self.owner, self.attr, self.before)
+
+
 @dataclass
 class Snapshot:
     """VeOmni's process-wide state at one moment (`take()`), put back by `restore()`.
 
-    Covers the kernel registry (`KERNEL_REGISTRY`), every op-slot binding, the fused-MoE pointers, the ops
-    config and transformers' `LOSS_MAPPING` entries VeOmni replaces; `restore()` also clears VeOmni's
-    parallel state. See the module docstring for the exact list.
+    Covers the kernel registry (`KERNEL_REGISTRY`), every op-slot binding, the fused-MoE, load-balancing and
+    attention pointers, the ops config and transformers' `LOSS_MAPPING` entries VeOmni replaces; `restore()`
+    also clears VeOmni's parallel state and undoes `patches`, the per-model patches `restored()` recorded while
+    it was open. See the module docstring for the exact list.
     """
 
     registry: dict = field(default_factory=dict)
@@ -98,6 +125,7 @@ class Snapshot:
     pointers: dict = field(default_factory=dict)
     ops: object = None
     losses: dict = field(default_factory=dict)
+    patches: list = field(default_factory=list)
 
     @classmethod
     def take(cls) -> "Snapshot":
@@ -106,7 +134,7 @@ class Snapshot:
         from veomni.ops.kernel_registry import KERNEL_REGISTRY
 
         pointers = {}
-        for module, attr in FUSED_MOE_POINTERS:
+        for module, attr in _POINTERS:
             with contextlib.suppress(ImportError):
                 pointers[(module, attr)] = getattr(importlib.import_module(module), attr, _ABSENT)
         return cls(registry={key: dict(bucket) for key, bucket in KERNEL_REGISTRY._specs.items()},
@@ -120,6 +148,9 @@ class Snapshot:
         from veomni.ops.kernel_registry import KERNEL_REGISTRY
 
         clear_parallel_state()
+        for patch in reversed(self.patches):
+            patch.undo()
+        self.patches.clear()
         set_ops_config(self.ops)
         for key, value in self.losses.items():
             if value is None:
@@ -143,15 +174,34 @@ def restored() -> Iterator[Snapshot]:
     """Within the block VeOmni (or a kernel registered through it) may change its kernel registry, op-slot
     bindings, fused-MoE pointers, ops config, parallel state and transformers' `LOSS_MAPPING`; after it
     (done, failed or not) all are as they were on entry and the parallel state is cleared. The parallel
-    state is also cleared on entry: one left by anything earlier would be taken for this block's. Nests."""
+    state is also cleared on entry: one left by anything earlier would be taken for this block's. The per-model
+    patches VeOmni makes within the block are recorded (`Snapshot.patches`) and undone too. Nests."""
     from veomni.distributed.parallel_state import clear_parallel_state
+    from veomni.ops.config import registry
 
     snapshot = Snapshot.take()
     clear_parallel_state()
+    patch_target = registry._patch_target
+    registry._patch_target = _recording(patch_target, snapshot.patches)
     try:
         yield snapshot
     finally:
+        registry._patch_target = patch_target
         snapshot.restore()
+
+
+def _recording(patch_target: Callable, into: list) -> Callable:
+    """VeOmni's `_patch_target` (what `apply_per_model_patches` calls for each op it binds in a modeling
+    module), recording what it replaces into `into`."""
+
+    def recorded(hf_module: object, target_attr: str, backend: object) -> None:
+        target = backend.target_override or target_attr
+        owner, attr = (getattr(hf_module, target), "forward") if backend.replace_forward else (hf_module, target)
+        before = vars(owner).get(attr, _ABSENT)
+        patch_target(hf_module, target_attr, backend)
+        into.append(Patch(owner, attr, before))
+
+    return recorded
 
 
 def register_fused_moe(name: str, forward: Callable, *, description: str = "") -> None:
