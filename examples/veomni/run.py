@@ -187,7 +187,9 @@ def judge(cells: list[Cell], expectations: list[Expectation]) -> tuple[dict[Cell
     return matched, unexpected, stale
 
 
-def table(cells: list[Cell]) -> str:
+def table(cells: list[Cell], grouped: bool = False) -> str:
+    """Model rows, a column per (backend, dtype, layout); under it each non-PASS cell's reason (`grouped`: one line
+    per backend, layout, status and reason, naming its cells)."""
     columns = list(dict.fromkeys((c.backend, c.dtype, c.layout) for c in cells))
     models = list(dict.fromkeys(c.model for c in cells))
     by = {(c.model, c.backend, c.dtype, c.layout): c for c in cells}
@@ -198,9 +200,17 @@ def table(cells: list[Cell]) -> str:
         lines.append("| " + " | ".join(row) + " |")
     notes = sorted({f"- {c.label.split()[0]} {c.model}/{c.dtype} {c.backend} {c.layout}: {c.reason}"
                     for c in cells if c.status != "PASS"})
+    if grouped:
+        groups: dict[tuple[str, str, str, str], list[str]] = {}
+        for c in cells:
+            if c.status != "PASS":
+                key = (c.backend, c.layout, c.label.split()[0], c.reason)
+                groups.setdefault(key, []).append(f"{c.model}/{c.dtype}")
+        notes = [f"- {status} {backend} {layout} ({', '.join(which)}): {reason}"
+                 for (backend, layout, status, reason), which in groups.items()]
     if any(c.no_logits for c in cells):
-        notes.append(f"- {NO_LOGITS}: the candidate computes its loss without logits (GPT-OSS; the chunked loss): "
-                     "logits not compared, every other tensor is")
+        notes.append(f"- {NO_LOGITS}: the candidate computes its loss without logits (GPT-OSS; a chunked or fused "
+                     "linear loss): logits not compared, every other tensor is")
     return "\n".join(lines + [""] + notes)
 
 
