@@ -84,7 +84,8 @@ def test_restored_puts_back_veomnis_registry_op_slots_and_moe_pointers() -> None
     vv = _adapter()
     reference = models.build(load_config(Project.resolve(configs=ROOT / "toy_configs").configs, "qwen3_moe"),
                              torch.float32)
-    eager = vv.build(reference, vv.ops_config())  # its modeling module is loaded, its slots bound to eager
+    with vv.restored():  # its modeling module is loaded (VeOmni's losses in LOSS_MAPPING are put back after)
+        eager = vv.build(reference, vv.ops_config())
     slot = sys.modules[type(eager).__module__].veomni_moe_experts_forward
     before = vv.Snapshot.take()
     with vv.restored():
