@@ -170,3 +170,22 @@ def test_experts_that_received_the_same_tokens_are_named_together():
     groups = {g.where: g.rows.tolist() for g in isolation.expert_groups(routes, 8)}
     assert groups == {"expert 1": [2, 3], "expert 2": [2],
                       "experts 3, 6 (the same tokens)": [0, 1], "expert 7": [3]}
+
+
+def test_a_rotary_table_in_another_form_is_left_out_and_said_not_failed():
+    """VeOmni's Qwen2-VL rotary embedding gives no [batch, positions, cos|sin] table: a false alarm until
+    2026-12-06 ('rotary table (did not run)', inf x). Its angles are judged through the attention parts."""
+    from veosnap.reference.isolation import Reference, Units, leave_out_other_rotary
+
+    table, block = torch.ones(8, 4), torch.ones(8, 16)
+    reference = Reference(Units({(-1, "rotary"): table, (0, "attention"): block}),
+                          Units({(-1, "rotary"): table.double(), (0, "attention"): block.double()}), 2, {})
+    candidate = Units({(0, "attention"): block})
+    leave_out_other_rotary(reference, candidate)
+    assert (-1, "rotary") not in reference.own.outputs and (0, "attention") in reference.own.outputs
+    assert reference.own.missing == ["rotary table: the candidate's rotary embedding gives none (its angles are "
+                                     "judged through the attention parts)"]
+    same = Units({(-1, "rotary"): table})
+    kept = Reference(Units({(-1, "rotary"): table}), Units({(-1, "rotary"): table.double()}), 2, {})
+    leave_out_other_rotary(kept, same)
+    assert (-1, "rotary") in kept.own.outputs and not kept.own.missing

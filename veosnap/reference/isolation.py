@@ -207,6 +207,20 @@ def leave_out_shards(reference: Reference, candidate: Units, layout: str) -> Non
                 units.outputs.pop(key, None)
 
 
+def leave_out_other_rotary(reference: Reference, candidate: Units) -> None:
+    """A candidate whose rotary embedding gives its table in another form (a framework's multimodal rotary, a
+    kernel that computes the angles inside attention) has no table to compare: its angles are judged through
+    the attention parts they feed, and the report says the table was not isolated."""
+    key = (ROTARY_LAYER, "rotary")
+    own, given = reference.own.outputs.get(key), candidate.outputs.get(key)
+    if own is not None and (given is None or given.shape != own.shape):
+        what = "gives none" if given is None else f"gives {tuple(given.shape)} for the reference's {tuple(own.shape)}"
+        reference.own.missing.append(f"rotary table: the candidate's rotary embedding {what} "
+                                     "(its angles are judged through the attention parts)")
+        for units in (reference.own, reference.exact, candidate):
+            units.outputs.pop(key, None)
+
+
 def candidate_units(model: nn.Module, kwargs: dict, reference: Reference) -> Units:
     """Run the candidate with every block fed the reference's input, keeping every part's output. Its routers
     choose for themselves: fed the reference's input, a router that flips a golden route (every margin is

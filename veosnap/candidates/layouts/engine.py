@@ -152,6 +152,8 @@ def run(layout: Layout, backend: Backend, ctx: LayoutContext, staged: Staged | N
             # Several ranks: each runs the same whole-batch forward (FSDP gathers, tensor-parallel collectives).
             units, why = _isolating(lambda: isolation.candidate_units(
                 setup.inner, ctx.batch.model_kwargs(), reference), "the candidate")
+            if units is not None:
+                isolation.leave_out_other_rotary(reference, units)
             if ctx.world > 1:
                 _reshard(setup.inner)
                 if units is not None:
