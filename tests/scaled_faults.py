@@ -141,3 +141,27 @@ def one_gradient_scaled(model: nn.Module) -> nn.Module:
     weight = next(p for name, p in layer.named_parameters() if p.requires_grad and p.dim() == 2)
     weight.register_hook(lambda grad: _scaled(grad, 1 + s))
     return model
+
+
+def miscompiled(model: nn.Module) -> nn.Module:
+    """`torch.compile` whose graph scales every SiLU's output by 1 + s before inductor compiles it: a fault only the
+    compiled code has (a miscompiled fusion, say); the model's own eager forward is right."""
+    s = _scale()
+
+    def backend(graph: torch.fx.GraphModule, example_inputs: list) -> object:
+        from torch._inductor.compile_fx import compile_fx
+
+        scaled = 0
+        for node in list(graph.graph.nodes):
+            if node.op == "call_function" and "silu" in getattr(node.target, "__name__", ""):
+                with graph.graph.inserting_after(node):
+                    wrong = graph.graph.call_function(_scaled, (node, 1 + s))
+                node.replace_all_uses_with(wrong, delete_user_cb=lambda user: user is not wrong)
+                scaled += 1
+        if scaled:
+            graph.recompile()
+        return compile_fx(graph, example_inputs)
+
+    torch._dynamo.reset()
+    model.compile(backend=backend)
+    return model

@@ -84,6 +84,40 @@ def test_in_the_train_scenario_the_parts_are_isolated_on_the_goldens_weights(rep
     assert (report.isolated_ranked()[0].ratio > 2) is fails
 
 
+COMPILED = [("qwen3_moe", "compile", None), ("llama", "compile", None),
+            ("qwen3_moe", f"{SCALED}:one_expert_scaled+compile", r"layer \d mlp, expert 3"),
+            ("llama", f"{SCALED}:miscompiled", r"layer \d mlp")]
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize(("model", "backend", "place"), COMPILED,
+                         ids=["qwen3_moe-compile", "llama-compile", "expert_bug+compile", "miscompiled"])
+def test_a_compiled_candidate_is_isolated_on_its_compiled_code(repo_project, model, backend, place):
+    """torch.compile: the isolated run is traced afresh with its hooks, so its parts run the compiled code. A 1%
+    bug inside a compiled model fails where the whole model passes it (until 2026-12-06 compiled candidates
+    were not isolated, and it passed in bfloat16); one only the compiled code has fails in its isolated part."""
+    report = run(repo_project, model, "bfloat16", backend)
+    assert report.isolated and not report.not_isolated, report.not_isolated
+    if place is None:
+        assert report.passed and max(i.ratio for i in report.isolated) < 0.5, text.checks([report])
+        return
+    worst = report.isolated_ranked()[0]
+    # The miscompiled SiLU is in no eager code: its isolated parts fail only if they ran the compiled graph.
+    assert not report.passed and re.fullmatch(place, worst.place) and worst.ratio > 1, text.checks([report])
+    if "one_expert" in backend:
+        assert report.worst.ratio < 1, "the whole model alone would have caught it: the test shows nothing"
+
+
+@gpus_for(2)
+@pytest.mark.heavy
+def test_a_compiled_candidate_is_isolated_under_fsdp2(repo_project):
+    key = GoldenKey(repo_project.hardware_class, "qwen3_moe", "step", "bfloat16")
+    (report,) = check_layouts(repo_project, key, backends.resolve(f"{SCALED}:one_expert_scaled+compile"), ["fsdp2"],
+                              nproc=2)
+    assert not report.passed and re.fullmatch(r"layer \d mlp, expert 3", report.isolated_ranked()[0].place), \
+        text.checks([report])
+
+
 MULTI = ["fsdp2", "ddp", "hsdp", "tp", "ep"]
 
 

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
-from typing import TypeVar
+from typing import Iterator, TypeVar
 
 import torch
 from torch import nn
@@ -145,13 +145,9 @@ def run(layout: Layout, backend: Backend, ctx: LayoutContext, staged: Staged | N
         def isolate() -> tuple[tuple[isolation.Reference, isolation.Units] | None, str]:
             if candidate.adapt_batch is not None:
                 return None, "the candidate adapts the batch to its own form"
-            if _compiled(setup.inner):
-                # Hooks added to a compiled module make dynamo recompile it, up to its limit, then run eager:
-                # the isolated run would check the reference's code, not the candidate's.
-                return None, "the candidate is compiled (torch.compile): a hooked run would not run its compiled code"
             # Several ranks: each runs the same whole-batch forward (FSDP gathers, tensor-parallel collectives).
             units, why = _isolating(lambda: isolation.candidate_units(
-                setup.inner, ctx.batch.model_kwargs(), reference), "the candidate")
+                setup.inner, ctx.batch.model_kwargs(), reference), "the candidate", _compiled(setup.inner))
             if units is not None:
                 isolation.leave_out_other_rotary(reference, units)
             if ctx.world > 1:
@@ -212,16 +208,41 @@ def _compiled(model: nn.Module) -> bool:
                for m in model.modules())
 
 
-def _isolating(run: Callable[[], T], who: str) -> tuple[T | None, str]:
+def _isolating(run: Callable[[], T], who: str, compiled: bool = False) -> tuple[T | None, str]:
     """`run()`'s result, or None and why: a model the isolated run cannot drive (a forward that refuses a
     hooked input) leaves its parts unisolated, said in the report, and the whole-model verdict stands. The
-    guard's own errors (a timeout, an exit) and veosnap's stay what they are."""
+    guard's own errors (a timeout, an exit) and veosnap's stay what they are. `compiled`: see `_recompiled`."""
     try:
-        return run(), ""
+        if not compiled:
+            return run(), ""
+        with _recompiled() as graphs:
+            result, traced = run(), graphs()
+        if not traced:
+            return None, (f"{who}'s isolated run compiled no graph (torch.compile): its parts would be judged on code "
+                          "it does not run")
+        return result, ""
     except (guard.CandidateError, VeosnapError):
         raise
     except Exception as exc:  # noqa: BLE001 - said in the report
         return None, f"{who}'s isolated run failed: {describe(exc)}"
+
+
+@contextmanager
+def _recompiled() -> Iterator[Callable[[], int]]:
+    """A compiled candidate's isolated run, compiled afresh with the isolation's hooks traced into it; yields
+    how many graphs it compiled so far.
+
+    Dynamo does not guard on hooks added to a module it already compiled: the step's graph could run without
+    them, and the graph traced with them (each part's input replaced by the reference's) could serve a later
+    train step. So its caches are dropped before the isolated run and after it."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    try:
+        yield lambda: counters["stats"]["unique_graphs"] - before
+    finally:
+        torch._dynamo.reset()
 
 
 def told(layout: Layout, ctx: LayoutContext, data: DataGroup) -> context.Context:
