@@ -141,13 +141,17 @@ def run(layout: Layout, backend: Backend, ctx: LayoutContext, staged: Staged | N
             raise LayoutError(f"layout {layout.name}: wrap() set up data share {setup.data} but data() told the "
                               f"backend {data}; override data()")
         runner = _Runner(layout, ctx, setup, candidate, where, staged if ctx.world == 1 else None)
+        said: list[str] = []  # what the isolated run's layout says of it
 
         def isolate() -> tuple[tuple[isolation.Reference, isolation.Units] | None, str]:
             if candidate.adapt_batch is not None:
                 return None, "the candidate adapts the batch to its own form"
             # Several ranks: each runs the same whole-batch forward (FSDP gathers, tensor-parallel collectives).
-            units, why = _isolating(lambda: isolation.candidate_units(
-                setup.inner, ctx.batch.model_kwargs(), reference), "the candidate", _compiled(setup.inner))
+            with layout.whole_batch(setup) as how:
+                units, why = _isolating(lambda: isolation.candidate_units(
+                    setup.inner, ctx.batch.model_kwargs(), reference), "the candidate", _compiled(setup.inner))
+            if how and units is not None:
+                said.append(how)
             if units is not None:
                 isolation.leave_out_other_rotary(reference, units)
             if ctx.world > 1:
@@ -166,7 +170,7 @@ def run(layout: Layout, backend: Backend, ctx: LayoutContext, staged: Staged | N
         result.isolated, result.not_isolated = isolated, not_isolated
         result.device, result.golden_on = ctx.device, runner.golden_on
         result.forward_only = candidate.forward_only
-        result.notes.extend(candidate.notes)
+        result.notes.extend([*candidate.notes, *said])
     return result
 
 

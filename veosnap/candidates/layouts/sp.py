@@ -46,8 +46,6 @@ class SequenceParallel(Layout):
 
     distributed = True
     attention = "ulysses"  # a `sequence.KINDS` entry
-    isolation = ("the sequence is split across ranks: the candidate's attention takes a rank's slice of every row "
-                 "and trades it with the other ranks, so the whole batch cannot run through it part by part")
 
     def __init__(self, name: str, description: str, *, packed: bool = False, params: str = "replicated") -> None:
         if params not in PARAMS:
@@ -111,6 +109,14 @@ class SequenceParallel(Layout):
         if repeat > 1:
             how += f", key/value heads repeated x{repeat}"
         return f"{how}; {state.wrapped} attention on the whole sequence"
+
+    @contextmanager
+    def whole_batch(self, setup: Setup) -> Iterator[str]:
+        # The parts are fed whole rows, so each rank runs the candidate's attention unsharded: the kernels are
+        # judged part by part, the sequence exchange (veosnap's or a backend's) by the whole model.
+        with sequence.unsharded(setup.inner) as wrapped:
+            yield (f"isolated parts: each rank ran the whole batch, {wrapped} attention without the sequence "
+                   "exchange (the exchange is judged by the whole model)")
 
     def shard(self, ctx: LayoutContext, setup: Setup) -> list[Shard]:
         whole = pack(ctx.batch) if self.packed else Shard.whole(ctx.batch)
