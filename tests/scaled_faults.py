@@ -51,6 +51,15 @@ def attention_scaled(model: nn.Module) -> nn.Module:
     return model
 
 
+def packed_attention_scaled(model: nn.Module) -> nn.Module:
+    """Every attention block's output scaled by 1 + s when it runs one packed row (a varlen-only kernel path): the
+    golden's padded rows never take it."""
+    s = _scale()
+    for block in _attention_blocks(model):
+        _on_output(block, lambda t: _scaled(t, 1 + s) if t.shape[0] == 1 else t)
+    return model
+
+
 def last_quarter_scaled(model: nn.Module) -> nn.Module:
     """Attention output scaled by 1 + s at positions LAST_QUARTER and later (a long-context kernel path)."""
     s = _scale()

@@ -138,10 +138,25 @@ def test_a_one_percent_expert_error_fails_under_every_multi_process_layout(repo_
 
 
 @gpus_for(2)
-def test_sequence_and_context_parallel_isolate_their_parts_on_whole_rows_and_train_under_fsdp2_isolates(
-        repo_project):
-    """Under sp and cp each rank runs the whole batch for the isolated parts, attention unsharded (until
-    2026-12-06 they were not isolated: a 1% attention error passed in bfloat16 with a line saying so)."""
+def test_the_isolated_run_replays_each_layouts_own_passes(repo_project):
+    """A 1% attention error only a packed row takes: the golden's padded rows never run it (single passes), every
+    layout that packs fails it in its isolated attention, though the whole model passes it (until 2026-12-06 the
+    isolated run fed the padded batch under every layout, and this passed packed)."""
+    key = GoldenKey(repo_project.hardware_class, "llama", "train", "bfloat16")
+    single, *packing = check_layouts(repo_project, key, backends.resolve(f"{SCALED}:packed_attention_scaled"),
+                                     ["single", "packed", "sp_packed", "cp_packed"], nproc=2)
+    assert single.passed and single.isolated, text.checks([single])
+    for report in packing:
+        assert not report.error and not report.passed, (report.layout, text.checks([report]))
+        worst = report.isolated_ranked()[0]
+        assert re.fullmatch(r"layer \d attention", worst.place) and worst.ratio > 2, text.checks([report])
+        assert report.worst.ratio < 1, "the whole model alone would have caught it: the test shows nothing"
+
+
+@gpus_for(2)
+def test_sequence_and_context_parallel_isolate_through_their_exchange_and_train_under_fsdp2_isolates(repo_project):
+    """Under sp and cp each rank's parts are fed its slice of the positions, and the exchange carries the
+    reference's inputs (until 2026-12-06 they were not isolated: a 1% attention error passed in bfloat16)."""
     key = GoldenKey(repo_project.hardware_class, "llama", "train", "bfloat16")
     buggy = check_layouts(repo_project, key, backends.resolve(f"{SCALED}:attention_scaled"),
                           ["fsdp2", "sp", "cp", "sp_fsdp2"], nproc=2)
@@ -149,10 +164,11 @@ def test_sequence_and_context_parallel_isolate_their_parts_on_whole_rows_and_tra
         assert not report.error and not report.passed, (report.layout, text.checks([report]))
         assert re.fullmatch(r"layer \d attention", report.isolated_ranked()[0].place), text.checks([report])
         assert report.isolated_ranked()[0].ratio > 2 and not report.not_isolated
-    assert any("attention without the sequence exchange" in note for note in buggy[1].notes), buggy[1].notes
     step = GoldenKey(repo_project.hardware_class, "qwen3_moe", "step", "bfloat16")
-    for report in check_layouts(repo_project, step, backends.resolve("sdpa"), ["sp", "cp_packed"], nproc=2):
+    for report in check_layouts(repo_project, step, backends.resolve("sdpa+grouped_mm"),
+                                ["packed", "microbatch", "sp", "cp_packed", "sp_ep"], nproc=2):
         assert report.passed and report.isolated, (report.layout, text.checks([report]))
+        assert max(i.ratio for i in report.isolated) < 0.5, (report.layout, text.checks([report]))
 
 
 def test_float32_is_judged_as_before_with_no_isolation_line(repo_project):

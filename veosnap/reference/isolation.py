@@ -51,6 +51,18 @@ class Units:
     outputs: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
     inputs: dict[tuple[int, str], tuple[tuple, dict]] = field(default_factory=dict)  # the forced blocks' inputs
     missing: list[str] = field(default_factory=list)  # layers or parts not found, and why
+    # The golden token slots each output's rows were filled at (the candidate's passes: `Pass`); none: all.
+    filled: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One of a layout's passes as the candidate's isolated run replays it: the model's keyword arguments (the
+    pass's own batch form: packed, a slice of positions, a candidate's adapted form) and the golden token slot
+    of each of its token slots (-1: one the layout added)."""
+
+    kwargs: dict
+    positions: torch.Tensor
 
 
 def parts(model: nn.Module) -> tuple[list[Part], list[str]]:
@@ -112,12 +124,56 @@ def _with_hidden(args: tuple, kwargs: dict, hidden: torch.Tensor) -> tuple[tuple
     return args, {**kwargs, "hidden_states": hidden}
 
 
+class _Slots:
+    """Where a pass's token slots sit among the golden's `total` (`at`: -1 for a slot the layout added): rows
+    taken from a whole-batch tensor for the pass, and the pass's rows put back in golden order."""
+
+    def __init__(self, at: torch.Tensor, total: int) -> None:
+        self.at, self.total = at.reshape(-1).long().cpu(), total
+        self.valid = self.at >= 0
+
+    def take(self, whole: torch.Tensor, like: torch.Tensor, where: str) -> torch.Tensor:
+        """`whole`'s rows (its first dimensions the golden's token slots) at this pass's slots, shaped as `like`."""
+        rows = whole.reshape(self.total, -1)
+        if like.numel() != self.at.numel() * rows.shape[1]:
+            raise ValueError(f"{where}: the candidate's input {tuple(like.shape)} does not hold the pass's "
+                             f"{self.at.numel()} token slots of {rows.shape[1]} values")
+        taken = rows[self.at.clamp(min=0).to(rows.device)]
+        taken[~self.valid.to(rows.device)] = 0
+        return taken.reshape(like.shape)
+
+    def put(self, units: Units, key: tuple[int, str], tensor: torch.Tensor) -> None:
+        """`tensor`'s rows (one or more per token slot) into `units`' output for `key`, at their golden slots."""
+        if tensor.numel() % max(self.at.numel(), 1) or not self.at.numel():
+            units.outputs[key] = _rows(tensor)  # not rows per token slot: judged by its shape
+            return
+        width = tensor.shape[-1]
+        rows = tensor.detach().reshape(self.at.numel(), -1).to("cpu", copy=True)
+        have = units.outputs.get(key)
+        if have is None or key not in units.filled or have.numel() != self.total * rows.shape[1]:
+            have = torch.zeros(self.total * rows.shape[1] // width, width, dtype=rows.dtype)
+            units.filled[key] = torch.zeros(self.total, dtype=torch.bool)
+        flat = have.view(self.total, -1)
+        flat[self.at[self.valid]] = rows[self.valid]
+        units.filled[key][self.at[self.valid]] = True
+        units.outputs[key] = have
+
+
 @contextmanager
-def _hooked(model: nn.Module, units: Units, feed: Units | None, dtype: torch.dtype | None) -> Iterator[None]:
+def _hooked(model: nn.Module, units: Units, feed: Units | None, dtype: torch.dtype | None,
+            slots: _Slots | None = None) -> Iterator[None]:
     """Keep every part's output (and each block's input); with `feed`, each block's input is replaced by
-    `feed`'s (cast to `dtype`), ahead of any hook the candidate put there."""
+    `feed`'s (cast to `dtype`), ahead of any hook the candidate put there. `slots`: the run is one of a layout's
+    passes (`Pass`), fed and kept at its token slots; None: the golden's own batch."""
     found, missing = parts(model)
     units.missing.extend(missing)
+
+    def keep(key: tuple[int, str], tensor: torch.Tensor) -> None:
+        if slots is None:
+            units.outputs[key] = _rows(tensor)
+        else:
+            slots.put(units, key, tensor)
+
     with ExitStack() as stack:
         for part in found:
             key = (part.layer, part.kind)
@@ -126,23 +182,25 @@ def _hooked(model: nn.Module, units: Units, feed: Units | None, dtype: torch.dty
                 def keep_table(_m: nn.Module, _args: tuple, output: object, key: tuple = key) -> None:
                     if isinstance(output, (tuple, list)) and output and all(
                             isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape == output[0].shape for t in output):
-                        units.outputs[key] = _rows(torch.cat(list(output), dim=-1))  # [batch, positions, cos|sin]
+                        keep(key, torch.cat(list(output), dim=-1))  # [batch, positions, cos|sin]
                 stack.callback(part.module.register_forward_hook(keep_table).remove)
                 continue
             if part.kind == "heads":
                 def keep_in(_m: nn.Module, args: tuple, key: tuple = key) -> None:
                     if args and isinstance(args[0], torch.Tensor):
-                        units.outputs[key] = _rows(args[0])
+                        keep(key, args[0])
                 stack.callback(part.module.register_forward_pre_hook(keep_in).remove)
                 continue
             if feed is not None:
                 given = feed.inputs.get(key)
 
-                def force(_m: nn.Module, args: tuple, kwargs: dict, given: tuple | None = given) -> tuple | None:
+                def force(_m: nn.Module, args: tuple, kwargs: dict, given: tuple | None = given,
+                          where: str = f"layer {part.layer} {part.kind}") -> tuple | None:
                     hidden = _hidden_in(args, kwargs)
                     if given is None or hidden is None:
                         return None
-                    return _with_hidden(args, kwargs, given.to(hidden.device, dtype or hidden.dtype))
+                    fed = given if slots is None else slots.take(given, hidden, where)
+                    return _with_hidden(args, kwargs, fed.to(hidden.device, dtype or hidden.dtype))
                 stack.callback(part.module.register_forward_pre_hook(force, with_kwargs=True, prepend=True).remove)
             else:
                 def keep_input(_m: nn.Module, args: tuple, kwargs: dict, key: tuple = key) -> None:
@@ -154,7 +212,7 @@ def _hooked(model: nn.Module, units: Units, feed: Units | None, dtype: torch.dty
             def keep_out(_m: nn.Module, _args: tuple, output: object, key: tuple = key) -> None:
                 out = _first_tensor(output)
                 if out is not None:
-                    units.outputs[key] = _rows(out)
+                    keep(key, out)
             stack.callback(part.module.register_forward_hook(keep_out).remove)
         yield
 
@@ -221,11 +279,39 @@ def leave_out_other_rotary(reference: Reference, candidate: Units) -> None:
             units.outputs.pop(key, None)
 
 
-def candidate_units(model: nn.Module, kwargs: dict, reference: Reference) -> Units:
-    """Run the candidate with every block fed the reference's input, keeping every part's output. Its routers
-    choose for themselves: fed the reference's input, a router that flips a golden route (every margin is
-    above the tie epsilon) computes something else, and a fault in the routing weights must not be replayed away."""
+def candidate_units(model: nn.Module, passes: list[Pass], slots: int, reference: Reference) -> Units:
+    """Run the candidate through a layout's passes (`slots`: the golden's token slots) with every block fed the
+    reference's input at each pass's slots, keeping every part's output in golden order: the candidate runs
+    in the form the layout gives it (packed, sliced, adapted), so a kernel path only that form takes is judged.
+    Its routers choose for themselves: fed the reference's input, a router that flips a golden route (every
+    margin is above the tie epsilon) computes something else, and a fault in the routing weights must not be
+    replayed away."""
     units = Units()
-    with _hooked(model, units, reference.own, None):
-        _forward(model, kwargs)
+    for one in passes:
+        with _hooked(model, units, reference.own, None, _Slots(one.positions, slots)):
+            _forward(model, one.kwargs)
     return units
+
+
+def merge_ranks(units: Units, device: torch.device) -> None:
+    """Every rank's rows of each output in one (on every rank): each rank ran its own passes (its rows of the
+    batch, its slice of the positions), so rank 0 alone holds only its share. Rows several ranks computed (a
+    tensor-parallel layout's ranks all run the whole batch) are averaged, exactly where they agree. Every rank
+    of the default group must call it."""
+    import torch.distributed as dist
+
+    mine = sorted((key, tuple(t.shape), str(t.dtype)) for key, t in units.outputs.items() if key in units.filled)
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    shared = set(everyone[0]).intersection(*map(set, everyone[1:]))
+    for key, _shape, _dtype in sorted(shared):
+        rows, filled = units.outputs[key], units.filled[key]
+        per = rows.numel() // filled.numel()
+        total = (rows.reshape(filled.numel(), per).to(device, torch.float64)
+                 * filled.to(device).unsqueeze(1))
+        count = filled.to(device, torch.float64)
+        dist.all_reduce(total)
+        dist.all_reduce(count)
+        merged = total / count.clamp(min=1).unsqueeze(1)
+        units.outputs[key] = merged.to("cpu", rows.dtype).reshape(rows.shape)
+        units.filled[key] = (count > 0).cpu()

@@ -141,23 +141,22 @@ def run(layout: Layout, backend: Backend, ctx: LayoutContext, staged: Staged | N
             raise LayoutError(f"layout {layout.name}: wrap() set up data share {setup.data} but data() told the "
                               f"backend {data}; override data()")
         runner = _Runner(layout, ctx, setup, candidate, where, staged if ctx.world == 1 else None)
-        said: list[str] = []  # what the isolated run's layout says of it
 
         def isolate() -> tuple[tuple[isolation.Reference, isolation.Units] | None, str]:
-            if candidate.adapt_batch is not None:
-                return None, "the candidate adapts the batch to its own form"
-            # Several ranks: each runs the same whole-batch forward (FSDP gathers, tensor-parallel collectives).
-            with layout.whole_batch(setup) as how:
-                units, why = _isolating(lambda: isolation.candidate_units(
-                    setup.inner, ctx.batch.model_kwargs(), reference), "the candidate", _compiled(setup.inner))
-            if how and units is not None:
-                said.append(how)
-            if units is not None:
-                isolation.leave_out_other_rotary(reference, units)
+            # The layout's own passes, in the batch form each gives the candidate; on several ranks each runs
+            # its own (FSDP's gathers, the parallel plans' collectives and exchanges join), and the rows merge.
+            units, why = _isolating(lambda: isolation.candidate_units(
+                setup.inner, runner.isolated_passes(), ctx.batch.token_mask.numel(), reference), "the candidate",
+                _compiled(setup.inner))
             if ctx.world > 1:
                 _reshard(setup.inner)
-                if units is not None:
+                if ctx.any(units is None):  # a rank whose run failed: none merges (its rows would be missing)
+                    units, why = None, why or "another rank's isolated run failed (its own report line says why)"
+                else:
+                    isolation.merge_ranks(units, ctx.device)
                     isolation.leave_out_shards(reference, units, layout.name)
+            if units is not None:
+                isolation.leave_out_other_rotary(reference, units)
             return ((reference, units) if units is not None else None), why
 
         if reference is not None and ctx.hyper is not None:
@@ -170,7 +169,7 @@ def run(layout: Layout, backend: Backend, ctx: LayoutContext, staged: Staged | N
         result.isolated, result.not_isolated = isolated, not_isolated
         result.device, result.golden_on = ctx.device, runner.golden_on
         result.forward_only = candidate.forward_only
-        result.notes.extend([*candidate.notes, *said])
+        result.notes.extend(candidate.notes)
     return result
 
 
@@ -304,6 +303,11 @@ class _Runner:
         if extra and not self.whole_batch():
             raise Unsupported(f"the model's loss holds {extra}, which is not a sum over tokens: {layout.name} computes "
                               "it per part of the batch, another function than the golden's whole-batch loss")
+
+    def isolated_passes(self) -> list[isolation.Pass]:
+        """This rank's passes as the isolated run replays them: each in the form the step ran it."""
+        return [isolation.Pass(shard.batch.to(self.ctx.device).model_kwargs() if call is None else call, positions)
+                for shard, call, positions in zip(self.shards, self.calls, self.positions)]
 
     def whole_batch(self) -> bool:
         """Whether one pass on one data share holds every real token of the golden's batch."""

@@ -190,8 +190,8 @@ class Layout:
     description: str = ""
     distributed: bool = False  # runs as `nproc` ranks under torchrun (one shared run for all such layouts)
     checks_forward_only: bool = False  # a forward-only backend is checked (gradients unchecked), not skipped
-    # Why the candidate's layer parts cannot be isolated under this layout ('' when they can: every rank runs the
-    # same whole-batch forward together, set up by `whole_batch`).
+    # Why the candidate's layer parts cannot be isolated under this layout ('' when they can: the isolated run
+    # replays this layout's passes, each part fed the reference's input at the pass's token slots).
     isolation: str = ""
 
     def accept(self, golden: Golden, nproc: int) -> None:
@@ -222,12 +222,6 @@ class Layout:
     def accumulate(self, ctx: LayoutContext, setup: Setup, index: int, count: int) -> AbstractContextManager:
         """A context around pass `index` of `count` (each pass's gradients accumulate into the step's)."""
         return nullcontext()
-
-    def whole_batch(self, setup: Setup) -> AbstractContextManager[str]:
-        """The candidate set up to run the whole batch on this rank for its isolated parts (every rank runs the
-        same forward, joining the collectives its wrapping needs); yields what the report says of that run
-        ('' nothing). A layout that splits what one forward sees (positions) undoes it here."""
-        return nullcontext("")
 
     def clip(self, params: list[nn.Parameter], max_norm: float, ctx: LayoutContext) -> torch.Tensor:
         """Clip the gradients to `max_norm` (train scenario); returns the pre-clip total norm."""

@@ -47,8 +47,7 @@ import inspect
 import itertools
 import math
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -256,7 +255,6 @@ class SequenceAttention:
     kinds: list[str] = field(default_factory=list)
     masks: dict[str, object] = field(default_factory=dict)
     positions: torch.Tensor | None = None
-    whole: bool = False  # the forward in progress runs the whole batch unsharded (`unsharded`)
     _pending: tuple | None = None
 
     def begin(self, mask: torch.Tensor | None, positions: torch.Tensor, dtype: torch.dtype,
@@ -354,25 +352,7 @@ def install(model: nn.Module, kind: str, group: object, world: int, rank: int) -
     AttentionInterface.register(name, state)
     model.set_attn_implementation(name)
     model.register_forward_pre_hook(_take_sequence_inputs(state, model), with_kwargs=True)
-    setattr(model, _STATE_ATTR, (state, name))
     return state
-
-
-_STATE_ATTR = "veosnap_sequence_attention"
-
-
-@contextmanager
-def unsharded(model: nn.Module) -> Iterator[str]:
-    """`model` (made sequence-sharded by `install`) running a whole, unsliced batch with the attention
-    implementation it wrapped, no exchange; yields that implementation's name."""
-    state, name = getattr(model, _STATE_ATTR)
-    model.set_attn_implementation(state.wrapped)
-    state.whole = True
-    try:
-        yield state.wrapped
-    finally:
-        state.whole = False
-        model.set_attn_implementation(name)
 
 
 def _take_sequence_inputs(state: SequenceAttention, model: nn.Module) -> Callable:
@@ -380,8 +360,6 @@ def _take_sequence_inputs(state: SequenceAttention, model: nn.Module) -> Callabl
         kwargs = dict(kwargs)
         positions = kwargs.pop(SEQUENCE_POSITIONS, None)
         mask = kwargs.pop(SEQUENCE_MASK, None)
-        if state.whole:
-            return args, kwargs
         if positions is None:
             raise RuntimeError(f"a sequence-sharded model needs {SEQUENCE_POSITIONS} (a slice_positions batch)")
         embed = model.get_input_embeddings().weight

@@ -110,14 +110,6 @@ class SequenceParallel(Layout):
             how += f", key/value heads repeated x{repeat}"
         return f"{how}; {state.wrapped} attention on the whole sequence"
 
-    @contextmanager
-    def whole_batch(self, setup: Setup) -> Iterator[str]:
-        # The parts are fed whole rows, so each rank runs the candidate's attention unsharded: the kernels are
-        # judged part by part, the sequence exchange (veosnap's or a backend's) by the whole model.
-        with sequence.unsharded(setup.inner) as wrapped:
-            yield (f"isolated parts: each rank ran the whole batch, {wrapped} attention without the sequence "
-                   "exchange (the exchange is judged by the whole model)")
-
     def shard(self, ctx: LayoutContext, setup: Setup) -> list[Shard]:
         whole = pack(ctx.batch) if self.packed else Shard.whole(ctx.batch)
         piece = sequence.slice_positions(whole.batch, whole.positions, ctx.world, ctx.rank)
