@@ -168,6 +168,7 @@ def _hooked(model: nn.Module, units: Units, feed: Units | None, dtype: torch.dty
     found, missing = parts(model)
     units.missing.extend(missing)
 
+    @torch.compiler.disable  # host bookkeeping: traced into a compiled candidate's graph, it recompiled per part
     def keep(key: tuple[int, str], tensor: torch.Tensor) -> None:
         if slots is None:
             units.outputs[key] = _rows(tensor)
