@@ -14,6 +14,12 @@ Two tables, against the committed goldens of this machine's class:
     python tools/measure/bf16_sensitivity.py                        # qwen3_moe and llama, every candidate
     python tools/measure/bf16_sensitivity.py --model qwen3 --legit sdpa --layout single --no-ladder
     python tools/measure/bf16_sensitivity.py --no-legit --fault one_gradient_scaled
+    python tools/measure/bf16_sensitivity.py --no-legit --scenario train --ladder-layout packed --fault packed_attention_scaled
+    python tools/measure/bf16_sensitivity.py --no-legit --fault one_expert_scaled+compile --fault miscompiled
+
+The ladder runs one layout and scenario at a time (`--ladder-layout`, `--scenario`; a multi-process layout
+runs 2 ranks), and a bug may be composed with a backend (`one_expert_scaled+compile`): the combinations an
+isolated run once left out (a compiled candidate, a packed row, sequence parallel) are measured the same way.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from veosnap.runs.check import check  # noqa: E402
 from veosnap.runs.verdict import CheckReport  # noqa: E402
 
 FAULTS = ["attention_scaled", "last_quarter_scaled", "one_head_scaled", "experts_scaled", "one_expert_scaled",
-          "norm_scaled", "residual_scaled", "one_gradient_scaled"]
+          "norm_scaled", "residual_scaled", "one_gradient_scaled", "packed_attention_scaled", "miscompiled"]
 LADDER = [0.1, 0.03, 0.01, 0.003, 0.001, 0.0003, 0.0001]
 LEGIT = ["eager", "sdpa", "sdpa_math", "flex_attention", "grouped_mm", "batched_mm", "sdpa+grouped_mm", "compile"]
 LAYOUTS = ["single", "packed", "microbatch"]
@@ -49,13 +55,14 @@ def whole_model_passed(report: CheckReport) -> bool:
     return not report.error and not report.structure and report.routes_passed and all(t.passed for t in report.tensors)
 
 
-def smallest_failing(project: Project, key: GoldenKey, fault: str) -> tuple[str, str]:
-    """(before, after): the smallest scale of the ladder that fails, '> 10%' if none; 'n/a' where it declines."""
+def smallest_failing(project: Project, key: GoldenKey, fault: str, layout: str = "single") -> tuple[str, str]:
+    """(before, after): the smallest scale of the ladder that fails, '> 10%' if none; 'n/a' where it declines.
+    `fault`: a bug of tests/scaled_faults.py, optionally composed with backends (`one_expert_scaled+compile`)."""
     spec = backends.resolve(f"{ROOT / 'tests' / 'scaled_faults.py'}:{fault}")
     before = after = None
     for scale in LADDER:
-        os.environ["VEOSNAP_FAULT_SCALE"] = str(scale)
-        report = check(project, key, spec)
+        os.environ["VEOSNAP_FAULT_SCALE"] = str(scale)  # the ranks of a multi-process layout inherit it
+        report = check(project, key, spec, layout, nproc=2)
         if report.skipped:
             return "n/a", "n/a"
         if report.error:
@@ -76,15 +83,18 @@ def _pct(scale: float | None) -> str:
     return f"<= {scale * 100:g}%" if scale == LADDER[-1] else f"{scale * 100:g}%"
 
 
-def ladder(project: Project, models: list[str], dtypes: list[str], faults: list[str] = FAULTS) -> Table:
-    table = Table(title="minimum detectable perturbation (smallest failing scale; before: whole-model comparison only)")
+def ladder(project: Project, models: list[str], dtypes: list[str], faults: list[str] = FAULTS,
+           layout: str = "single", scenario: str = "step") -> Table:
+    table = Table(title=f"minimum detectable perturbation, {scenario} under {layout} (smallest failing scale; "
+                        "before: whole-model comparison only)")
     for col in ("bug", "model", *(f"{d} {w}" for d in dtypes for w in ("before", "after"))):
         table.add_column(col)
     for fault in faults:
         for model in models:
             cells = []
             for dtype in dtypes:
-                cells += smallest_failing(project, GoldenKey(project.hardware_class, model, "step", dtype), fault)
+                key = GoldenKey(project.hardware_class, model, scenario, dtype)
+                cells += smallest_failing(project, key, fault, layout)
             if set(cells) != {"n/a"}:
                 table.add_row(fault, model, *cells)
     return table
@@ -117,20 +127,31 @@ def false_alarms(project: Project, models: list[str], legit: list[str], layouts:
     return table
 
 
+def _fault(value: str) -> str:
+    if value.split("+")[0] not in FAULTS:
+        raise argparse.ArgumentTypeError(f"{value!r}: a bug of tests/scaled_faults.py ({', '.join(FAULTS)}), "
+                                         "optionally +backend")
+    return value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", action="append", help="zoo models (default: qwen3_moe, llama)")
     parser.add_argument("--legit", action="append", help=f"legitimate candidates (default: {', '.join(LEGIT)}, eager@1)")
     parser.add_argument("--layout", action="append", help=f"layouts of the false-alarm table (default: {', '.join(LAYOUTS)})")
     parser.add_argument("--no-ladder", action="store_true", help="only the false-alarm table")
-    parser.add_argument("--fault", action="append", choices=FAULTS, help="the ladder's bugs (default: all)")
+    parser.add_argument("--fault", action="append", type=_fault,
+                        help=f"the ladder's bugs, each optionally +backend (default: {', '.join(FAULTS)})")
+    parser.add_argument("--ladder-layout", default="single", help="the ladder's layout (default: single)")
+    parser.add_argument("--scenario", default="step", choices=["step", "train"], help="the ladder's scenario")
     parser.add_argument("--no-legit", action="store_true", help="only the ladder")
     args = parser.parse_args()
     project = Project.resolve(goldens=ROOT / "goldens", configs=ROOT / "toy_configs", testdata=ROOT / "testdata")
     models = args.model or ["qwen3_moe", "llama"]
     console = Console(width=200)
     if not args.no_ladder:
-        console.print(ladder(project, models, ["float32", "bfloat16"], args.fault or FAULTS))
+        console.print(ladder(project, models, ["float32", "bfloat16"], args.fault or FAULTS, args.ladder_layout,
+                             args.scenario))
     if not args.no_legit:
         legit = args.legit or [*LEGIT, "eager@1"]
         console.print(false_alarms(project, models, legit, args.layout or LAYOUTS))
