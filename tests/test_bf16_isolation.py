@@ -171,6 +171,33 @@ def test_sequence_and_context_parallel_isolate_through_their_exchange_and_train_
         assert max(i.ratio for i in report.isolated) < 0.5, (report.layout, text.checks([report]))
 
 
+REFUSES_ON_RANK_1 = """
+import torch
+import torch.distributed as dist
+
+
+def refuses_on_rank_1(model):
+    def hook(_module, _args, _kwargs):
+        if not torch.is_grad_enabled() and dist.get_rank() == 1:
+            raise RuntimeError("no forward without gradients on rank 1")
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+    return model
+"""
+
+
+@gpus_for(2)
+def test_a_rank_whose_isolated_run_fails_leaves_the_parts_unisolated_and_the_report_says_which(repo_project, tmp_path):
+    """Each rank replays its own passes and the rows merge; one rank's failure stops the merge on all (no rank
+    waits in a collective), and rank 0's report names the rank and its error."""
+    plugin = tmp_path / "refuses.py"
+    plugin.write_text(REFUSES_ON_RANK_1)
+    key = GoldenKey(repo_project.hardware_class, "qwen3_moe", "step", "bfloat16")
+    (report,) = check_layouts(repo_project, key, backends.resolve(f"{plugin}:refuses_on_rank_1"), ["ddp"], nproc=2)
+    assert not report.error and not report.isolated, text.checks([report])
+    assert report.not_isolated.startswith("rank 1: the candidate's isolated run failed: RuntimeError: no forward "
+                                          "without gradients on rank 1"), report.not_isolated
+
+
 def test_float32_is_judged_as_before_with_no_isolation_line(repo_project):
     report = run(repo_project, "qwen3_moe", "float32", "sdpa")
     assert report.passed and not report.isolated and not report.not_isolated

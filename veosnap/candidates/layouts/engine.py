@@ -151,7 +151,8 @@ def run(layout: Layout, backend: Backend, ctx: LayoutContext, staged: Staged | N
             if ctx.world > 1:
                 _reshard(setup.inner)
                 if ctx.any(units is None):  # a rank whose run failed: none merges (its rows would be missing)
-                    units, why = None, why or "another rank's isolated run failed (its own report line says why)"
+                    said = ctx.gather(why) or []
+                    units, why = None, "; ".join(dict.fromkeys(f"rank {r}: {w}" for r, w in enumerate(said) if w))
                 else:
                     isolation.merge_ranks(units, ctx.device)
                     isolation.leave_out_shards(reference, units, layout.name)
