@@ -131,10 +131,24 @@ def test_a_one_percent_expert_error_fails_under_every_multi_process_layout(repo_
     for report in buggy:
         assert not report.error and not report.passed, (report.layout, text.checks([report]))
         assert re.fullmatch(r"layer \d mlp, expert 3", report.isolated_ranked()[0].place), report.layout
-    assert "layer 0 heads: each rank holds a shard" in buggy[MULTI.index("tp")].not_isolated
+    assert not buggy[MULTI.index("tp")].not_isolated  # tensor parallel's per-head chunks are gathered (below)
     clean = check_layouts(repo_project, key, backends.resolve("sdpa+grouped_mm"), MULTI, nproc=2)
     for report in clean:
         assert report.passed and report.isolated, (report.layout, text.checks([report]))
+
+
+@gpus_for(2)
+def test_under_tensor_parallel_each_ranks_heads_are_gathered_and_a_one_head_error_is_named(repo_project):
+    """Each rank's per-head part is its chunk of the heads (the row-parallel output projection's input); gathered in
+    its weight's mesh order it is judged whole. The planted fault scales the first head's width of each rank's
+    chunk, so under two ranks global heads 0 and 2 carry it (until 2026-12-07 the chunks were left out, and the
+    error showed only through the attention block, at a fifth of the ratio)."""
+    key = GoldenKey(repo_project.hardware_class, "qwen3_moe", "step", "bfloat16")
+    [report] = check_layouts(repo_project, key, backends.resolve(f"{SCALED}:one_head_scaled"), ["tp"], nproc=2)
+    assert not report.error and not report.passed and not report.not_isolated, text.checks([report])
+    failing = [part.place for part in report.isolated_ranked() if not part.passed]
+    assert re.fullmatch(r"layer \d heads, head [02]", failing[0]) and failing[0] in text.checks([report]), failing
+    assert report.isolated_ranked()[0].ratio > 2
 
 
 @gpus_for(2)

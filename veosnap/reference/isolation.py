@@ -294,6 +294,30 @@ def candidate_units(model: nn.Module, passes: list[Pass], slots: int, reference:
     return units
 
 
+def gather_column_shards(model: nn.Module, units: Units, device: torch.device) -> None:
+    """Several ranks: the input of a row-parallel output projection (a tensor-parallel plan's `o_proj`, its weight
+    `Shard(1)` on a one-dimensional mesh) is this rank's chunk of the per-head columns, the chunk its weight's
+    columns take. The chunks gathered in the mesh's order are the whole per-head output, judged as on one rank
+    (left out as a shard until 2026-12-07: a 1% error in one head then showed only through its attention block,
+    at a fifth of its ratio there). Every rank of the default group must call it."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Shard
+
+    sharded = {}
+    for part in parts(model)[0]:
+        weight = getattr(part.module, "weight", None)
+        key = (part.layer, part.kind)
+        if part.kind == "heads" and key in units.outputs and isinstance(weight, DTensor) \
+                and weight.device_mesh.ndim == 1 and tuple(weight.placements) == (Shard(1),):
+            sharded[key] = weight.device_mesh
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, sorted(sharded))  # a collective per key: every rank gathers the same ones
+    for key in sorted(set(everyone[0]).intersection(*map(set, everyone[1:]))):
+        rows = units.outputs[key]
+        whole = DTensor.from_local(rows.to(device), sharded[key], [Shard(1)], run_check=False).full_tensor()
+        units.outputs[key] = whole.to("cpu", rows.dtype)
+
+
 def merge_ranks(units: Units, device: torch.device) -> None:
     """Every rank's rows of each output in one (on every rank): each rank ran its own passes (its rows of the
     batch, its slice of the positions), so rank 0 alone holds only its share. Rows several ranks computed (a

@@ -154,6 +154,7 @@ def run(layout: Layout, backend: Backend, ctx: LayoutContext, staged: Staged | N
                     said = ctx.gather(why) or []
                     units, why = None, "; ".join(dict.fromkeys(f"rank {r}: {w}" for r, w in enumerate(said) if w))
                 else:
+                    isolation.gather_column_shards(setup.inner, units, ctx.device)
                     isolation.merge_ranks(units, ctx.device)
                     isolation.leave_out_shards(reference, units, layout.name)
             if units is not None:
