@@ -184,6 +184,28 @@ def test_item5_a_hanging_candidate_is_ended_at_its_timeout_in_process_layouts(ca
         assert error.startswith("timed out after 2 s (ended by veosnap, at "), done.stdout
 
 
+def test_item5_the_timeout_counts_from_the_guards_ready_and_a_failing_wait_undoes_the_guard():
+    # A check's guard is set up while its model's weights are still drawn and waits for them (`ready`): that wait
+    # is not the candidate's time. A wait that fails leaves nothing of the guard behind.
+    import signal
+    import time
+
+    from veosnap.candidates import guard
+
+    with guard.running("", 2.0, ready=lambda: time.sleep(2.5)):
+        pass  # not timed out: the 2 s started after the wait
+    alarm, interrupt, exit_ = signal.getsignal(signal.SIGALRM), signal.getsignal(signal.SIGINT), os._exit
+
+    def build_fails() -> None:
+        raise RuntimeError("the build failed")
+
+    with pytest.raises(RuntimeError, match="the build failed"):
+        with guard.running("", 2.0, ready=build_fails):
+            pass
+    assert (signal.getsignal(signal.SIGALRM), signal.getsignal(signal.SIGINT), os._exit) == (alarm, interrupt, exit_)
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+
+
 def test_item5_a_candidate_stuck_outside_python_still_ends_with_its_error_line_and_status_1(candidates):
     done = veosnap_check("--model", "llama", "--backend", f"{candidates}:stuck", "--timeout", "2", timeout=240)
     assert done.returncode == 1, (done.stdout, done.stderr)

@@ -234,11 +234,14 @@ def _stream_with_fd() -> Any:
 
 
 @contextmanager
-def running(line: str = "", timeout_s: float | None = None) -> Iterator[None]:
+def running(line: str = "", timeout_s: float | None = None, ready: Callable[[], object] | None = None
+            ) -> Iterator[None]:
     """Run a candidate inside: exits and, in the main thread, overruns of `timeout_s` become `CandidateError`.
 
     `line` is the check's ERROR header (`ERROR  cpu/llama/step-float32  backend=...  layout=...`), which
-    the watchdog prints if the candidate is stuck outside Python past the timeout and its grace.
+    the watchdog prints if the candidate is stuck outside Python past the timeout and its grace. `ready` is
+    waited for once the guard is set up and before `timeout_s` starts: what the run needs that is not the
+    candidate's (a check's model, its weights still being drawn), so the guard's own setup is made beside it.
     """
     global _active
     with _lock:
@@ -255,7 +258,8 @@ def running(line: str = "", timeout_s: float | None = None) -> Iterator[None]:
     main = threading.current_thread() is threading.main_thread()
     alarm = bool(timeout_s) and main and hasattr(signal, "setitimer")
     old_alarm = old_timer = old_int = None
-    started = time.monotonic()
+    armed = False  # the alarm set (`ready` may raise before)
+    started = 0.0
 
     def on_alarm(_signum: int, _frame: FrameType | None) -> None:
         if not run.finished:
@@ -268,9 +272,13 @@ def running(line: str = "", timeout_s: float | None = None) -> Iterator[None]:
     try:
         if main:
             old_int = signal.signal(signal.SIGINT, on_interrupt)
+        if ready is not None:
+            ready()
         if alarm:
+            started = time.monotonic()  # someone else's alarm is given back what is left of it from here
             old_alarm = signal.signal(signal.SIGALRM, on_alarm)
             old_timer = signal.setitimer(signal.ITIMER_REAL, timeout_s)
+            armed = True
         if timeout_s:
             extra = grace(timeout_s)
             _watch(run, timeout_s, extra, line)
@@ -302,7 +310,7 @@ def running(line: str = "", timeout_s: float | None = None) -> Iterator[None]:
         run.done.set()
         if timeout_s and _stream_with_fd() is not None:
             faulthandler.cancel_dump_traceback_later()
-        if alarm:
+        if armed:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, old_alarm)
             if old_timer and old_timer[0] > 0:  # someone else's alarm (pytest-timeout): give it back

@@ -16,9 +16,9 @@ skeleton for the limits first would construct the model twice on the check's pat
 1B's check on the H200). Nor does it build for a golden the check will refuse at once (another hardware
 class, another config). Its own failures are never reported: the check builds as before and meets the
 same error, in its turn. While it constructs, transformers' init functions are patched process-wide
-(`no_init_weights`), so a check waits for it before it snapshots the modeling code (`wait`), `take` and
-`cancel` (a check's end, whatever its outcome) wait for it too: no build outlives its check, and any
-model constructed meanwhile takes its turn (`models._CONSTRUCTING`).
+(`no_init_weights`), so a check snapshots the modeling code only once the construction is over (`begun`),
+while the weights are drawn; `take` and `cancel` (a check's end, whatever its outcome) wait for the thread:
+no build outlives its check, and any model constructed meanwhile takes its turn (`models._CONSTRUCTING`).
 """
 
 from __future__ import annotations
@@ -90,8 +90,10 @@ class Prebuild:
         return self._vetted
 
     def wait(self) -> None:
-        """Until the thread has ended. While it builds, transformers' init functions are patched process-wide
-        (`no_init_weights`): a check snapshots the modeling module (`candidates.pristine`) only after this."""
+        """Until the thread has ended: the model built (or not). Its construction, which patched transformers'
+        init functions process-wide (`no_init_weights`), was over at `begun`: a check snapshots the modeling
+        module (`candidates.pristine`) and sets up its guard after that, beside the draw, and waits here inside
+        the guard before its candidate's time starts."""
         self._done.wait()
 
     def take(self, device: torch.device | str, seed: int) -> nn.Module | None:

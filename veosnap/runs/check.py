@@ -17,7 +17,10 @@ report and a backend or layout that declines a skipped one, so the other checks 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import gc
+import weakref
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +72,27 @@ def check_layouts(project: Project, key: GoldenKey, backend: Backend, layouts: S
     low-precision real-shape golden's layers are checked in isolation too (toy goldens' always are), at the cost
     of the reference's forward and a float64 copy's beside the candidate's.
     """
+    with collector_paused():
+        return _check_layouts(project, key, backend, layouts, nproc, timeout_s, cross_class, gold, isolate)
+
+
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off within, as it was after. A check allocates tens of thousands of
+    objects, nearly all freed by their reference counts, and the collector's scans of them cost a 12-layer 1B
+    check 2-3 ms on the H200 (a dozen young collections); what survives in cycles waits for the next collection
+    after the check."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _check_layouts(project: Project, key: GoldenKey, backend: Backend, layouts: Sequence[str], nproc: int,
+                   timeout_s: float, cross_class: bool, gold: Golden | None, isolate: bool) -> list[CheckReport]:
     timeout_s = guard.check_timeout(timeout_s)
     chosen = [(spec, registry.resolve(spec)) for spec in layouts]
     scenario = scenarios.get(key.scenario)
@@ -130,7 +154,7 @@ def _prebuild(project: Project, key: GoldenKey, toy: ToyConfig, chosen: list[tup
         def vet(model: nn.Module) -> Vetted:  # the limits on the model as constructed, before its weights are drawn
             parameters = limits.check_config(toy, model)
             limits.check_memory(toy, parameters, tokens, models.dtype_from_name(key.dtype), device, recording=False)
-            return Vetted(parameters, coverage.produces(model))
+            return Vetted(parameters, weakref.ref(model))
 
         return seed, vet
 
@@ -139,11 +163,20 @@ def _prebuild(project: Project, key: GoldenKey, toy: ToyConfig, chosen: list[tup
 
 @dataclass(frozen=True)
 class Vetted:
-    """What a check's prebuild found on the model it constructed, its limits passed: the facts the check's own
-    setup needs (the parameter count, what the model produces), for the prebuild's config."""
+    """What a check's prebuild found on the model it constructed, its limits passed: the parameter count the
+    check's own limits need, and that model, while the build holds it, for what it produces (the coverage).
+
+    The coverage is no limit: it is found on the check's thread while the weights are drawn, not in the vetting,
+    which is on the build's path (its Python was 3 of the vetting's 5 ms at 12 layers of Llama-3.2-1B)."""
 
     parameters: int
-    produces: coverage.Produces
+    model: weakref.ref[nn.Module]
+
+    def produces(self) -> coverage.Produces | None:
+        """What the constructed model produces (its parameters' names and flags, its layers and routers: its
+        structure, which the draw and the copy to the device leave as they are); None once the build dropped it."""
+        model = self.model()
+        return None if model is None else coverage.produces(model)
 
 
 def _vetted(prebuilt: Prebuild | None, toy: ToyConfig) -> Vetted | None:
@@ -169,7 +202,7 @@ def _check_loaded(project: Project, key: GoldenKey, backend: Backend, chosen: li
     device = hardware.device_for(hardware.detect())
     limits.check_memory(toy, parameters, batch.rows * batch.width, models.dtype_from_name(key.dtype), device,
                         recording=False, width=batch.width)
-    coverage.require(golden, toy, vetted.produces if vetted is not None else None)
+    coverage.require(golden, toy, vetted.produces() if vetted is not None else None)
     random_off = models.random_off(toy)
     if (golden.manifest.reference.random_off or {}) != random_off:
         raise GoldenError(golden.path, f"its reference ran with its config's randomness on ("
@@ -259,13 +292,16 @@ def _in_process(golden: Golden, batch: Batch, toy: ToyConfig, backend: Backend, 
     ctx = LayoutContext.checking(golden, toy, hardware.device_for(hardware.detect()), scenario, prebuilt=prebuilt,
                                  isolate_real=isolate)
     header = f"ERROR  {golden.key}  backend={fields['backend']}  layout={fields['layout']}"
-    if prebuilt is not None:
-        prebuilt.wait()  # its build patches transformers while it runs: snapshot the modeling code after it
+    # A prebuild patched transformers only while it constructed the model, which `check_layouts` waited for: the
+    # modeling code is snapshot and the guard set up while its weights are drawn, and the guard waits for the
+    # model before the candidate's time starts (at 1B parameters that setup was 4-8 ms after the build).
     with pristine.kept(family, candidate=fields["backend"]) as left:
         try:
             # Fixed threads and deterministic algorithms: checking twice gives the same report, even for
-            # kernels whose reductions otherwise vary from run to run (batched_mm on CPU does).
-            with deterministic(), guard.running(header, timeout_s):
+            # kernels whose reductions otherwise vary from run to run (batched_mm on CPU does). Set after the
+            # build: its draw runs on torch's CPU threads.
+            with guard.running(header, timeout_s, ready=prebuilt.wait if prebuilt is not None else None), \
+                    deterministic():
                 result = engine.run(layout, backend, ctx, staged)
         except VeosnapError:
             raise
