@@ -177,6 +177,12 @@ SIZES = {s.name: s for s in (
     Size("llama-1b-12l", "llama", {**LLAMA_1B, "num_hidden_layers": 12, "rms_norm_eps": 1e-5,
                                    "tie_word_embeddings": True, "rope_parameters": {**LLAMA_ROPE, "factor": 32.0}},
          row_tokens=(2048, 2040, 2048, 2000)),
+    # llama-1b-12l's structure (12 layers, tied, rope) at a narrow width: the check's per-module host cost on a CPU.
+    Size("llama-12l-narrow", "llama", {**LLAMA_1B, "hidden_size": 256, "intermediate_size": 512, "head_dim": 32,
+                                       "num_attention_heads": 8, "num_key_value_heads": 2, "num_hidden_layers": 12,
+                                       "vocab_size": 8000, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+                                       "rope_parameters": {**LLAMA_ROPE, "factor": 32.0}},
+         row_tokens=(128, 120, 128, 100)),
     Size("qwen3_moe-1b", "qwen3_moe", {"hidden_size": 2048, "intermediate_size": 6144, "head_dim": 128,
                                        "num_attention_heads": 32, "num_key_value_heads": 4, "num_hidden_layers": 1,
                                        "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
@@ -326,6 +332,13 @@ def marked_entry(label: str, factory: Callable) -> Callable:
 PATH_STEPS = ("take", "run", "step", "grads", "assemble", "compare")
 
 
+# The points "to step" is split at (label, 0: entry / 1: exit), and the steps after the step (`+name`: exit).
+TO_STEP_POINTS = (("wait", 1), ("pristine", 0), ("pristine", 1), ("g:patch", 1), ("g:timer", 1), ("g:watch", 1),
+                  ("g:fault", 1), ("guard", 1), ("settings", 1), ("take", 1), ("run", 0), ("runner", 0),
+                  ("runner", 1), ("passes", 0))
+TAIL_STEPS = ("grads", "assemble", "read", "compare", "out", "cancel", "layouts")
+
+
 def path_of(phases: Phases, check_s: float, report_s: float, fwd_bwd_s: float) -> dict[str, float]:
     """Where a plain check's time after its build went, in seconds: from the build's end to the candidate's step
     (`to step`), the step on the device against the candidate alone (`step over`), from the backward's end on
@@ -348,17 +361,18 @@ def path_of(phases: Phases, check_s: float, report_s: float, fwd_bwd_s: float) -
     path = {"build from": phases.build_from, "build": phases.build_end - phases.build_from,
             "to step": first_in - phases.build_end, "step (device)": d_out - d_in,
             "step over": d_out - d_in - fwd_bwd_s, "step starts late": d_in - h_in}
-    for name in ("grads", "assemble", "read", "compare", "out"):
+    for name in TAIL_STEPS:
         if name in marks:
             path[f"+{name}"] = marks[name][1] - d_out
-    # "to step", split: the build's end to the wait's end (the check waits for the build before it snapshots the
-    # modeling code), to the engine's run, to the runner (the model taken, the backend applied, the layout's
-    # wrap), the runner's own setup, to the passes, to the first step.
-    points = [phases.build_end] + [marks[label][i] for label, i in (
-        ("wait", 1), ("pristine", 0), ("pristine", 1), ("settings", 1), ("guard", 1), ("run", 0), ("runner", 0),
-        ("runner", 1), ("passes", 0)) if label in marks]
-    points.append(first_in)
-    path["to step parts"] = [b - a for a, b in zip(points, points[1:])]
+    # "to step", split: from the build's end to each later point up to the first step, named by the point it ends
+    # at ("guard>": the guard's entry done; "run<": the engine's run begun). The guard waits for the build
+    # (`guard.running(ready=)`), so what it sets up before the build's end is off the path and not shown.
+    firsts: dict[str, tuple] = {}
+    for label, start, end, *_ in phases.marks:
+        firsts.setdefault(label, (start, end))  # the guard's exit sets its timer again
+    points = sorted((firsts[label][i], f"{label}{'<>'[i]}") for label, i in TO_STEP_POINTS if label in firsts)
+    points = [(phases.build_end, "built")] + [p for p in points if p[0] > phases.build_end] + [(first_in, "step<")]
+    path["to step parts"] = [[name, b - a] for (a, _), (b, name) in zip(points, points[1:])]
     path["+end"] = check_s - d_out
     path["report"] = report_s
     # The prebuild's vetting (limits and coverage on the model as constructed) is inside the build's time but is
@@ -405,12 +419,21 @@ def instrument() -> None:
              (engine_module._Runner, "passes", "passes"),
              (engine_module, "forward_backward", "step"), (engine_module, "reduce_gradients", "grads"),
              (engine_module, "assemble", "assemble"), (check_module, "compare", "compare"),
-             (numerics_compare_module, "read_together", "read"), (check_module, "_check_loaded", "out")]
+             (numerics_compare_module, "read_together", "read"), (check_module, "_check_loaded", "out"),
+             (prebuild_module.Prebuild, "cancel", "cancel"), (check_module, "_check_layouts", "layouts")]
     for owner, attribute, label in steps:
         _wrap(owner, attribute, "marked", lambda fn: marked(label, fn))  # noqa: B023 - called at once
     import veosnap.candidates.guard as guard_module
     import veosnap.candidates.pristine as pristine_module
 
+    import faulthandler
+    import signal
+
+    # The guard's setup, in parts (its entry stalled for 2-8 ms after the build at 12 layers of Llama-3.2-1B).
+    for owner, attribute, label in ((guard_module, "_patch", "g:patch"), (guard_module, "_watch", "g:watch"),
+                                    (faulthandler, "dump_traceback_later", "g:fault"),
+                                    (signal, "setitimer", "g:timer")):
+        _wrap(owner, attribute, "marked", lambda fn: marked(label, fn))  # noqa: B023 - called at once
     for owner, attribute, label in ((pristine_module, "kept", "pristine"), (check_module, "deterministic", "settings"),
                                     (guard_module, "running", "guard")):
         _wrap(owner, attribute, "marked", lambda factory: marked_entry(label, factory))  # noqa: B023 - called at once
@@ -578,7 +601,7 @@ class Row:
 
 def run_size(size: Size, dtype: str, workdir: Path, profile_to: Path | None = None, serial: bool = True,
              profile_stem: str = "profile", first_check: bool = False, gil_probe: bool = False,
-             plains: int = 1) -> Row:
+             plains: int = 1, sketch: str = "auto") -> Row:
     row = Row(size.name, dtype)
     project = make_project(workdir, size)
     key = GoldenKey(project.hardware_class, size.name, "step", dtype)
@@ -586,7 +609,7 @@ def run_size(size: Size, dtype: str, workdir: Path, profile_to: Path | None = No
     # The recording as `veosnap record` makes it, without its fragility check (which runs the sdpa,
     # grouped_mm and batched_mm candidates against the new golden: checks, timed below, not a recording).
     path = store.path_for(project.goldens, key)
-    store.write_bytes(encode_checked(build_golden(project, key, allow_near_ties=True, sketch="auto"), path),
+    store.write_bytes(encode_checked(build_golden(project, key, allow_near_ties=True, sketch=sketch), path),
                       path, project.goldens)
     sync()
     row.record_s = time.perf_counter() - started
@@ -978,8 +1001,8 @@ def print_table(rows: list[Row]) -> str:
     return "\n".join(md)
 
 
-PATH_COLUMNS = ("size", "dtype", "build from", "vet", "to step", "(wait/-/pristine/settings/guard/run/runner/setup/passes/step)", "step starts late", "step (device) / cand f+b", "step over",
-                "+grads", "+assemble", "+read", "+compare", "+out", "+end", "report", "sum", "e2e own",
+PATH_COLUMNS = ("size", "dtype", "build from", "vet", "to step", "(its parts, each named by the point it ends at)", "step starts late", "step (device) / cand f+b", "step over",
+                "+grads", "+assemble", "+read", "+compare", "+out", "+cancel", "+layouts", "+end", "report", "sum", "e2e own",
                 "gc: collections (gen 2) ms", "GIL late: alone / in check (builds)", "build stretch (GIL probe est.)")
 
 
@@ -987,9 +1010,9 @@ def path_cells(r: Row) -> list[str]:
     p = r.path
     ms1 = lambda s: f"{s * 1e3:.1f}"  # noqa: E731
     return [r.size, r.dtype, ms1(p["build from"]), ms1(p.get("vet", 0.0)), ms1(p["to step"]),
-            "/".join(ms1(x) for x in p.get("to step parts", [])), ms1(p["step starts late"]),
+            " ".join(f"{name} {ms1(x)}" for name, x in p.get("to step parts", [])), ms1(p["step starts late"]),
             f"{ms1(p['step (device)'])} / {ms1(r.fwd_bwd_s)}", ms1(p["step over"]),
-            *(ms1(p[k]) if k in p else "" for k in ("+grads", "+assemble", "+read", "+compare", "+out")),
+            *(ms1(p[f"+{k}"]) if f"+{k}" in p else "" for k in TAIL_STEPS),
             ms1(p["+end"]),
             ms1(p["report"]), ms1(p["sum"]), ms1(r.e2e_own_s), gc_cell(p.get("gc", [])), *gil_cells(r)]
 
@@ -1059,6 +1082,9 @@ def main() -> None:
     parser.add_argument("--gil-probe", action="store_true",
                         help="one build alone and one more plain check with a GIL probe thread (the 'GIL late' columns "
                              "of the path table): how much the check's reading beside its build could stretch it")
+    parser.add_argument("--sketch", default="auto", choices=("auto", "always"),
+                        help="the goldens' sketch mode: `always` gives a narrow size the large sizes' path (sketched "
+                             "tensors, no isolated layers) for a CPU measure of the per-module host cost")
     args = parser.parse_args()
     sizes = [SIZES[name] for name in args.sizes.split(",")]
     dtypes = args.dtypes.split(",")
@@ -1084,7 +1110,7 @@ def main() -> None:
                     stem = "profile" if len(profiles) == 1 else f"profile-{size.name}-{dtype}"
                     row = run_size(size, dtype, Path(tmp), where, serial=not args.no_serial, profile_stem=stem,
                                    first_check=args.first_check, gil_probe=args.gil_probe,
-                                   plains=args.plain)
+                                   plains=args.plain, sketch=args.sketch)
                 except Exception as exc:  # noqa: BLE001 - one size failing must not lose the others' rows
                     row = Row(size.name, dtype, note=f"{type(exc).__name__}: {str(exc)[:200]}")
             rows.append(row)
