@@ -254,6 +254,18 @@ def test_a_part_the_candidate_did_not_run_fails():
     assert [r.passed for r in results] == [False] and "did not run" in results[0].place
 
 
+def test_a_part_the_candidates_passes_ran_for_only_some_tokens_fails_saying_so():
+    # Its other rows are zeros: judged as they are, they failed as a 50% scale error that said nothing of why (an
+    # output only some ranks filled stays with rank 0's rows: `merge_ranks` merges what every rank filled).
+    own = {(0, "mlp"): torch.ones(8, 4)}
+    filled = {(0, "mlp"): torch.tensor([True] * 4 + [False] * 4)}
+    mask, positions = torch.ones(2, 4, dtype=torch.bool), torch.arange(4).repeat(2, 1)
+    results = isolation.judge_parts(own, own, own, mask, positions, {}, 0, {}, filled)
+    assert [r.passed for r in results] == [False] and results[0].place == "layer 0 mlp (ran for 4 of 8 real tokens)"
+    assert all(r.passed for r in isolation.judge_parts(own, own, own, mask, positions, {}, 0, {},
+                                                       {(0, "mlp"): torch.ones(8, dtype=torch.bool)}))
+
+
 def test_a_stacked_experts_gradient_names_its_expert_and_layer(repo_project):
     """float32: the one expert's bug shows in its experts' gradients; the worst row is named by expert."""
     report = run(repo_project, "qwen3_moe", "float32", f"{SCALED}:one_expert_scaled")

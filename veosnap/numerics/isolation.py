@@ -138,10 +138,13 @@ def expert_groups(experts: torch.Tensor, count: int) -> list[Group]:
 
 def judge_parts(candidate: dict[tuple[int, str], torch.Tensor], own: dict[tuple[int, str], torch.Tensor],
                 exact: dict[tuple[int, str], torch.Tensor], token_mask: torch.Tensor, positions: torch.Tensor,
-                routes: dict[int, torch.Tensor], heads: int, experts: dict[int, int]) -> list[IsolatedResult]:
+                routes: dict[int, torch.Tensor], heads: int, experts: dict[int, int],
+                filled: dict[tuple[int, str], torch.Tensor] | None = None) -> list[IsolatedResult]:
     """Every isolated part (keyed (layer, kind), rows over the batch's token slots) judged on the real tokens:
     by blocks of positions, by head for the heads part, by expert for an MoE block (`routes`: [tokens, top_k]).
-    A part the candidate did not produce, or produced in another shape, fails its rows statistic."""
+    A part the candidate did not produce, or produced in another shape, fails its rows statistic; so does one its
+    passes produced for only some of the real tokens (`filled`: the token slots each part's rows were filled at;
+    the rest are zeros, which would otherwise fail as a scale error without saying why)."""
     real = torch.nonzero(token_mask.reshape(-1)).flatten()
     at = positions.reshape(-1)[real]
     results = []
@@ -158,6 +161,12 @@ def judge_parts(candidate: dict[tuple[int, str], torch.Tensor], own: dict[tuple[
         if c is None or c.shape != r.shape:
             what = "did not run" if c is None else f"gave {tuple(c.shape)}, the reference {tuple(r.shape)}"
             results.append(IsolatedResult(f"{place} ({what})", "rows", math.inf, 0.0, 0, layer, kind))
+            continue
+        ran = (filled or {}).get(key)
+        if ran is not None and ran.numel() == token_mask.numel() and not bool(ran.reshape(-1)[real].all()):
+            done = int(ran.reshape(-1)[real].sum())
+            results.append(IsolatedResult(f"{place} (ran for {done} of {real.numel()} real tokens)", "rows", math.inf,
+                                          0.0, 0, layer, kind))
             continue
         groups = position_groups(at)
         if kind == "heads":

@@ -321,8 +321,9 @@ def gather_column_shards(model: nn.Module, units: Units, device: torch.device) -
 def merge_ranks(units: Units, device: torch.device) -> None:
     """Every rank's rows of each output in one (on every rank): each rank ran its own passes (its rows of the
     batch, its slice of the positions), so rank 0 alone holds only its share. Rows several ranks computed (a
-    tensor-parallel layout's ranks all run the whole batch) are averaged, exactly where they agree. Every rank
-    of the default group must call it."""
+    tensor-parallel layout's ranks all run the whole batch) are averaged, exactly where they agree. An output not
+    every rank filled (in one shape) keeps this rank's rows and `filled`: its judgment says for how many of the
+    real tokens it ran (`numerics.isolation.judge_parts`). Every rank of the default group must call it."""
     import torch.distributed as dist
 
     mine = sorted((key, tuple(t.shape), str(t.dtype)) for key, t in units.outputs.items() if key in units.filled)

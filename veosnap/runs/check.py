@@ -337,7 +337,7 @@ def judge(golden: Golden, batch: Batch, result: LayoutResult, fields: dict[str, 
         reference, candidate = result.isolated
         report.isolated = judge_parts(candidate.outputs, reference.own.outputs, reference.exact.outputs,
                                       batch.token_mask, batch.position_ids, golden.experts(), reference.heads,
-                                      reference.experts)
+                                      reference.experts, candidate.filled)
         missing = list(dict.fromkeys(reference.own.missing))
         report.not_isolated = f"not isolated: {'; '.join(missing)}" if missing else ""
     elif result.not_isolated != "float32":
