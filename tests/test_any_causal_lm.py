@@ -171,3 +171,22 @@ def test_a_router_that_takes_every_expert_records_routes_nothing_can_flip(projec
     code, out, err = run(capsys, "record", "--model", "every_expert", "--dtype", "float32")
     assert code == 0 and "min router margin 3.4e+38" in out, out + err
     assert run(capsys, "check", "--model", "every_expert", "--dtype", "float32", "--backend", "sdpa")[0] == 0
+
+
+def test_the_decoder_stack_is_found_once_per_model_and_again_when_a_candidate_rebuilt_it(monkeypatch):
+    # A check asks for it some six times (limits, coverage, each pass's hooks): one search, revalidated by its path.
+    import torch
+    from torch import nn
+
+    from veosnap.reference import models, probes
+    from veosnap.reference.zoo import Project, load_config
+
+    model = models.build(load_config(Project.resolve().configs, "llama"), torch.float32)
+    searches: list[int] = []
+    search = probes._decoder_stack
+    monkeypatch.setattr(probes, "_decoder_stack", lambda m: searches.append(1) or search(m))
+    probes._STACKS.pop(model, None)  # the build asked already
+    first = probes.decoder_stack(model)
+    assert probes.decoder_stack(model) == first and probes.decoder_layers(model) is first[1] and len(searches) == 1
+    model.model.layers = nn.ModuleList(list(model.model.layers)[:1])  # a candidate that rebuilt the stack
+    assert probes.decoder_stack(model) == ("model.layers", model.model.layers) and len(searches) == 2

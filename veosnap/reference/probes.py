@@ -28,6 +28,8 @@ returns, so the golden can say why it holds no routes for it (an `Absence` of ki
 from __future__ import annotations
 
 import re
+import threading
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -93,7 +95,32 @@ def decoder_stack(model: nn.Module) -> tuple[str, nn.ModuleList]:
     (`get_decoder()`: a vision-language model's language model, a causal LM's base model), outside any
     encoder: `model.layers` (Llama), `transformer.h` (GPT-2), `bert.encoder.layer` (BERT as a decoder),
     `backbone.layers` (Mamba), `model.decoder.layers` (BART's decoder). A layer's own lists (experts, heads)
-    hold fewer parameters than the list holding the layer. A model without one is refused in one line."""
+    hold fewer parameters than the list holding the layer. A model without one is refused in one line.
+
+    Found once per model: a check asks for it some six times (its limits, its coverage, each pass's hooks), each
+    search a walk over every module and parameter (0.3-0.5 ms at 12 layers). It is searched again if the list
+    found is no longer at its path in `model`, or has changed length (a candidate that rebuilt the stack)."""
+    with _STACKS_LOCK:
+        known = _STACKS.get(model)
+    if known is not None:
+        path, stack, length = known
+        try:
+            if model.get_submodule(path) is stack and len(stack) == length:
+                return path, stack
+        except AttributeError:
+            pass
+    found = _decoder_stack(model)
+    with _STACKS_LOCK:
+        _STACKS[model] = (*found, len(found[1]))
+    return found
+
+
+# decoder_stack's answers, by model (a check's prebuild thread vets the model its main thread then runs).
+_STACKS: weakref.WeakKeyDictionary[nn.Module, tuple[str, nn.ModuleList, int]] = weakref.WeakKeyDictionary()
+_STACKS_LOCK = threading.Lock()
+
+
+def _decoder_stack(model: nn.Module) -> tuple[str, nn.ModuleList]:
     root = model
     get_decoder = getattr(model, "get_decoder", None)
     if callable(get_decoder):
