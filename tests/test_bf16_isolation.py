@@ -141,7 +141,7 @@ def test_a_one_percent_expert_error_fails_under_every_multi_process_layout(repo_
 def test_under_tensor_parallel_each_ranks_heads_are_gathered_and_a_one_head_error_is_named(repo_project):
     """Each rank's per-head part is its chunk of the heads (the row-parallel output projection's input); gathered in
     its weight's mesh order it is judged whole. The planted fault scales the first head's width of each rank's
-    chunk, so under two ranks global heads 0 and 2 carry it (until 2026-12-07 the chunks were left out, and the
+    chunk, so under two ranks global heads 0 and 2 carry it (until 2026-12-06 the chunks were left out, and the
     error showed only through the attention block, at a fifth of the ratio)."""
     key = GoldenKey(repo_project.hardware_class, "qwen3_moe", "step", "bfloat16")
     [report] = check_layouts(repo_project, key, backends.resolve(f"{SCALED}:one_head_scaled"), ["tp"], nproc=2)

@@ -298,7 +298,7 @@ def gather_column_shards(model: nn.Module, units: Units, device: torch.device) -
     """Several ranks: the input of a row-parallel output projection (a tensor-parallel plan's `o_proj`, its weight
     `Shard(1)` on a one-dimensional mesh) is this rank's chunk of the per-head columns, the chunk its weight's
     columns take. The chunks gathered in the mesh's order are the whole per-head output, judged as on one rank
-    (left out as a shard until 2026-12-07: a 1% error in one head then showed only through its attention block,
+    (left out as a shard until 2026-12-06: a 1% error in one head then showed only through its attention block,
     at a fifth of its ratio there). Every rank of the default group must call it."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Shard
