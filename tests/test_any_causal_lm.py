@@ -190,3 +190,12 @@ def test_the_decoder_stack_is_found_once_per_model_and_again_when_a_candidate_re
     assert probes.decoder_stack(model) == first and probes.decoder_layers(model) is first[1] and len(searches) == 1
     model.model.layers = nn.ModuleList(list(model.model.layers)[:1])  # a candidate that rebuilt the stack
     assert probes.decoder_stack(model) == ("model.layers", model.model.layers) and len(searches) == 2
+    # A hook on a layer that refers to the model (a candidate's patch) does not keep the model alive through the cache.
+    import gc
+    import weakref
+
+    model.model.layers[0].register_forward_hook(lambda *_, owner=model: None)
+    gone = weakref.ref(model)
+    del model, first
+    gc.collect()
+    assert gone() is None

@@ -103,20 +103,22 @@ def decoder_stack(model: nn.Module) -> tuple[str, nn.ModuleList]:
     with _STACKS_LOCK:
         known = _STACKS.get(model)
     if known is not None:
-        path, stack, length = known
+        path, held, length = known
+        stack = held()
         try:
-            if model.get_submodule(path) is stack and len(stack) == length:
+            if stack is not None and model.get_submodule(path) is stack and len(stack) == length:
                 return path, stack
         except AttributeError:
             pass
     found = _decoder_stack(model)
     with _STACKS_LOCK:
-        _STACKS[model] = (*found, len(found[1]))
+        _STACKS[model] = (found[0], weakref.ref(found[1]), len(found[1]))
     return found
 
 
-# decoder_stack's answers, by model (a check's prebuild thread vets the model its main thread then runs).
-_STACKS: weakref.WeakKeyDictionary[nn.Module, tuple[str, nn.ModuleList, int]] = weakref.WeakKeyDictionary()
+# decoder_stack's answers, by model (a check's prebuild thread vets the model its main thread then runs). The list
+# is held weakly too: a hook on a layer that refers to the model would otherwise keep the model alive forever.
+_STACKS: weakref.WeakKeyDictionary[nn.Module, tuple[str, weakref.ref, int]] = weakref.WeakKeyDictionary()
 _STACKS_LOCK = threading.Lock()
 
 
