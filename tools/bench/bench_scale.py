@@ -328,10 +328,6 @@ def marked_entry(label: str, factory: Callable) -> Callable:
     return wrapper
 
 
-# The steps of a plain check's path after its build, in order (`marked`).
-PATH_STEPS = ("take", "run", "step", "grads", "assemble", "compare")
-
-
 # The points "to step" is split at (label, 0: entry / 1: exit), and the steps after the step (`+name`: exit).
 TO_STEP_POINTS = (("wait", 1), ("pristine", 0), ("pristine", 1), ("g:patch", 1), ("g:timer", 1), ("g:watch", 1),
                   ("g:fault", 1), ("guard", 1), ("settings", 1), ("take", 1), ("run", 0), ("runner", 0),
