@@ -206,6 +206,39 @@ def test_item5_the_timeout_counts_from_the_guards_ready_and_a_failing_wait_undoe
     assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
 
 
+STUCK_AFTER_A_LONG_WAIT = textwrap.dedent('''
+    import signal, sys, time
+    from veosnap.candidates import guard
+
+    def ready():  # longer than the timeout and its grace together: the watchdog is already waiting meanwhile
+        time.sleep(2.5)
+        print("ready", flush=True)
+
+    with guard.running("ERROR  the check's line", 1.0, ready=ready):
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})  # the timeout cannot interrupt it
+        time.sleep(float(sys.argv[1]))
+    time.sleep(4)  # past both deadlines
+    print("not ended", flush=True)
+''')
+
+
+@pytest.mark.parametrize("stuck_s", [30, 0.1])
+def test_item5_the_watchdog_set_up_beside_the_wait_still_counts_from_the_candidates_start(tmp_path, stuck_s):
+    # The watchdog is handed the run (and faulthandler armed) before the wait, so the check's path does not wake
+    # a thread: neither may end the process during the wait, and a stuck candidate still meets the watchdog.
+    script = tmp_path / "stuck.py"
+    script.write_text(STUCK_AFTER_A_LONG_WAIT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, str(script), str(stuck_s)], capture_output=True, text=True, env=env,
+                          timeout=120)
+    if stuck_s > 1:
+        assert done.returncode == 1, (done.stdout, done.stderr)
+        assert done.stdout == ("ready\nERROR  the check's line\n  error: timed out after 1 s and stuck outside "
+                               "Python for 1 s more; veosnap ends the process\n"), done.stderr
+    else:  # a run that ends in time: nothing fires later either (faulthandler was cancelled)
+        assert (done.returncode, done.stdout) == (0, "ready\nnot ended\n"), done.stderr
+
+
 def test_item5_a_candidate_stuck_outside_python_still_ends_with_its_error_line_and_status_1(candidates):
     done = veosnap_check("--model", "llama", "--backend", f"{candidates}:stuck", "--timeout", "2", timeout=240)
     assert done.returncode == 1, (done.stdout, done.stderr)

@@ -81,6 +81,7 @@ class _Run:
     user_interrupt: bool = False
     finished: bool = False
     done: threading.Event = field(default_factory=threading.Event)
+    started: float | None = None  # `time.monotonic()` when the candidate's timeout starts (after `ready`)
 
 
 _active: _Run | None = None
@@ -209,7 +210,17 @@ def _watch_runs() -> None:
 
 
 def _watchdog(run: _Run, timeout_s: float, extra_s: float, line: str) -> None:
-    if run.done.wait(timeout_s + extra_s):
+    # Handed the run before the candidate starts (beside `ready`), the watchdog wakes first at the earliest its
+    # deadline could be, then waits for the deadline counted from `run.started`: the start is never signalled,
+    # since waking this thread on the check's path is what handing it the run there cost.
+    limit = wait = timeout_s + extra_s
+    while not run.done.wait(wait):
+        if run.started is None:  # still waiting for what the run needs: not the candidate's time
+            continue
+        wait = run.started + limit - time.monotonic()
+        if wait <= 0:
+            break
+    else:
         return
     message = (f"{line}\n  error: timed out after {timeout_s:g} s and stuck outside Python for {extra_s:g} s more; "
                "veosnap ends the process\n")
@@ -220,6 +231,16 @@ def _watchdog(run: _Run, timeout_s: float, extra_s: float, line: str) -> None:
         except OSError:
             pass
     real_exit(1)
+
+
+def _arm_last_resort(after_s: float) -> float | None:
+    """faulthandler's watchdog (it needs no GIL) prints where every thread is and exits 1 `after_s` from now; the
+    `time.monotonic()` it was armed at, or None when no stream with a file descriptor can take its traceback."""
+    stream = _stream_with_fd()
+    if stream is None:
+        return None
+    faulthandler.dump_traceback_later(after_s, exit=True, file=stream)
+    return time.monotonic()
 
 
 def _stream_with_fd() -> Any:
@@ -272,19 +293,24 @@ def running(line: str = "", timeout_s: float | None = None, ready: Callable[[], 
     try:
         if main:
             old_int = signal.signal(signal.SIGINT, on_interrupt)
-        if ready is not None:
-            ready()
-        if alarm:
-            started = time.monotonic()  # someone else's alarm is given back what is left of it from here
-            old_alarm = signal.signal(signal.SIGALRM, on_alarm)
-            old_timer = signal.setitimer(signal.ITIMER_REAL, timeout_s)
-            armed = True
+        # The watchdog and the last resort are set up before `ready` is waited for, while the main thread has
+        # nothing to do: waking the watchdog thread and starting faulthandler's cost a check on the H100 0.2-3 ms
+        # when made after it, at the candidate's start. Their deadlines still count from that start (below).
+        last_resort = None
         if timeout_s:
             extra = grace(timeout_s)
             _watch(run, timeout_s, extra, line)
-            stream = _stream_with_fd()
-            if stream is not None:  # the last resort: needs no GIL, prints where every thread is, exits 1
-                faulthandler.dump_traceback_later(timeout_s + 2 * extra, exit=True, file=stream)
+            last_resort = _arm_last_resort(timeout_s + 2 * extra)
+        if ready is not None:
+            ready()
+        started = run.started = time.monotonic()  # someone else's alarm is given back what is left of it from here
+        if alarm:
+            old_alarm = signal.signal(signal.SIGALRM, on_alarm)
+            old_timer = signal.setitimer(signal.ITIMER_REAL, timeout_s)
+            armed = True
+        if last_resort is not None and started - last_resort > extra / 2:
+            # A long wait: armed again, so the last resort comes at least half a grace after the watchdog's end
+            _arm_last_resort(timeout_s + 2 * extra)
         try:
             yield
         except CandidateExit as exc:
