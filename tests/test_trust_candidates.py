@@ -210,14 +210,14 @@ STUCK_AFTER_A_LONG_WAIT = textwrap.dedent('''
     import signal, sys, time
     from veosnap.candidates import guard
 
-    def ready():  # longer than the timeout and its grace together: the watchdog is already waiting meanwhile
-        time.sleep(2.5)
+    def ready():  # longer than the timeout and twice its grace (1 s): the last resort's own delay
+        time.sleep(4.5)
         print("ready", flush=True)
 
     with guard.running("ERROR  the check's line", 1.0, ready=ready):
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})  # the timeout cannot interrupt it
         time.sleep(float(sys.argv[1]))
-    time.sleep(4)  # past both deadlines
+    time.sleep(4)  # past both deadlines had they been armed
     print("not ended", flush=True)
 ''')
 
@@ -225,7 +225,8 @@ STUCK_AFTER_A_LONG_WAIT = textwrap.dedent('''
 @pytest.mark.parametrize("stuck_s", [30, 0.1])
 def test_item5_the_watchdog_set_up_beside_the_wait_still_counts_from_the_candidates_start(tmp_path, stuck_s):
     # The watchdog is handed the run (and faulthandler armed) before the wait, so the check's path does not wake
-    # a thread: neither may end the process during the wait, and a stuck candidate still meets the watchdog.
+    # a thread: neither may end the process during the wait, however long (a large model's draw), and a stuck
+    # candidate still meets the watchdog.
     script = tmp_path / "stuck.py"
     script.write_text(STUCK_AFTER_A_LONG_WAIT)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}

@@ -82,6 +82,26 @@ class _Run:
     finished: bool = False
     done: threading.Event = field(default_factory=threading.Event)
     started: float | None = None  # `time.monotonic()` when the candidate's timeout starts (after `ready`)
+    last_resort_s: float = 0.0  # faulthandler's delay (0: none)
+    armed_at: float = 0.0  # `time.monotonic()` it was last armed at (0: never)
+    arming: threading.Lock = field(default_factory=threading.Lock)  # arming after the run's end would outlive it
+
+    def arm_last_resort(self) -> None:
+        """faulthandler (it needs no GIL) prints where every thread is and exits 1 `last_resort_s` from now,
+        unless the run is over or no stream with a file descriptor can take its traceback."""
+        with self.arming:
+            stream = _stream_with_fd()
+            if self.last_resort_s and not self.done.is_set() and stream is not None:
+                faulthandler.dump_traceback_later(self.last_resort_s, exit=True, file=stream)
+                self.armed_at = time.monotonic()
+
+    def end(self) -> None:
+        """The run is over: the watchdog lets it go and the last resort is cancelled."""
+        self.finished = True
+        with self.arming:
+            self.done.set()
+            if self.armed_at:
+                faulthandler.cancel_dump_traceback_later()
 
 
 _active: _Run | None = None
@@ -212,10 +232,13 @@ def _watch_runs() -> None:
 def _watchdog(run: _Run, timeout_s: float, extra_s: float, line: str) -> None:
     # Handed the run before the candidate starts (beside `ready`), the watchdog wakes first at the earliest its
     # deadline could be, then waits for the deadline counted from `run.started`: the start is never signalled,
-    # since waking this thread on the check's path is what handing it the run there cost.
+    # since waking this thread on the check's path is what handing it the run there cost. While the run still
+    # waits for what it needs (not the candidate's time), each wake pushes the last resort back, which would
+    # otherwise end a wait longer than the timeout and twice its grace (a large model's draw).
     limit = wait = timeout_s + extra_s
     while not run.done.wait(wait):
-        if run.started is None:  # still waiting for what the run needs: not the candidate's time
+        if run.started is None:
+            run.arm_last_resort()
             continue
         wait = run.started + limit - time.monotonic()
         if wait <= 0:
@@ -231,16 +254,6 @@ def _watchdog(run: _Run, timeout_s: float, extra_s: float, line: str) -> None:
         except OSError:
             pass
     real_exit(1)
-
-
-def _arm_last_resort(after_s: float) -> float | None:
-    """faulthandler's watchdog (it needs no GIL) prints where every thread is and exits 1 `after_s` from now; the
-    `time.monotonic()` it was armed at, or None when no stream with a file descriptor can take its traceback."""
-    stream = _stream_with_fd()
-    if stream is None:
-        return None
-    faulthandler.dump_traceback_later(after_s, exit=True, file=stream)
-    return time.monotonic()
 
 
 def _stream_with_fd() -> Any:
@@ -296,11 +309,11 @@ def running(line: str = "", timeout_s: float | None = None, ready: Callable[[], 
         # The watchdog and the last resort are set up before `ready` is waited for, while the main thread has
         # nothing to do: waking the watchdog thread and starting faulthandler's cost a check on the H100 0.2-3 ms
         # when made after it, at the candidate's start. Their deadlines still count from that start (below).
-        last_resort = None
         if timeout_s:
             extra = grace(timeout_s)
+            run.last_resort_s = timeout_s + 2 * extra
             _watch(run, timeout_s, extra, line)
-            last_resort = _arm_last_resort(timeout_s + 2 * extra)
+            run.arm_last_resort()
         if ready is not None:
             ready()
         started = run.started = time.monotonic()  # someone else's alarm is given back what is left of it from here
@@ -308,9 +321,9 @@ def running(line: str = "", timeout_s: float | None = None, ready: Callable[[], 
             old_alarm = signal.signal(signal.SIGALRM, on_alarm)
             old_timer = signal.setitimer(signal.ITIMER_REAL, timeout_s)
             armed = True
-        if last_resort is not None and started - last_resort > extra / 2:
+        if run.armed_at and started - run.armed_at > extra / 2:
             # A long wait: armed again, so the last resort comes at least half a grace after the watchdog's end
-            _arm_last_resort(timeout_s + 2 * extra)
+            run.arm_last_resort()
         try:
             yield
         except CandidateExit as exc:
@@ -332,10 +345,7 @@ def running(line: str = "", timeout_s: float | None = None, ready: Callable[[], 
         if run.attempts:  # an exit the candidate swallowed, or one tried in another thread
             raise CandidateError(run.attempts[0])
     finally:
-        run.finished = True
-        run.done.set()
-        if timeout_s and _stream_with_fd() is not None:
-            faulthandler.cancel_dump_traceback_later()
+        run.end()
         if armed:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, old_alarm)
