@@ -232,7 +232,7 @@ def _watch_runs() -> None:
 def _watchdog(run: _Run, timeout_s: float, extra_s: float, line: str) -> None:
     # Handed the run before the candidate starts (beside `ready`), the watchdog wakes first at the earliest its
     # deadline could be, then waits for the deadline counted from `run.started`: the start is never signalled,
-    # since waking this thread on the check's path is what handing it the run there cost. While the run still
+    # which would wake this thread on the check's path, where the run is no longer handed to it. While the run still
     # waits for what it needs (not the candidate's time), each wake pushes the last resort back, which would
     # otherwise end a wait longer than the timeout and twice its grace (a large model's draw).
     limit = wait = timeout_s + extra_s
@@ -307,8 +307,9 @@ def running(line: str = "", timeout_s: float | None = None, ready: Callable[[], 
         if main:
             old_int = signal.signal(signal.SIGINT, on_interrupt)
         # The watchdog and the last resort are set up before `ready` is waited for, while the main thread has
-        # nothing to do: waking the watchdog thread and starting faulthandler's cost a check on the H100 0.2-3 ms
-        # when made after it, at the candidate's start. Their deadlines still count from that start (below).
+        # nothing to do: arming faulthandler (it starts a thread) took 0.2-3 ms of a check on the H100 when made
+        # after it, at the candidate's start, and handing the watchdog its run wakes a thread. Their deadlines
+        # still count from that start (below).
         if timeout_s:
             extra = grace(timeout_s)
             run.last_resort_s = timeout_s + 2 * extra
