@@ -47,6 +47,7 @@ from ..reference.inputs import Batch
 from ..reference.prebuild import Plan, Prebuild
 from ..reference.scenarios import Scenario
 from ..reference.zoo import Project, ToyConfig, load_checked, load_config
+from . import letgo
 from .verdict import CheckReport, VersionDrift
 
 DEFAULT_TIMEOUT_S = torchrun.DEFAULT_TIMEOUT_S
@@ -107,11 +108,14 @@ def _check_layouts(project: Project, key: GoldenKey, backend: Backend, layouts: 
     prebuilt = _prebuild(project, key, config, chosen, backend, gold, cross_class)
     if prebuilt is not None:
         prebuilt.begun()
+        letgo.let_go()  # the last check's golden, freed while this check's weights are drawn
     else:
+        letgo.let_go()
         # The meta-device skeleton the limits and coverage need is built on a thread while the golden is read
         # (its errors, if any, come where the limits ask for it, after the golden's own). Beside a prebuild it
         # would only hold up the build's construction (they take turns: `models._CONSTRUCTING`).
         limits.prefetch_skeleton(config)
+    golden: Golden | None = None
     try:
         # The golden's manifest and batch are read now; its other tensors are decoded on a thread while the
         # model is built and the candidate runs (golden.background, started after the setup below): the first
@@ -124,6 +128,8 @@ def _check_layouts(project: Project, key: GoldenKey, backend: Backend, layouts: 
     finally:
         if prebuilt is not None:
             prebuilt.cancel()
+        if golden is not None:
+            letgo.hold(golden)  # freeing it here was most of the check's last milliseconds (runs.letgo)
 
 
 def _prebuild(project: Project, key: GoldenKey, toy: ToyConfig, chosen: list[tuple[str, Layout]], backend: Backend,
