@@ -1,9 +1,9 @@
 """Letting go of a check's decoded golden off the check's path (issue 39: veosnap's fixed cost).
 
-A decoded golden is a few hundred objects and tensors (sketches, norms, the manifest's entries). Freeing them
-took 1.7-3.6 ms on an H100 host (55 threads in the process: memory handed back to the system is unmapped on
-every core that ran one of them) and 0.3 ms on a 2-core CPU, at the end of every check, after its verdict was
-known: most of the H100's 2-5 ms "+layouts" (docs/scale.md, round 10). A check now hands its golden here when
+A decoded golden is a few hundred objects and tensors (sketches, norms, the manifest's entries). Freeing one
+took 1.7-3.6 ms on an H100's host (55 threads in the process; plain tensors of the same sizes: 0.07 ms) and
+0.3 ms on a 2-core CPU, at the end of every check, after its verdict was known: most of the H100's 1-5 ms
+"+layouts" tail (docs/scale.md, round 10; `tools/bench/tail_probe.py`). A check now hands its golden here when
 it is done (`hold`), and the next check lets it go (`let_go`) while its own model's weights are drawn on the
 prebuild's thread (seconds at scale, in torch ops that run without the GIL). One golden is held between checks,
 never more; the last one goes with the process.
