@@ -185,6 +185,28 @@ def test_a_golden_refused_after_its_model_was_built_leaves_no_build_running(tmp_
     assert not prebuild_threads()
 
 
+def test_an_unchanged_golden_is_peeked_once_a_process_and_a_rewritten_one_again(tmp_path, monkeypatch):
+    # Each check's prebuild peeks its golden's header (a millisecond on the build's path), and a session checks
+    # one golden under many backends and layouts. Peeks are kept by the file's identity: a file written since is
+    # read again (and a stale hint could only cost a build: the check validates the golden before taking one).
+    import os
+
+    root, path = copy_golden(tmp_path, "llama")
+    reads: list[str] = []  # the thread of each header parse
+    header = background._header
+    monkeypatch.setattr(background, "_header", lambda reader: reads.append(threading.current_thread().name)
+                        or header(reader))
+    first = background.peek(path, root)
+    assert first is not None and background.peek(path, root) == first and reads == ["MainThread"]
+    fresh = path.with_name("fresh")
+    fresh.write_bytes(path.read_bytes())
+    os.replace(fresh, path)
+    assert background.peek(path, root) == first and reads == ["MainThread"] * 2
+    assert check(Project.resolve(goldens=root, hardware_class=CLASS), GoldenKey(CLASS, "llama", "step", "float32"),
+                 backends.resolve("eager")).passed
+    assert reads == ["MainThread"] * 3  # the check's own read of the golden; its prebuild's peek was kept
+
+
 def test_a_sketched_goldens_reducer_is_made_on_the_staging_thread_while_the_model_is_built(tmp_path, monkeypatch):
     from veosnap.reference.reduce import CandidateReducer
     from veosnap.runs.record import record

@@ -204,16 +204,28 @@ class Peek:
     tokens: int  # the batch's token slots, rows x positions
 
 
+# Peeks by the file's identity (device, inode, size, modification and change times): a pytest session checks one
+# golden under many backends and layouts, and each check's peek read and parsed its header again, a millisecond
+# on the build's path. A file written since is another key; a few goldens a session, so the table stays small.
+_PEEKED: dict[tuple, Peek] = {}
+_PEEKED_MAX = 256
+
+
 def peek(path: Path, root: Path | None = None) -> Peek | None:
     """The weight seed, config hash and batch size the golden at `path` declares, from its header alone, or None
     when they cannot be read. Only a hint for work started early (a check builds its model while the golden is
     read: `reference.prebuild`): nothing is checked, not even the manifest's own hash (parsing and hashing
     the whole manifest took milliseconds at 1B parameters, before the build could start), and a check
-    still reads and validates the golden in full, in its turn, before anything it built is used."""
+    still reads and validates the golden in full, in its turn, before anything it built is used. The same file,
+    unchanged, is read once a process."""
     try:
         if store.problem(path, root):
             return None
         with os.fdopen(store._open_regular(path), "rb") as fh:  # a FIFO or device is refused, never waited on
+            st = os.fstat(fh.fileno())
+            identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+            if identity in _PEEKED:
+                return _PEEKED[identity]
             header = _header(zstandard.ZstdDecompressor().stream_reader(fh))
         if header is None:
             return None
@@ -222,7 +234,11 @@ def peek(path: Path, root: Path | None = None) -> Peek | None:
         rows, width = header[str(names.Input("input_ids"))]["shape"]
         if type(seed) is not int or not isinstance(config_hash, str):
             return None
-        return Peek(seed, config_hash, int(rows) * int(width))
+        peeked = Peek(seed, config_hash, int(rows) * int(width))
+        if len(_PEEKED) >= _PEEKED_MAX:
+            _PEEKED.clear()
+        _PEEKED[identity] = peeked
+        return peeked
     except Exception:  # noqa: BLE001 - a hint: the full read names any problem
         return None
 
