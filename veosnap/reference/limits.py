@@ -62,7 +62,7 @@ LOGIT_COPIES = 3
 
 def check_layers(toy: ToyConfig) -> None:
     """Refuse a config whose layer count veosnap will not build (checked before any skeleton is built)."""
-    text = models.hf_config(toy).get_text_config()
+    text = models.text_config(toy)
     layers = getattr(text, "num_hidden_layers", None)
     if layers is not None:
         if not isinstance(layers, Integral) or isinstance(layers, bool) or layers < 1:
@@ -113,7 +113,7 @@ _EXPERT_WEIGHTS = ("gate_up_proj", "up_proj", "gate_proj", "down_proj")
 def batched_mm_bytes(toy: ToyConfig, tokens: int, dtype: torch.dtype) -> int:
     """The memory `batched_mm` gathers for `tokens` positions, over every MoE layer (0 for a dense model):
     tokens x top_k copies of one expert's weights, `BATCHED_MM_COPIES` times."""
-    text = models.hf_config(toy).get_text_config()
+    text = models.text_config(toy)
     top_k = getattr(text, "num_experts_per_tok", None) or getattr(text, "experts_per_token", None) or 0
     per_expert = sum(p.numel() // p.shape[0] for name, p in models.skeleton(toy).named_parameters()
                      if p.dim() == 3 and name.rsplit(".", 1)[-1] in _EXPERT_WEIGHTS)
@@ -148,7 +148,7 @@ def memory_needed(toy: ToyConfig, parameters: int, tokens: int, dtype: torch.dty
                   width: int = 0) -> int:
     """Estimated peak bytes of a check (weights, gradients, activations) or a recording, whose float64 twin
     runs after the reference's own run has freed its activations: the larger of the two runs' activations."""
-    text = models.hf_config(toy).get_text_config()
+    text = models.text_config(toy)
     nbytes = torch.finfo(dtype).bits // 8
     hidden, layers = getattr(text, "hidden_size", 0) or 0, getattr(text, "num_hidden_layers", 0) or 0
     vocab = getattr(text, "vocab_size", 0) or 0
@@ -174,7 +174,7 @@ def check_sequences(testdata: Path, ids: tuple[int, ...], sequences: list[list],
     integers, empty sequences, sequences beyond the config's positions or veosnap's cap. `table`: the
     token table under `testdata` they came from (a config's `veosnap.json` may name another)."""
     source = Path(testdata) / table
-    text = models.hf_config(toy).get_text_config()
+    text = models.text_config(toy)
     vocab = getattr(text, "vocab_size", None)
     longest = getattr(text, "max_position_embeddings", None)
     if isinstance(longest, int) and longest < 0:  # XLNet's -1: relative positions, no limit
@@ -213,7 +213,7 @@ def _check_config_fits(toy: ToyConfig, vocab: object, positions: object, batch: 
 
 def check_batch(golden: Golden, toy: ToyConfig) -> None:
     """Refuse a golden whose stored token ids leave the config's vocabulary (a forged or mismatched batch)."""
-    vocab = getattr(models.hf_config(toy).get_text_config(), "vocab_size", None)
+    vocab = getattr(models.text_config(toy), "vocab_size", None)
     if not isinstance(vocab, int):
         return
     inputs = golden.inputs()
