@@ -15,6 +15,7 @@ check; "none" then shows the tail as a check now has it.
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import sys
@@ -36,8 +37,11 @@ from veosnap.runs import letgo  # noqa: E402
 
 
 def main() -> None:
-    size = bench.SIZES[sys.argv[1]]
-    repeats = int(sys.argv[2]) if len(sys.argv) > 2 else 3
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("size", choices=sorted(bench.SIZES), help="a size of bench_scale.py")
+    parser.add_argument("repeats", nargs="?", type=int, default=3)
+    args = parser.parse_args()
+    size, repeats = bench.SIZES[args.size], args.repeats
     project = bench.make_project(Path(tempfile.mkdtemp()), size)
     key = GoldenKey(project.hardware_class, size.name, "step", "bfloat16")
     path = store.path_for(project.goldens, key)

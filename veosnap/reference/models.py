@@ -55,7 +55,8 @@ def text_config(toy: ToyConfig) -> transformers.PretrainedConfig:
 
 
 def _shared_config(toy: ToyConfig) -> transformers.PretrainedConfig:
-    """The cached config object of `toy` (built once per config hash); callers outside this module get copies."""
+    """The cached config object of `toy` (built once per config hash): never changed; callers outside this module
+    get copies (`hf_config`) or read it (`text_config`)."""
     key = toy.hash
     if key not in _CONFIGS:
         # A deep copy: transformers writes into nested sub-config dicts (a vision config's `model_type`), and

@@ -28,9 +28,9 @@ def hold(thing: object) -> None:
 def let_go() -> None:
     """Free what `hold` kept: call it where the check has time to spare (its model's weights being drawn)."""
     with _LOCK:
-        held = list(_HELD)
+        freed = list(_HELD)
         _HELD.clear()
-    del held
+    del freed  # here, outside the lock
 
 
 def held() -> int:
