@@ -185,3 +185,30 @@ def test_a_checks_golden_is_freed_by_the_next_check_beside_its_draw_not_at_its_o
     with pytest.raises(VeosnapError, match="planted"):
         check(project, key, backends.resolve("sdpa"))
     assert goldens[1]() is None and goldens[2]() is not None and letgo.held() == 1
+
+
+def test_the_step_runs_in_training_mode_and_a_fresh_model_is_not_set_again(monkeypatch):
+    # `model.train()` walks every module through nn.Module.__setattr__ (1.2 ms of the check's path at 12 layers):
+    # a freshly built model already trains, so it is skipped; a module a backend left in eval mode still gets the
+    # whole model set, and the step runs with every module training.
+    project = Project.resolve()
+    key = GoldenKey(project.hardware_class, "llama", "step", "float32")
+    calls: list[bool] = []
+    modes: list[bool] = []
+    train = torch.nn.Module.train
+
+    def recorded(self, mode=True):  # noqa: ANN001, ANN202
+        calls.append(mode)
+        return train(self, mode)
+
+    def evaluating(model):  # noqa: ANN001, ANN202 - a backend that leaves its attention in eval mode
+        model.model.layers[0].self_attn.eval()
+        calls.clear()
+        model.register_forward_pre_hook(lambda module, args: modes.append(all(m.training for m in module.modules())))
+        return model
+
+    monkeypatch.setattr(torch.nn.Module, "train", recorded)
+    assert check(project, key, backends.resolve("sdpa")).passed
+    assert calls == []
+    assert check(project, key, backends.Backend("evaluating", (evaluating,))).passed
+    assert calls and modes and all(modes)
