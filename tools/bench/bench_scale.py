@@ -1044,8 +1044,9 @@ def gil_cells(r: Row) -> list[str]:
             f"{max(extra, 0.0) * 1e3:.1f} ms"]
 
 
-def print_path(rows: list[Row]) -> str:
-    """The plain checks' paths (`path_of`): ms; + columns count from the backward's end on the device."""
+def print_path(rows: list[Row], drawn: bool = True) -> str:
+    """The plain checks' paths (`path_of`): ms; + columns count from the backward's end on the device. Drawn on the
+    console unless not `drawn`; returned as markdown."""
     table = Table(title="The plain check's path after its build, ms (+: from the backward's end on the device; "
                         "sum = build from + vet + to step + step starts late + step over + end + report)")
     for col in PATH_COLUMNS:
@@ -1053,9 +1054,27 @@ def print_path(rows: list[Row]) -> str:
     shown = [r for r in rows if r.path]
     for r in shown:
         table.add_row(*path_cells(r))
-    console.print(table)
+    if drawn:
+        console.print(table)
     md = ["| " + " | ".join(PATH_COLUMNS) + " |", "|" + "---|" * len(PATH_COLUMNS)]
     return "\n".join(md + ["| " + " | ".join(path_cells(r)) + " |" for r in shown])
+
+
+def saved_rows(paths: list[Path]) -> list[Row]:
+    """The rows of earlier runs' JSON files (`--json`), sizes prefixed by each file's folder when there are several;
+    a file that is not such a list is refused in one line."""
+    rows = []
+    for path in paths:
+        try:
+            saved = json.loads(path.read_text())
+            loaded = [Row(**fields) for fields in saved]
+        except (OSError, ValueError, TypeError) as exc:
+            raise SystemExit(f"{path}: not rows of bench_scale.py's --json ({exc})") from None
+        for row in loaded:  # named by folder (new-SIZE/, base-SIZE/), or by file where they share one
+            label = path.stem if len({p.parent for p in paths}) < len(paths) else path.parent.name
+            row.size = f"{label}/{row.size}" if len(paths) > 1 else row.size
+        rows += loaded
+    return rows
 
 
 def main() -> None:
@@ -1081,7 +1100,14 @@ def main() -> None:
     parser.add_argument("--sketch", default="auto", choices=("auto", "always"),
                         help="the goldens' sketch mode: `always` gives a narrow size the large sizes' path (sketched "
                              "tensors, no isolated layers) for a CPU measure of the per-module host cost")
+    parser.add_argument("--show", nargs="+", type=Path, metavar="JSON",
+                        help="run nothing: print the path table of rows saved by earlier runs (their --json files; "
+                             "with several, each row's size is prefixed by its file's folder, as new-SIZE/ and "
+                             "base-SIZE/ of a run against a baseline tree, or by its file's name where they share one)")
     args = parser.parse_args()
+    if args.show:
+        print(print_path(saved_rows(args.show), drawn=False))
+        return
     sizes = [SIZES[name] for name in args.sizes.split(",")]
     dtypes = args.dtypes.split(",")
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
