@@ -1,4 +1,5 @@
-"""The benchmark scripts' own surfaces that need no run: reading back saved rows."""
+"""The benchmark scripts' own surfaces that need no run: reading back saved rows, and the library functions they
+time (a tool that times a moved function fails at its first use, on the device, where a run is dear)."""
 
 from __future__ import annotations
 
@@ -34,3 +35,23 @@ def test_a_file_that_is_not_saved_rows_is_refused_in_one_line(tmp_path):
     assert done.returncode != 0
     assert done.stderr.strip().splitlines() == [f"{bad}: not rows of bench_scale.py's --json (Expecting value: line 1 "
                                                 "column 1 (char 0))"]
+
+
+
+def in_bench(code: str) -> subprocess.CompletedProcess:
+    """`code` run beside the benchmark scripts, in a process of its own (they wrap library functions)."""
+    return subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(ROOT / 'tools' / 'bench')!r}); "
+                           + code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
+def test_the_compare_benchmark_times_functions_the_compare_still_calls():
+    done = in_bench("import bench_compare\n"
+                    "for owner, name in bench_compare.PARTS:\n"
+                    "    assert callable(getattr(owner, name, None)), f'{owner.__name__}.{name}'")
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_scale_benchmark_times_every_phase_it_names():
+    done = in_bench("import bench_scale; bench_scale.instrument()")
+    assert done.returncode == 0, done.stderr
+    assert "(moved?)" not in done.stdout  # a moved function is reported, its phase reading 0

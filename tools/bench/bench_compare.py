@@ -37,9 +37,12 @@ from veosnap.runs.record import build_golden, encode_checked  # noqa: E402
 
 import veosnap.numerics.compare as compare_module  # noqa: E402, I001
 
-# The parts of the compare timed apart (medians, ms): routes, whole tensors, sketched tensors, structure.
-PARTS = [(check_module, "compare_route_sets"), (compare_module, "row_errors"), (compare_module, "compare_sketches"),
-         (check_module, "structure_changes")]
+# The parts of the compare timed apart (medians, ms): routes, whole tensors, sketched tensors, the projections,
+# their one read, structure. The middle three queue device work and return (`readback.Later`): with the sync
+# after each part, their time is their launches and their arithmetic, and `read_together` the transfer.
+PARTS = [(check_module, "compare_route_sets"), (compare_module, "row_errors_later"),
+         (compare_module, "compare_sketches_later"), (compare_module, "projections_later"),
+         (compare_module, "read_together"), (check_module, "structure_changes")]
 
 
 # Operators that make or name memory and launch nothing on a GPU (views, allocations).
