@@ -90,12 +90,12 @@ def check_candidate(project, key: GoldenKey, size: bench_scale.Size):  # noqa: A
     return None
 
 
-def measure(size: bench_scale.Size, dtype: str, work: Path, repeat: int) -> dict:
+def measure(size: bench_scale.Size, dtype: str, work: Path, repeat: int, sketch: str = "auto") -> dict:
     project = project_for(size, work)
     key = GoldenKey(project.hardware_class, size.name, "step", dtype)
     path = store.path_for(project.goldens, key)
     if not path.exists():
-        store.write_bytes(encode_checked(build_golden(project, key, allow_near_ties=True, sketch="auto"), path),
+        store.write_bytes(encode_checked(build_golden(project, key, allow_near_ties=True, sketch=sketch), path),
                           path, project.goldens)
     kept = []
     judge = check_module.judge
@@ -192,12 +192,18 @@ def parse_args(description: str, repeat: int) -> argparse.Namespace:
     parser.add_argument("--work", type=Path, default=Path("/tmp/veosnap-bench-compare"),
                         help="scratch folder for the projects and goldens (reused; shared by bench_compare and "
                              "bench_finish)")
-    return parser.parse_args()
+    parser.add_argument("--sketch", default="auto", choices=("auto", "always"),
+                        help="the goldens' sketch mode: `always` gives a narrow size the large sizes' compare (every "
+                             "tensor sketched), as bench_scale.py's --sketch")
+    args = parser.parse_args()
+    if args.sketch != "auto":  # its goldens apart from the auto ones, which the same key would name
+        args.work = args.work / f"sketch-{args.sketch}"
+    return args
 
 
 def main() -> None:
     args = parse_args(__doc__, repeat=5)
-    rows = [measure(bench_scale.SIZES[s], d, args.work, args.repeat)
+    rows = [measure(bench_scale.SIZES[s], d, args.work, args.repeat, args.sketch)
             for s in args.sizes.split(",") for d in args.dtypes.split(",")]
     print("| size | dtype | tensors (sketched/whole) | compare ms (median, min) | aten ops | host reads | passed |")
     print("|---|---|---|---|---|---|---|")

@@ -72,12 +72,12 @@ def _median_ms(fn, repeat: int) -> float:  # noqa: ANN001
     return statistics.median(times) * 1e3
 
 
-def measure(size: bench_scale.Size, dtype: str, work: Path, repeat: int) -> dict:
+def measure(size: bench_scale.Size, dtype: str, work: Path, repeat: int, sketch: str = "auto") -> dict:
     project = bench_compare.project_for(size, work)
     key = GoldenKey(project.hardware_class, size.name, "step", dtype)
     path = store.path_for(project.goldens, key)
     if not path.exists():
-        store.write_bytes(encode_checked(build_golden(project, key, allow_near_ties=True, sketch="auto"), path),
+        store.write_bytes(encode_checked(build_golden(project, key, allow_near_ties=True, sketch=sketch), path),
                           path, project.goldens)
     kept: list[tuple] = []  # (reducer, [(name, rows), ...]): one `finish` call, or one `finish_all` of a step's gradients
     finish, finish_all = CandidateReducer.finish, CandidateReducer.finish_all
@@ -127,7 +127,7 @@ def measure(size: bench_scale.Size, dtype: str, work: Path, repeat: int) -> dict
 
 def main() -> None:
     args = bench_compare.parse_args(__doc__, repeat=15)
-    rows = [measure(bench_scale.SIZES[s], d, args.work, args.repeat)
+    rows = [measure(bench_scale.SIZES[s], d, args.work, args.repeat, args.sketch)
             for s in args.sizes.split(",") for d in args.dtypes.split(",")]
     print("| size | dtype | sketched tensors finished | finish ms/tensor (median) | aten ops/tensor (all / top-level "
           "/ launching) | report ms (median) | report aten ops | tensors | passed |")
