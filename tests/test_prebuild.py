@@ -4,6 +4,7 @@ same model, the same refusals in the same order, and nothing of it outlives the 
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from golden_repo import CLASS
 from test_golden_background import copy_golden, edited_logits
 
 from veosnap.candidates import backends
+from veosnap.errors import VeosnapError
 from veosnap.golden import background
 from veosnap.golden.key import GoldenKey
 from veosnap.reference import coverage, limits, models, weights
@@ -85,9 +87,27 @@ def test_the_limits_vet_the_model_as_constructed_with_the_skeletons_count(monkey
     toy = load_config(Project.resolve().configs, "qwen3_moe")
     seen: list[int] = []
     prebuilt = Prebuild(toy, "float32", torch.device("cpu"), lambda: (0, lambda m: seen.append(
-        limits.check_config(toy, m))))
+        limits.check_model(toy, m))))
     assert prebuilt.take("cpu", 0) is not None
-    assert seen == [limits.check_config(toy)]
+    assert seen == [limits.check_model(toy, models.skeleton(toy))]
+
+
+def test_a_config_the_limits_passed_is_passed_again_without_a_look(monkeypatch):
+    # A pytest session constructs one config's model once per backend and layout, and each prebuild vets it on the
+    # build's path: from the second on, the count is the first's, with no walk over the model.
+    toy = load_config(Project.resolve().configs, "qwen3_moe")
+    first = limits.check_config(toy, models.skeleton(toy))
+    monkeypatch.setattr(limits, "check_model", lambda *_: pytest.fail("the model was walked again"))
+    assert limits.check_config(toy, models.skeleton(toy)) == first
+
+
+def test_a_refused_config_is_refused_every_time(monkeypatch):
+    base = load_config(Project.resolve().configs, "llama")
+    toy = replace(base, config={**base.config, "vocab_size": base.config["vocab_size"] + 7})  # a config unseen here
+    monkeypatch.setattr(limits, "MAX_PARAMETERS", 1000)
+    for _ in range(2):
+        with pytest.raises(VeosnapError, match="over veosnap's limit"):
+            limits.check_config(toy)
 
 
 TOYS = list_models(Project.resolve().configs, "toy")
@@ -101,9 +121,9 @@ def test_the_vetting_finds_on_the_constructed_model_what_the_skeleton_says(model
     skeleton = models._build_skeleton(toy)
     found: list = []
     prebuilt = Prebuild(toy, "float32", torch.device("cpu"), lambda: (0, lambda m: found.append(
-        (limits.check_config(toy, m), coverage.produces(m)))))
+        (limits.check_model(toy, m), coverage.produces(m)))))
     assert prebuilt.take("cpu", 0) is not None
-    assert found == [(limits.check_config(toy, skeleton), coverage.produces(skeleton))]
+    assert found == [(limits.check_model(toy, skeleton), coverage.produces(skeleton))]
     assert prebuilt.vetted() is None  # that vetting returned nothing: nothing to read
 
 
