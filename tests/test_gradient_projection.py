@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 from golden_repo import CLASS, REPO
 
 from veosnap.candidates import backends
@@ -116,3 +117,29 @@ def test_a_refresh_adds_the_bounds_to_a_golden_recorded_before_them(tmp_path, ca
     assert "gradient projection bound(s) added" in capsys.readouterr().out
     assert all(t.scale_bound is not None for n, t in store.read(path).manifest.tolerance.items()
                if isinstance(names.parse(n), names.Grad))
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_projections_of_many_gradients_at_once_are_each_ones_alone(device):
+    # A check queues every whole gradient's projection after the backward (four kernels a gradient on a GPU):
+    # each must be the one `projection` gives that gradient alone, an all-zero or empty golden's 0.
+    torch.manual_seed(0)
+    pairs = []
+    for shape, scale in (((2048,), 1.01), ((64, 33), 0.97), ((5, 7, 3), 1.0), ((), 1.02), ((0,), 1.0)):
+        golden = torch.randn(shape).to(torch.bfloat16)
+        pairs.append(((golden.float() * scale + 1e-3 * torch.randn(shape)).to(torch.bfloat16), golden))
+    pairs.append((torch.ones(10, dtype=torch.bfloat16), torch.zeros(10, dtype=torch.bfloat16)))
+    pairs.append((torch.randn(4, 4, dtype=torch.float64), torch.randn(4, 4).to(torch.bfloat16)))  # dtypes apart
+    together = projection.projections_later(pairs, device=device).read()
+    alone = [projection.projection(c, g) for c, g in pairs]
+    assert together == pytest.approx(alone, rel=1e-12, abs=1e-15)
+    assert together[0] == pytest.approx(0.01, abs=2e-3) and together[1] == pytest.approx(-0.03, abs=2e-3)
+    assert together[-3:-1] == [0.0, 0.0]
+
+
+def test_a_projection_onto_another_shape_is_refused():
+    with pytest.raises(ValueError, match=r"\(6,\) tensor onto a \(2, 3\) one"):
+        projection.projections_later([(torch.ones(6), torch.ones(2, 3))])
