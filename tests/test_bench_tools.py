@@ -37,7 +37,6 @@ def test_a_file_that_is_not_saved_rows_is_refused_in_one_line(tmp_path):
                                                 "column 1 (char 0))"]
 
 
-
 def in_bench(code: str) -> subprocess.CompletedProcess:
     """`code` run beside the benchmark scripts, in a process of its own (they wrap library functions)."""
     return subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(ROOT / 'tools' / 'bench')!r}); "
