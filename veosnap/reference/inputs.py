@@ -25,7 +25,6 @@ import inspect
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import torch
 
 from ..errors import Unsupported, VeosnapError
@@ -42,6 +41,14 @@ MEDIA_SEQUENCES_FILE = "multimodal_sequences.parquet"
 ROPE_POSITIONS = "mrope_position_ids"  # the golden's name of `Batch.rope_positions`
 
 
+def _parquet():  # noqa: ANN202 - pyarrow.parquet
+    # Imported when a table is read: a check reads its batch from the golden, and every rank and CLI start would
+    # pay pyarrow's import (0.3 s on a 2-core CPU) for nothing.
+    import pyarrow.parquet
+
+    return pyarrow.parquet
+
+
 FIRST_TOKEN = 3  # ids 0 (pad), 1 (bos) and 2 (eos) never appear inside a derived sequence
 
 
@@ -54,10 +61,10 @@ def load_sequences(testdata_dir: Path, ids: tuple[int, ...] = DEFAULT_SEQUENCES,
     """
     path = Path(testdata_dir) / source
     try:
-        names = pq.read_schema(path).names
+        names = _parquet().read_schema(path).names
         derived = "tokens" not in names
         columns = ["id", "length", "seed"] if derived else ["id", "tokens"]
-        table = pq.read_table(path, columns=columns).to_pydict()
+        table = _parquet().read_table(path, columns=columns).to_pydict()
     except (OSError, ValueError, KeyError) as exc:
         raise VeosnapError(f"{path}: cannot read the token table ({exc})") from None
     if derived:
@@ -420,7 +427,7 @@ def load_media(testdata_dir: Path) -> dict[str, Medium]:
     """Every medium of `<testdata_dir>/multimodal.parquet`, by id."""
     path = Path(testdata_dir) / MEDIA_FILE
     try:
-        rows = pq.read_table(path).to_pylist()
+        rows = _parquet().read_table(path).to_pylist()
         out = {}
         for row in rows:
             dtype = {"uint8": torch.uint8, "int16": torch.int16}[row["dtype"]]
@@ -435,7 +442,7 @@ def load_media_sequences(testdata_dir: Path, family: str) -> dict[str, tuple[lis
     """The token sequences of `multimodal_sequences.parquet` for one media family: sample -> (tokens, media)."""
     path = Path(testdata_dir) / MEDIA_SEQUENCES_FILE
     try:
-        rows = pq.read_table(path).to_pylist()
+        rows = _parquet().read_table(path).to_pylist()
     except (OSError, ValueError) as exc:
         raise VeosnapError(f"{path}: cannot read the multimodal token table ({exc})") from None
     found = {r["sample"]: (list(r["tokens"]), list(r["media"])) for r in rows if r.get("family") == family}
