@@ -7,10 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "api.md"
 
 
+@pytest.mark.heavy
 def test_the_documented_session_runs(tmp_path: Path) -> None:
     (example,) = re.findall(r"### A session in Python.*?```python[^\n]*\n(.*?)```", DOC.read_text(encoding="utf-8"), re.S)
     script = tmp_path / "session.py"

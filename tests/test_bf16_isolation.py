@@ -122,6 +122,7 @@ MULTI = ["fsdp2", "ddp", "hsdp", "tp", "ep"]
 
 
 @gpus_for(2)
+@pytest.mark.heavy
 def test_a_one_percent_expert_error_fails_under_every_multi_process_layout(repo_project):
     """The parts are isolated on every rank too (each runs the whole batch through the candidate: FSDP's
     gathers and the tensor/expert plans' collectives joined by all), so no layout lets a 1% bug through;
@@ -138,6 +139,7 @@ def test_a_one_percent_expert_error_fails_under_every_multi_process_layout(repo_
 
 
 @gpus_for(2)
+@pytest.mark.heavy
 def test_under_tensor_parallel_each_ranks_heads_are_gathered_and_a_one_head_error_is_named(repo_project):
     """Each rank's per-head part is its chunk of the heads (the row-parallel output projection's input); gathered in
     its weight's mesh order it is judged whole. The planted fault scales the first head's width of each rank's
@@ -152,6 +154,7 @@ def test_under_tensor_parallel_each_ranks_heads_are_gathered_and_a_one_head_erro
 
 
 @gpus_for(2)
+@pytest.mark.heavy
 def test_the_isolated_run_replays_each_layouts_own_passes(repo_project):
     """A 1% attention error only a packed row takes: the golden's padded rows never run it (single passes), every
     layout that packs fails it in its isolated attention, though the whole model passes it (until 2026-12-06 the
@@ -168,6 +171,7 @@ def test_the_isolated_run_replays_each_layouts_own_passes(repo_project):
 
 
 @gpus_for(2)
+@pytest.mark.heavy
 def test_sequence_and_context_parallel_isolate_through_their_exchange_and_train_under_fsdp2_isolates(repo_project):
     """Under sp and cp each rank's parts are fed its slice of the positions, and the exchange carries the
     reference's inputs (until 2026-12-06 they were not isolated: a 1% attention error passed in bfloat16)."""
@@ -200,6 +204,7 @@ def refuses_on_rank_1(model):
 
 
 @gpus_for(2)
+@pytest.mark.heavy
 def test_a_rank_whose_isolated_run_fails_leaves_the_parts_unisolated_and_the_report_says_which(repo_project, tmp_path):
     """Each rank replays its own passes and the rows merge; one rank's failure stops the merge on all (no rank
     waits in a collective), and rank 0's report names the rank and its error."""

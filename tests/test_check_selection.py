@@ -42,6 +42,7 @@ def test_check_without_dtype_checks_only_the_dtypes_recorded(project_dir, capsys
     assert [(r["model"], r["dtype"], r["passed"]) for r in results] == [("qwen3", "float32", True)]
 
 
+@pytest.mark.heavy
 def test_no_golden_names_the_command_that_records_it_and_that_command_runs(project_dir, capsys) -> None:
     assert main(["check", "--model", "qwen3"]) == 2
     err = capsys.readouterr().err.strip()

@@ -34,6 +34,7 @@ def faults(tmp_path: Path, *argv: str) -> dict:
     return json.loads(done.stdout)
 
 
+@pytest.mark.heavy
 def test_sigkill_during_recording_never_loses_the_golden(tmp_path):
     stats = faults(tmp_path, "kill", "--mode", "record", "--kills", "21", "--seed", "1")
     assert stats["errors"] == []
@@ -54,6 +55,7 @@ def test_sigkill_during_the_write_never_tears_the_golden(tmp_path):
     assert stats["staged_after_write"] == stats["changed_by_staged"] == 14
 
 
+@pytest.mark.heavy
 def test_parallel_recorders_never_interfere(tmp_path):
     stats = faults(tmp_path, "race", "--rounds", "6")
     assert stats["errors"] == []

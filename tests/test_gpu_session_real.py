@@ -142,6 +142,7 @@ def test_units_wait_for_their_golden_and_share_the_memory():
     assert gpu_real.simulate(units, {"record": 2, "check": 1}, 120, budget_s=0)["not_reached"]  # nothing starts late
 
 
+@pytest.mark.heavy
 def test_gpu_real_records_then_checks_on_worker_processes(tmp_path):
     """The whole phase on the CPU with two toys: a recording worker records each golden and judges it with
     the recorder's variants (their reports are the matrix's cells), a checking worker runs the other
@@ -237,6 +238,7 @@ def test_a_unit_marked_alone_waits_for_the_gpu_to_drain_and_nothing_starts_besid
     assert not gpu_real.out_of_memory({"status": "recorded"})
 
 
+@pytest.mark.heavy
 def test_gpu_real_passes_excuses_to_its_records_and_refuses_a_stale_one(tmp_path):
     """`--excuse MODEL/DTYPE:VARIANT=REASON` reaches the record unit, which decides as `veosnap record
     --excuse` does: here grouped_mm passes the toy qwen3_moe, so the excuse is stale and nothing is written."""

@@ -30,6 +30,7 @@ def test_record_keys_cover_every_scenario_a_model_has_a_golden_for(repo_project)
     assert order[0][:2] in {("qwen2_vl", "vision"), ("qwen2_vl", "train")} and order[-1][:2] == ("seed_oss", "step")
 
 
+@pytest.mark.heavy
 def test_two_jobs_record_the_chosen_models_and_tar_what_they_recorded(scratch_project, tmp_path):
     out = tmp_path / "out"
     out.mkdir()

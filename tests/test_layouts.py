@@ -97,6 +97,7 @@ def failing(report) -> set[str]:  # noqa: ANN001
 
 
 @gpus_for(2)
+@pytest.mark.heavy
 def test_gradients_summed_across_ranks_fail_on_the_gradients_only(faulty: dict) -> None:
     report = faulty["ddp"]
     assert report.status == "FAIL"
@@ -131,11 +132,13 @@ def test_a_rank_that_dies_ends_the_check_with_an_error_naming_it(faulty: dict) -
 
 
 @gpus_for(2)
+@pytest.mark.heavy
 def test_a_rank_that_hangs_is_ended_at_the_time_limit(project: Project) -> None:
     report = check(project, key("llama"), backends.resolve("eager"), f"{FAULTS}:ddp_hang", timeout_s=15)
     assert report.status == "ERROR" and "timed out after 15 s" in report.error
 
 
+@pytest.mark.heavy
 def test_route_flips_under_layouts_are_reported_and_gradients_compared_under_replay(project: Project) -> None:
     backend = backends.resolve(f"{HERE / 'route_flip_backend.py'}:next_expert")
     layouts = ["microbatch", "ddp"] if RANKS else ["microbatch"]

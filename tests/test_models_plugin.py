@@ -29,6 +29,7 @@ def test_train_steps_match_golden(veosnap_check, model, dtype):
 
 @pytest.mark.parametrize("layout", ["packed", "microbatch", pytest.param("ddp", marks=gpus_for(2)),
                                     pytest.param("fsdp2", marks=gpus_for(2))])
+@pytest.mark.heavy
 def test_layouts_are_checked_through_the_fixture(veosnap_check, layout):
     report = veosnap_check("qwen3_moe", layout=layout)
     assert report.layout == layout and report.passed

@@ -52,6 +52,7 @@ def run(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
+@pytest.mark.heavy
 def test_routers_veosnap_cannot_read_are_named_by_record_the_golden_and_every_report(own_project, capsys):
     own_project("jetmoe", JETMOE)
     code, out, err = run(capsys, "record", "--model", "jetmoe", "--dtype", "float32")

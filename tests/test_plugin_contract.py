@@ -167,6 +167,7 @@ def test_the_recorder_still_records_the_committed_moe_goldens_byte_for_byte(proj
 
 
 @gpus_for(2)  # two ranks: NCCL, one GPU each, on a CUDA machine
+@pytest.mark.heavy
 def test_generator_backends_stay_applied_under_packed_and_fsdp2_and_are_undone_after(
         project: Project, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     log = tmp_path / "events.txt"
@@ -184,6 +185,7 @@ def test_generator_backends_stay_applied_under_packed_and_fsdp2_and_are_undone_a
 
 
 @gpus_for(2)  # two ranks: NCCL, one GPU each, on a CUDA machine
+@pytest.mark.heavy
 def test_a_backend_is_told_where_it_runs_in_process_and_on_every_rank(project: Project) -> None:
     reports = {**check("qwen3_moe", "where", "single", "packed", project=project),
                **check("qwen3_moe", "where", "ddp", "fsdp2", "hsdp", "ep", "sp", project=project)}
@@ -202,12 +204,14 @@ def test_a_backend_is_told_where_it_runs_in_process_and_on_every_rank(project: P
 
 
 @gpus_for(2)  # two ranks: NCCL, one GPU each, on a CUDA machine
+@pytest.mark.heavy
 def test_a_backend_that_parallelizes_gets_the_plain_reference_even_under_ep(project: Project) -> None:
     (report,) = check("qwen3_moe", "where_parallelizing", "ep", project=project).values()
     assert "layout=ep" in report.skipped and "sharded_before=False" in report.skipped
 
 
 @gpus_for(2)  # two ranks: NCCL, one GPU each, on a CUDA machine
+@pytest.mark.heavy
 def test_a_framework_shards_the_model_itself_and_the_layout_does_not_shard_it_again(project: Project) -> None:
     reports = check("llama", "own_fsdp2", "fsdp2", "hsdp", project=project)
     for report in reports.values():
@@ -216,6 +220,7 @@ def test_a_framework_shards_the_model_itself_and_the_layout_does_not_shard_it_ag
 
 
 @gpus_for(2)  # two ranks: NCCL, one GPU each, on a CUDA machine
+@pytest.mark.heavy
 def test_full_gradients_read_a_framework_reduction_and_a_forgotten_reduction_fails(project: Project) -> None:
     assert check("llama", "own_reduction", "ddp", project=project)["ddp"].passed
     report = check("llama", "own_reduction_forgotten", "fsdp2", project=project)["fsdp2"]
@@ -244,6 +249,7 @@ def test_two_steps_of_a_combination_cannot_both_adapt_the_batch() -> None:
 
 
 @gpus_for(2)  # two ranks: NCCL, one GPU each, on a CUDA machine
+@pytest.mark.heavy
 def test_a_candidate_printing_to_stdout_leaves_the_json_document_whole() -> None:
     spec = f"{PLUGIN}:chatty+{PLUGIN}:collator_form"  # and adapts the batch, under a layout of every kind
     done = subprocess.run([sys.executable, "-m", "veosnap", "check", "--model", "llama", "--dtype", "float32",
@@ -338,6 +344,7 @@ def test_a_structure_change_is_said_before_any_number_naming_the_versions(drifte
 
 
 @gpus_for(2)  # two ranks: NCCL, one GPU each, on a CUDA machine
+@pytest.mark.heavy
 def test_the_rank_that_failed_first_is_reported_not_the_one_torchrun_stopped(project: Project) -> None:
     report = check("llama", "rank0_fails_first", "fsdp2", project=project)["fsdp2"]
     assert report.status == "ERROR"

@@ -106,6 +106,7 @@ def project(recorded: Path, tmp_path: Path) -> Path:
     return copy
 
 
+@pytest.mark.heavy
 def test_readme_example_passes(project: Path) -> None:
     run = pytest_in(project)
     assert run.ret == 0, run.output
@@ -113,6 +114,7 @@ def test_readme_example_passes(project: Path) -> None:
     assert "unused" not in run.output
 
 
+@pytest.mark.heavy
 def test_snapshot_update_on_an_unchanged_tree_leaves_the_goldens_byte_identical(project: Path) -> None:
     run = pytest_in(project, "--snapshot-update")
     assert run.ret == 0, run.output
@@ -121,6 +123,7 @@ def test_snapshot_update_on_an_unchanged_tree_leaves_the_goldens_byte_identical(
     assert git(project, "status", "--porcelain") == ""
 
 
+@pytest.mark.heavy
 def test_a_deleted_golden_is_reported_missing_and_recreated_by_snapshot_update(project: Path) -> None:
     original = (project / LLAMA).read_bytes()
     (project / LLAMA).unlink()
@@ -140,6 +143,7 @@ def test_a_deleted_golden_is_reported_missing_and_recreated_by_snapshot_update(p
     assert git(project, "status", "--porcelain") == ""
 
 
+@pytest.mark.heavy
 def test_a_planted_bug_in_the_backend_fails_with_veosnaps_report(project: Path) -> None:
     kernel = project / "mypkg" / "attention.py"
     old, new = PLANTED_BUG
@@ -170,6 +174,7 @@ def test_a_planted_bug_in_the_backend_fails_with_veosnaps_report(project: Path) 
     assert git(project, "status", "--porcelain") == " M mypkg/attention.py\n"
 
 
+@pytest.mark.heavy
 def test_veosnap_html_writes_one_page_per_failing_check_named_after_the_test(project: Path) -> None:
     kernel = project / "mypkg" / "attention.py"
     old, new = PLANTED_BUG
@@ -192,6 +197,7 @@ def test_veosnap_html_writes_one_page_per_failing_check_named_after_the_test(pro
     assert "veosnap: --veosnap-html not-a-dir: not a directory" in run.output
 
 
+@pytest.mark.heavy
 def test_a_layout_checked_through_the_fixture_fails_on_a_planted_layout_bug(project: Path) -> None:
     planted = REPO / "tests" / "layout_faults.py"
     (project / "tests" / "test_layouts.py").write_text(
@@ -207,6 +213,7 @@ def test_a_layout_checked_through_the_fixture_fails_on_a_planted_layout_bug(proj
     assert "first diverging layer: layer 0 (layers.0.output" in run.output
 
 
+@pytest.mark.heavy
 def test_file_paths_in_tests_are_the_projects_wherever_pytest_starts(project: Path) -> None:
     planted = Path("tests") / "planted_layout.py"
     shutil.copy(REPO / "tests" / "layout_faults.py", project / planted)
@@ -233,6 +240,7 @@ def unused_golden(project: Path) -> Path:
 
 
 @bookkeeping
+@pytest.mark.heavy
 def test_unused_goldens_fail_a_full_run_are_kept_by_partial_runs_and_deleted_only_on_request(project: Path) -> None:
     unused = unused_golden(project)
 
@@ -261,6 +269,7 @@ def test_unused_goldens_fail_a_full_run_are_kept_by_partial_runs_and_deleted_onl
     assert git(project, "status", "--porcelain") == ""
 
 
+@pytest.mark.heavy
 def test_a_real_shape_golden_is_not_unused_when_the_suite_checks_toys_only(project: Path) -> None:
     """A tier the run did not check is not the run's to call unused: toy checks leave real-shape goldens be."""
     committed = committed_golden("qwen3-real")  # this class's; skips where none is recorded (cuda: record-real)
@@ -276,6 +285,7 @@ def test_a_real_shape_golden_is_not_unused_when_the_suite_checks_toys_only(proje
 
 
 @bookkeeping
+@pytest.mark.heavy
 def test_a_veosnap_test_skipped_before_its_check_keeps_unused_goldens(project: Path) -> None:
     unused = unused_golden(project)
     (project / "tests" / "test_gpu.py").write_text(
@@ -290,6 +300,7 @@ def test_a_veosnap_test_skipped_before_its_check_keeps_unused_goldens(project: P
     assert unused.is_file()
 
 
+@pytest.mark.heavy
 def test_a_hardware_class_without_goldens_skips_with_the_reason(project: Path) -> None:
     other = "cuda-sm90" if CLASS != "cuda-sm90" else "cuda-sm89"
     run = pytest_in(project, "-rs", "--veosnap-hardware-class", other)
@@ -298,6 +309,7 @@ def test_a_hardware_class_without_goldens_skips_with_the_reason(project: Path) -
     assert f"no goldens for hardware class {other}" in run.output
 
 
+@pytest.mark.heavy
 def test_goldens_of_other_versions_get_one_note_at_the_end_of_the_run(project: Path) -> None:
     from dataclasses import replace
 
@@ -318,6 +330,7 @@ def test_goldens_of_other_versions_get_one_note_at_the_end_of_the_run(project: P
 
 
 @bookkeeping
+@pytest.mark.heavy
 def test_under_xdist_only_the_unused_golden_is_deleted(project: Path) -> None:
     pytest.importorskip("xdist")
     unused = unused_golden(project)

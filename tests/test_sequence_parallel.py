@@ -114,6 +114,7 @@ def planted(project: Project) -> dict:
 
 
 @gpus_for(2)
+@pytest.mark.heavy
 def test_heads_resharded_in_the_wrong_order_fail_from_the_first_layer(planted: dict) -> None:
     report = planted["sp_heads_reversed"]
     assert report.status == "FAIL"
@@ -157,6 +158,7 @@ def test_expert_parallel_ranks_with_uneven_token_counts_pass(planted: dict) -> N
 
 
 @gpus_for(2)
+@pytest.mark.heavy
 def test_a_frameworks_own_exchange_is_used_through_the_hook(project: Project) -> None:
     backend = backends.resolve(f"{HERE / 'sequence_backends.py'}:list_exchange")
     reports = check_layouts(project, GoldenKey(CLASS, "llama", "step", "float32"), backend, ["sp", "sp_packed"],
@@ -167,6 +169,7 @@ def test_a_frameworks_own_exchange_is_used_through_the_hook(project: Project) ->
 
 
 @gpus_for(2)
+@pytest.mark.heavy
 def test_torch_and_veosnap_gather_a_strided_shard_alike() -> None:
     # The tp gradient gather for transformers' fused gate/up experts (torch 2.11 cannot; see probes.full).
     out = Path(os.environ.get("TMPDIR", "/tmp")) / f"veosnap-strided-{os.getpid()}"

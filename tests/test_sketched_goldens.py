@@ -79,6 +79,7 @@ def layer_of(report) -> str | None:  # noqa: ANN001
 # --- the format -------------------------------------------------------------------------------------------
 
 
+@pytest.mark.heavy
 def test_sketch_always_stores_every_sketchable_tensor_as_a_sketch_in_schema_2(twins):
     whole, sketched = read(twins["never"], "qwen3_moe"), read(twins["always"], "qwen3_moe")
     assert whole.manifest.schema_version == 1 and whole.manifest.sketch is None and not whole.sketches
@@ -263,6 +264,7 @@ LAYOUT_FAULTS = ("packed_no_restart", "ddp_sum_grads", "sp_grads_unreduced", "sp
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,
                     reason="two ranks, one GPU each: this machine has one GPU (on the CPU they run on gloo)")
+@pytest.mark.heavy
 def test_layouts_pass_and_planted_layout_bugs_fail_against_a_sketched_golden(twins):
     """Packed and micro-batched passes, DDP, FSDP2 and sequence parallel on gloo: token rows are sketched
     at their golden positions in each pass, FSDP2's Shard(0) gradients shard by shard; the planted

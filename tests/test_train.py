@@ -64,6 +64,7 @@ def test_microbatch_accumulation_passes_on_train(repo_project: Project, model: s
 
 
 @gpus_for(2)
+@pytest.mark.heavy
 def test_ddp_and_fsdp2_pass_on_train_and_tp_says_why_it_does_not_run(repo_project: Project) -> None:
     reports = check_layouts(repo_project, key("qwen3_moe"), backends.resolve("eager"),
                             ["ddp", "fsdp2", "tp"], nproc=2, timeout_s=TIMEOUT_S)
@@ -90,6 +91,7 @@ def test_clipping_per_micro_batch_fails_on_train_while_step_passes(repo_project:
 
 
 @gpus_for(2)
+@pytest.mark.heavy
 def test_clipping_by_the_local_shard_norm_fails_under_fsdp2_while_step_passes(repo_project: Project) -> None:
     eager, planted = backends.resolve("eager"), f"{FAULTS}:fsdp2_clip_local"
     step = check(repo_project, key("llama", scenario="step"), eager, planted, timeout_s=TIMEOUT_S)

@@ -146,6 +146,7 @@ def test_item5_a_backend_or_hook_that_ends_the_process_is_an_error_naming_it(can
 
 
 @gpus_for(2)  # two ranks: NCCL, one GPU each, on a CUDA machine
+@pytest.mark.heavy
 def test_item5_exits_are_errors_in_every_layout(candidates):
     done = veosnap_check("--model", "llama", "--backend", f"{candidates}:exits_in_a_hook", "--layout", "microbatch",
                          "--layout", "packed", "--layout", "ddp")
@@ -175,6 +176,7 @@ def test_item5_a_backend_file_that_exits_while_imported_is_refused_in_one_line(t
 
 # --- item 5: timeouts -----------------------------------------------------------------------------
 
+@pytest.mark.heavy
 def test_item5_a_hanging_candidate_is_ended_at_its_timeout_in_process_layouts(candidates):
     done = veosnap_check("--model", "llama", "--backend", f"{candidates}:hangs", "--layout", "single", "--layout",
                          "microbatch", "--timeout", "2", timeout=240)
@@ -323,6 +325,7 @@ def test_item6_recording_after_a_candidate_ran_happens_in_a_fresh_process(tmp_pa
     assert outcome.path.read_bytes() == pristine
 
 
+@pytest.mark.heavy
 def test_item6_the_fresh_recording_process_is_reused_only_while_it_vouches_for_itself(tmp_path, monkeypatch):
     from veosnap.runs import isolated
 
@@ -368,6 +371,7 @@ def _downstream(root: Path) -> Path:
     return project
 
 
+@pytest.mark.heavy
 def test_item6_pytest_snapshot_update_records_from_a_pristine_process(tmp_path):
     project = _downstream(tmp_path)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "VEOSNAP_")) and k != "PYTHONPATH"}

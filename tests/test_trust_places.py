@@ -54,6 +54,7 @@ def snapshot(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.heavy
 def test_item7_a_space_separated_veosnap_configs_dir_does_not_become_the_project(tmp_path):
     other = tmp_path / "other"  # another tree with its own pytest config and goldens
     (other / "toy_configs").mkdir(parents=True)
@@ -73,6 +74,7 @@ def test_item7_a_space_separated_veosnap_configs_dir_does_not_become_the_project
     assert (project / "goldens" / LLAMA.relpath).read_bytes() == recorded_here("llama")  # from the llama config
 
 
+@pytest.mark.heavy
 def test_item7_unused_goldens_are_deleted_only_on_request_and_only_those_the_run_could_have_used(tmp_path):
     used_class_dtype_scenario = GoldenKey(CLASS, "qwen2", "step", "float32")
     out_of_scope = [GoldenKey(CLASS, "llama", "step", "bfloat16"), GoldenKey(CLASS, "llama", "train", "float32"),
