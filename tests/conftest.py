@@ -49,6 +49,21 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: (-heavy[item.path], first_seen[item.path]))
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN001, ANN201 - xdist's Producer, Scheduling
+    """`-n 2` steals work (`--dist worksteal`) unless another `--dist` is given.
+
+    xdist's default (`load`) hands each worker a quarter of the suite up front: with the heavy files first, one
+    worker was still working through its share alone for about five minutes at the end of a run while the other
+    idled (2026-12-07). A worker that runs out takes half of the other's queue instead.
+    """
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import WorkStealingScheduling
+
+    return WorkStealingScheduling(config, log)
+
+
 @pytest.fixture(scope="session")
 def hardware_class() -> str:
     """This machine's hardware class: the class of the goldens the suite records and checks."""
