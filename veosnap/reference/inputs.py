@@ -41,15 +41,15 @@ MEDIA_SEQUENCES_FILE = "multimodal_sequences.parquet"
 ROPE_POSITIONS = "mrope_position_ids"  # the golden's name of `Batch.rope_positions`
 
 
+FIRST_TOKEN = 3  # ids 0 (pad), 1 (bos) and 2 (eos) never appear inside a derived sequence
+
+
 def _parquet():  # noqa: ANN202 - pyarrow.parquet
     # Imported when a table is read: a check reads its batch from the golden, and every rank and CLI start would
     # pay pyarrow's import (0.3 s on a 2-core CPU) for nothing.
     import pyarrow.parquet
 
     return pyarrow.parquet
-
-
-FIRST_TOKEN = 3  # ids 0 (pad), 1 (bos) and 2 (eos) never appear inside a derived sequence
 
 
 def load_sequences(testdata_dir: Path, ids: tuple[int, ...] = DEFAULT_SEQUENCES, source: str = SEQUENCES_FILE,
