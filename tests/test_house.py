@@ -102,3 +102,22 @@ def test_importing_veosnap_and_its_pytest_plugin_loads_no_torch():
             "assert 'torch' not in sys.modules, 'torch was imported'; print(veosnap.__version__)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stderr
+
+
+# Imported where they are used, not when veosnap loads: every rank, CLI run and fresh recorder imports the
+# package, and a check reads its batch from the golden, not from a parquet table (pyarrow: 0.3 s a start).
+LAZY = {"pyarrow"}
+
+
+def test_optional_heavy_libraries_are_imported_inside_the_functions_that_use_them():
+    eager = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        inside = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                  for n in ast.walk(f)}
+        top = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) and id(n) not in inside]
+        for node in top:
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            eager += [f"{path.relative_to(ROOT)}:{node.lineno} imports {name}" for name in names
+                      if name.split(".")[0] in LAZY]
+    assert not eager, "\n".join(eager)
