@@ -100,6 +100,9 @@ def project(recorded: Path, tmp_path: Path) -> Path:
     """A fresh copy of the recorded example project, under git."""
     copy = tmp_path / "project"
     shutil.copytree(recorded, copy)
+    # as a Python project's repository does: byte code is no change of the project's (Python writes it
+    # beside the sources unless PYTHONDONTWRITEBYTECODE is set, and this suite's processes write it)
+    (copy / ".gitignore").write_text("__pycache__/\n", encoding="utf-8")
     git(copy, "init", "-q", ".")
     git(copy, "add", "-A")
     git(copy, "commit", "-qm", "recorded")
