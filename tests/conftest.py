@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 
 # The suite starts about 300 Python processes (torchrun's ranks, pytest in pytest, the CLI as printed, the
-# fresh recorder). Under PYTHONDONTWRITEBYTECODE (set on the machine the suite is timed on) each of them compiled veosnap's and
-# the tests' sources afresh, 0.3 s a process (`-X importtime`: veosnap's own imports 500 -> 200 ms). The
-# suite's processes write and reuse byte code (in `__pycache__`, which git ignores), from here on: this
-# process's later imports, the xdist workers and every subprocess inherit it.
+# fresh recorder). Under PYTHONDONTWRITEBYTECODE (set on the machine the suite is timed on) each of them
+# compiled veosnap's and the tests' sources afresh, 0.3 s a process (`-X importtime`: veosnap's own imports
+# 500 -> 200 ms). The suite's processes write and reuse byte code (in `__pycache__`, which git ignores), from
+# here on: this process's later imports, the xdist workers and every subprocess inherit it.
 if sys.dont_write_bytecode:
     sys.dont_write_bytecode = False
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
