@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shlex
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ from veosnap.golden.key import GoldenKey
 from veosnap.reference import models, weights
 from veosnap.reference.inputs import Batch
 from veosnap.reference.zoo import load_config
-from veosnap.runs.record import build_golden, record
+from veosnap.runs.record import build_golden, encode_checked, record
 from veosnap.surfaces.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,6 +50,26 @@ def test_record_then_check_passes_and_rerecording_gives_identical_bytes(scratch_
     out = capsys.readouterr().out
     assert f"PASS  {CLASS}/qwen3_moe/step-float32  backend=sdpa" in out
     assert "1 passed, 0 failed" in out
+
+
+def test_rerecording_on_another_machine_of_the_class_keeps_the_golden_it_measures_in_other_digits(scratch_project,
+                                                                                                   capsys):
+    # The canaries' ratios are measured figures: two CPUs of one class gave 138.55 and 138.58 for one golden
+    # whose tensors were the same bits. Such a golden is the one on disk, and recording writes nothing.
+    assert cli(scratch_project, "record", "--model", "llama", "--dtype", "float32") == 0
+    path = scratch_project.goldens / CLASS / "llama" / "step-float32.safetensors.zst"
+    golden = store.read(path)
+    measured = golden.manifest.reference.sensitivity
+    assert measured, "a recorded golden is certified by its canaries"
+    elsewhere = {name: ratio * 1.0003 for name, ratio in measured.items()}
+    golden.manifest = replace(golden.manifest, reference=replace(golden.manifest.reference, sensitivity=elsewhere))
+    path.write_bytes(encode_checked(golden, path))
+    there = path.read_bytes()
+    capsys.readouterr()
+
+    assert cli(scratch_project, "record", "--model", "llama", "--dtype", "float32") == 0
+    assert "unchanged" in capsys.readouterr().out
+    assert path.read_bytes() == there
 
 
 def test_golden_is_zstd_around_a_plain_safetensors_file(repo_project):

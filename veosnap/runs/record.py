@@ -417,7 +417,8 @@ def stored_bytes(project: Project, new: Golden) -> tuple[bytes, str]:
     """What recording `new` stores in `project`, and a note for the user.
 
     An existing golden's approval trail is kept: the new golden carries it, and must then reproduce the
-    stored file byte for byte (a recording cannot extend the trail, having no reason to give). An
+    stored file byte for byte (a recording cannot extend the trail, having no reason to give). A golden
+    without a trail that the recording reproduces but for its canaries' measured ratios stays as stored. An
     unreadable golden is replaced (it has no trail anyone can trust), and the note says so.
     """
     root = project.goldens
@@ -429,13 +430,20 @@ def stored_bytes(project: Project, new: Golden) -> tuple[bytes, str]:
     except GoldenError as exc:
         return encode_checked(new, path), f"replaced an unreadable golden: {exc.problem}"
     trail = old.manifest.approvals
+    # The same canaries caught at the same scales: the ratios measured when the golden was certified are kept
+    # (another machine of the class measures them in other digits: 138.55 against 138.58 on two CPUs).
+    same_canaries = bool(old.manifest.reference.sensitivity and new.manifest.reference.sensitivity
+                         and set(old.manifest.reference.sensitivity) == set(new.manifest.reference.sensitivity))
     if not trail:
+        if same_canaries:  # the golden as stored, but for those figures: nothing to write
+            kept = replace(new, manifest=replace(new.manifest, reference=replace(
+                new.manifest.reference, sensitivity=old.manifest.reference.sensitivity)))
+            data = encode_checked(kept, path)
+            if data == store.read_file(path):
+                return data, ""
         return encode_checked(new, path), ""
     new.manifest.approvals = list(trail)
-    if old.manifest.reference.sensitivity and new.manifest.reference.sensitivity \
-            and set(old.manifest.reference.sensitivity) == set(new.manifest.reference.sensitivity):
-        # The same canaries caught at the same scales: the ratios approved with the trail are kept (another
-        # machine of the class measures them in other last digits than the one that certified the golden).
+    if same_canaries:  # the ratios approved with the trail
         new.manifest = replace(new.manifest, reference=replace(new.manifest.reference,
                                                                sensitivity=old.manifest.reference.sensitivity))
     data = encode_checked(new, path)
