@@ -122,10 +122,15 @@ def test_a_refresh_adds_the_bounds_to_a_golden_recorded_before_them(tmp_path, ca
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
+@pytest.mark.parametrize("batch", [None, 100], ids=["batched", "batches-of-100-values"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_the_projections_of_many_gradients_at_once_are_each_ones_alone(device):
-    # A check queues every whole gradient's projection after the backward (four kernels a gradient on a GPU):
-    # each must be the one `projection` gives that gradient alone, an all-zero or empty golden's 0.
+def test_the_projections_of_many_gradients_at_once_are_each_ones_alone(device, batch, monkeypatch):
+    # A check queues every whole gradient's projection after the backward, the gradients of one dtype laid end
+    # to end in one buffer: each must be the one `projection` gives that gradient alone, an all-zero or empty
+    # golden's 0, wherever the buffers are cut (a gradient larger than a buffer goes alone).
+    if batch is not None:
+        monkeypatch.setattr(projection, "BATCH", batch)
+        monkeypatch.setattr(projection, "BATCH_CUDA", batch)
     torch.manual_seed(0)
     pairs = []
     for shape, scale in (((2048,), 1.01), ((64, 33), 0.97), ((5, 7, 3), 1.0), ((), 1.02), ((0,), 1.0)):

@@ -216,6 +216,30 @@ def test_the_batched_compare_gives_the_per_tensor_compares_numbers(twins, model,
     assert whole and max(whole) >= 20 and min(whole) >= 1  # every tensor of the exact goldens; the loss at least
 
 
+def test_whole_tensors_with_nan_and_infinite_rows_get_row_errors_numbers_in_one_pass():
+    # A NaN or infinite row is an infinite row error; rows of tensors of one width laid end to end (a chunk may
+    # hold several tensors' rows, a tensor span chunks), token tensors on their real tokens only.
+    from veosnap.numerics import metric
+
+    torch.manual_seed(1)
+    mask = torch.tensor([True, True, False, True, True, True])
+    items = []
+    for k, (name, shape) in enumerate((("logits", (2, 3, 4)), ("grad.w", (7, 4)), ("grad.v", (1, 4)),
+                                       ("layers.0.output", (2, 3, 4)), ("grad.b", (5,)), ("loss", ()))):
+        golden = torch.randn(shape)
+        cand = golden + 1e-3 * torch.randn(shape)
+        if k == 1:
+            cand[2, 1] = float("nan")
+        if k == 3:
+            cand[0, 2, 3] = float("inf")  # on a real token
+        items.append((name, cand, golden, mask if "grad" not in name and name != "loss" else None, 0.5))
+    for chunk in (metric.CHUNK, 8):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(metric, "CHUNK", chunk)
+            # repr: the NaN candidate value is the same NaN, which == does not say
+            assert list(map(repr, metric.row_errors(items))) == [repr(metric.row_error(*item)) for item in items]
+
+
 def _close(a: float, b: float) -> bool:
     return a == b or abs(a - b) <= 1e-12 * max(abs(a), abs(b))
 

@@ -18,6 +18,7 @@ import torch
 
 from ..golden import names
 from .readback import Later
+from .segments import narrow_ids, segment_ids
 
 WORST_ROWS = 5  # rows a comparison keeps for reports, besides its count of rows over the bound
 
@@ -160,6 +161,9 @@ def _native_rows(name: str, tensor: torch.Tensor, token_mask: torch.Tensor | Non
 
 
 CHUNK = 1 << 18  # float64 values per side converted at a time: 2 MiB, reused (fewer fresh pages than whole copies)
+# On a GPU a chunk costs five kernel launches, and the caching allocator hands the buffers back without fresh
+# pages: 32 MiB a side there (qwen3_moe-1b's whole tensors of width 2048 took 9 chunks, 63 kernels, at 2 MiB).
+CHUNK_CUDA = 1 << 22
 
 
 def _same_width(members: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, float]]
@@ -177,7 +181,7 @@ def _same_width(members: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | N
     starts = [0]
     for n in sizes:
         starts.append(starts[-1] + n)
-    chunk = max(1, CHUNK // max(width, 1))
+    chunk = max(1, (CHUNK_CUDA if device.type == "cuda" else CHUNK) // max(width, 1))
     c_buf = torch.empty(min(chunk, total), width, dtype=f64, device=device)
     g_buf = torch.empty_like(c_buf)
     per_row = torch.empty(total, dtype=f64, device=device)  # |candidate row - golden row|
@@ -199,28 +203,29 @@ def _same_width(members: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | N
             if b == starts[k + 1]:
                 first = k + 1
         cv, gv = c_buf[:hi - lo], g_buf[:hi - lo]
-        golden_norms[lo:hi] = gv.norm(dim=1)
-        per_row[lo:hi] = cv.sub_(gv).norm(dim=1)
+        torch.linalg.vector_norm(gv, dim=1, out=golden_norms[lo:hi])  # into place: no copy kernel after each
+        torch.linalg.vector_norm(cv.sub_(gv), dim=1, out=per_row[lo:hi])
     squares = golden_norms.pow(2)
     # The golden's typical row norm, as row_error takes it: the mean over the tensor's own rows alone
     # (torch's sqrt, on a 0-d tensor, as there: it is not always the correctly rounded one).
     typical = torch.stack([squares[a:b].mean().sqrt() for a, b in zip(starts, starts[1:])])
     scales = torch.where(typical > 0, typical, torch.ones_like(typical))  # an all-zero golden: absolute error
     on = {"device": device, "non_blocking": True}
-    segment = torch.repeat_interleave(torch.arange(len(members), device=device), torch.tensor(sizes).to(**on),
-                                      output_size=total)  # made on the device: no host tensor per row
-    first_rows = torch.tensor(starts[:-1]).to(**on)
-    errors = per_row / scales[segment]
-    errors = torch.where(torch.isfinite(errors), errors, torch.full_like(errors, float("inf")))
+    bounds = torch.tensor(starts).to(**on)  # every tensor's first row, then the total
+    segment = segment_ids(bounds[1:], total)  # made on the device: no host tensor per row
+    first_rows = bounds[:-1]
+    # A NaN row error is infinite, as row_error's `where(isfinite)`: errors are never negative, so one kernel
+    # (nan_to_num's) does what isfinite's four and where's did.
+    errors = (per_row / scales[segment]).nan_to_num_(nan=float("inf"), posinf=float("inf"))
     # Rows over each tensor's bound: a running count read at the tensors' ends (integers: exact, and no
     # atomics, which torch's deterministic mode refuses on CUDA).
     over = (errors > torch.tensor([b for _, _, _, b in members], dtype=f64).to(**on)[segment]).long().cumsum(0)
     over = torch.cat([over.new_zeros(1), over])
-    over = over[torch.tensor(starts[1:]).to(**on)] - over[first_rows]
+    over = over[bounds[1:]] - over[first_rows]
     # Within each tensor, its rows worst first, ties in row order (row_error's stable sort): a stable sort by
     # error, then a stable sort by tensor, keeps that order within each tensor's stretch.
     by_error = errors.sort(descending=True, stable=True).indices
-    order = by_error[segment[by_error].sort(stable=True).indices]
+    order = by_error[narrow_ids(segment[by_error], len(members)).sort(stable=True).indices]
     worst = order[first_rows]
     top = [starts[k] + j for k, n in enumerate(sizes) if n > 1 for j in range(min(WORST_ROWS, n))]
     top_rows = order[torch.tensor(top, dtype=torch.long).to(**on)]

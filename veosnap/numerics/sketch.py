@@ -62,6 +62,7 @@ from ..golden.sketches import (  # the stored form lives with the golden; re-exp
     row_layout,
 )
 from .readback import Later
+from .segments import segment_ids
 from .sketch_rule import (
     STRIPE_MULT,
     WORD_MULT,
@@ -566,11 +567,10 @@ def _segments(sizes: list[int], device: torch.device) -> tuple[torch.Tensor, tor
     n = len(sizes)
     counts = torch.tensor(sizes, dtype=torch.long)
     ends = counts.cumsum(0)
-    packed = torch.cat([counts, ends - counts, ends]).to(device, non_blocking=True)
+    packed = torch.cat([ends - counts, ends]).to(device, non_blocking=True)
     # Each element's tensor is made where it is used (a tensor per group: on the host it cost milliseconds
-    # of fresh memory at 1B parameters); `output_size` spares the device a sync for its length.
-    seg = torch.repeat_interleave(torch.arange(n, device=device), packed[:n], output_size=sum(sizes))
-    return seg, packed[n:2 * n], packed[2 * n:]
+    # of fresh memory at 1B parameters), from the ends alone: no sync for its length.
+    return segment_ids(packed[n:], sum(sizes)), packed[:n], packed[n:]
 
 
 def _per_tensor_sum(values: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
@@ -595,7 +595,7 @@ def _first_true_per_tensor(mask: torch.Tensor, starts: torch.Tensor, ends: torch
     """Each tensor's first True (laid end to end), as an index into its own elements; 0 for none (as
     `_first_true`): the count of its elements before its first True, from an integer scan."""
     running = torch.cat([torch.zeros(1, dtype=torch.long, device=mask.device), mask.long().cumsum(0)])
-    before = running[1:] - torch.repeat_interleave(running[starts], ends - starts, output_size=mask.numel())
+    before = running[1:] - running[starts][segment_ids(ends, mask.numel())]
     leading = _per_tensor_sum(before == 0, starts, ends)
     return torch.where(_per_tensor_sum(mask, starts, ends) > 0, leading, torch.zeros_like(leading))
 
