@@ -187,6 +187,7 @@ def _same_width(members: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | N
     per_row = torch.empty(total, dtype=f64, device=device)  # |candidate row - golden row|
     golden_norms = torch.empty(total, dtype=f64, device=device)
     first = 0  # the first tensor with rows in this chunk
+    one_chunk = total <= chunk
     for lo in range(0, total, chunk):
         hi = min(lo + chunk, total)
         for k in range(first, len(members)):  # the pieces of this chunk's rows, tensor by tensor
@@ -204,7 +205,8 @@ def _same_width(members: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | N
                 first = k + 1
         cv, gv = c_buf[:hi - lo], g_buf[:hi - lo]
         torch.linalg.vector_norm(gv, dim=1, out=golden_norms[lo:hi])  # into place: no copy kernel after each
-        torch.linalg.vector_norm(cv.sub_(gv), dim=1, out=per_row[lo:hi])
+        # All rows in one chunk (a GPU's usual case): both buffers are kept, and the worst rows read from them.
+        torch.linalg.vector_norm(cv - gv if one_chunk else cv.sub_(gv), dim=1, out=per_row[lo:hi])
     squares = golden_norms.pow(2)
     # The golden's typical row norm, as row_error takes it: the mean over the tensor's own rows alone
     # (torch's sqrt, on a 0-d tensor, as there: it is not always the correctly rounded one).
@@ -230,9 +232,13 @@ def _same_width(members: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | N
     top = [starts[k] + j for k, n in enumerate(sizes) if n > 1 for j in range(min(WORST_ROWS, n))]
     top_rows = order[torch.tensor(top, dtype=torch.long).to(**on)]
     local = worst - first_rows  # each worst row's place in its own tensor's rows
-    # The worst rows' largest differences, recomputed from the tensors' own rows (the same float64 values).
-    c_rows = torch.cat([c.index_select(0, local[k:k + 1]).to(f64) for k, (c, _, _, _) in enumerate(members)])
-    g_rows = torch.cat([g.index_select(0, local[k:k + 1]).to(f64) for k, (_, g, _, _) in enumerate(members)])
+    # The worst rows' largest differences, from the rows as converted (the same float64 values): two reads of
+    # the kept buffers, else four kernels a tensor from its own rows.
+    if one_chunk:
+        c_rows, g_rows = c_buf.index_select(0, worst), g_buf.index_select(0, worst)
+    else:
+        c_rows = torch.cat([c.index_select(0, local[k:k + 1]).to(f64) for k, (c, _, _, _) in enumerate(members)])
+        g_rows = torch.cat([g.index_select(0, local[k:k + 1]).to(f64) for k, (_, g, _, _) in enumerate(members)])
     column = (c_rows - g_rows).abs().nan_to_num(nan=float("inf")).argmax(dim=1, keepdim=True)
     figures = torch.stack([errors[worst], local.to(f64), column[:, 0].to(f64), g_rows.gather(1, column)[:, 0],
                            c_rows.gather(1, column)[:, 0], over.to(f64)], dim=1)
