@@ -102,8 +102,8 @@ def row_errors_later(items: Sequence[tuple[str, torch.Tensor, torch.Tensor, torc
     with its sketches' in one transfer)."""
     device = torch.device("cpu") if device is None else torch.device(device)
     out: list[RowError | None] = [None] * len(items)
-    widths: dict[int, list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]]] = {}
-    picked: dict[int, torch.Tensor] = {}  # the rows a token mask picks, on `device`, once per mask
+    widths: dict[int, list[tuple[int, torch.Tensor, torch.Tensor, list[int] | None]]] = {}
+    picked: dict[int, tuple[torch.Tensor, list[int]]] = {}  # a token mask's rows, on `device` and the host, once
     for i, (name, candidate, golden, token_mask, _) in enumerate(items):
         c_rows, index = _native_rows(name, candidate, token_mask, device, picked)
         g_rows, _ = _native_rows(name, golden, token_mask, device, picked)
@@ -144,7 +144,7 @@ def _layout(name: str, t: torch.Tensor, token_mask: torch.Tensor | None) -> tupl
 
 
 def _native_rows(name: str, tensor: torch.Tensor, token_mask: torch.Tensor | None, device: torch.device,
-                 picked: dict[int, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 picked: dict[int, tuple[torch.Tensor, list[int]]]) -> tuple[torch.Tensor, list[int] | None]:
     """`rows_of` on `device` without the float64 copy (converting after the rows are chosen gives the same
     values); the original index of each row (on the host) only when they are not 0, 1, ... (None). The
     token mask is read on the host (it is the golden batch's), so choosing rows never waits for a device."""
@@ -154,10 +154,13 @@ def _native_rows(name: str, tensor: torch.Tensor, token_mask: torch.Tensor | Non
     rows, masked = _layout(name, t, token_mask)
     if not masked:
         return rows, None
-    index = token_mask.nonzero()[:, 0]
     if id(token_mask) not in picked:
-        picked[id(token_mask)] = index.to(device, non_blocking=True)
-    return rows.index_select(0, picked[id(token_mask)]), index
+        index = token_mask.nonzero()[:, 0]
+        # The host's as a list: a report names a few rows of each tensor, and a list is read without a torch
+        # call (139 tensor reads were 0.6 ms of the host's work after the read at qwen3_moe-60m).
+        picked[id(token_mask)] = (index.to(device, non_blocking=True), index.tolist())
+    on_device, index = picked[id(token_mask)]
+    return rows.index_select(0, on_device), index
 
 
 CHUNK = 1 << 18  # float64 values per side converted at a time: 2 MiB, reused (fewer fresh pages than whole copies)
@@ -166,7 +169,7 @@ CHUNK = 1 << 18  # float64 values per side converted at a time: 2 MiB, reused (f
 CHUNK_CUDA = 1 << 22
 
 
-def _same_width(members: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, float]]
+def _same_width(members: list[tuple[torch.Tensor, torch.Tensor, list[int] | None, float]]
                 ) -> Later[list[RowError]]:
     """`row_errors` of tensors whose rows have one width (none without rows), on their rows' device.
 
@@ -252,7 +255,7 @@ def _same_width(members: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | N
         results, at = [], 0
         for (error, row, col, g, c, n_over), n, ix in zip(rows6, sizes, indices):
             shown = min(WORST_ROWS, n) if n > 1 else 0
-            place = (lambda r, ix=ix: int(ix[int(r)])) if ix is not None else (lambda r: int(r))  # noqa: E731
+            place = (lambda r, ix=ix: ix[int(r)]) if ix is not None else (lambda r: int(r))  # noqa: E731
             ranked = tuple((place(r), e) for r, e in zip(ranked_local[at:at + shown], ranked_errors[at:at + shown]))
             results.append(RowError(error=error, row=place(row), column=int(col), golden_value=g, candidate_value=c,
                                     rows_over=int(n_over), rows=n, worst_rows=ranked))
