@@ -159,8 +159,16 @@ def test_the_recorder_still_records_the_committed_moe_goldens_byte_for_byte(proj
     skip_unless_reproduced()  # the figures too, where this machine computes the committed bits
     # Everything but the trail: a refreshed golden's manifest also holds its approvals (and so another hash).
     assert fresh.manifest.payload_hash == kept.manifest.payload_hash
-    assert replace(fresh.manifest, approvals=[], manifest_hash="") == replace(kept.manifest, approvals=[],
-                                                                            manifest_hash="")
+    # The canaries' ratios are measured by checking planted bugs, and another CPU of the class measures them in
+    # other digits though its reference is the same bits (an AVX-512 EPYC: 73.531 against 73.525): close.
+    measured, certified = fresh.manifest.reference.sensitivity, kept.manifest.reference.sensitivity
+    assert set(measured) == set(certified)
+    assert all(measured[canary] == pytest.approx(certified[canary], rel=1e-3) for canary in certified)
+
+    def but_trail_and_ratios(m):  # noqa: ANN001, ANN202
+        return replace(m, approvals=[], manifest_hash="", reference=replace(m.reference, sensitivity=None))
+
+    assert but_trail_and_ratios(fresh.manifest) == but_trail_and_ratios(kept.manifest)
 
 
 # --- 3. a generator backend's patch stays applied while any layout runs ----------------------------------
