@@ -574,11 +574,9 @@ def _segments(sizes: list[int], device: torch.device) -> tuple[torch.Tensor, tor
 
 
 def _per_tensor_sum(values: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    """Float64 sums of 0/1 or integer `values` per tensor laid end to end (along the first dimension; further
-    dimensions are columns summed apart): exact (integers below 2**53), and from a scan, not atomics (the same
-    on every run)."""
-    scan = values.to(torch.float64).cumsum(0)
-    running = torch.cat([scan.new_zeros((1, *scan.shape[1:])), scan])
+    """Float64 sums of 0/1 or integer `values` per tensor laid end to end: exact (integers below 2**53),
+    and from a scan, not atomics (the same on every run)."""
+    running = torch.cat([torch.zeros(1, dtype=torch.float64, device=values.device), values.to(torch.float64).cumsum(0)])
     return running[ends] - running[starts]
 
 
@@ -630,10 +628,8 @@ def _figures(pairs: Sequence[tuple[GoldenSketch, CandidateSketch, float, str]], 
         at = (starts + worst).clamp(max=counts.numel() - 1)
         empty = torch.tensor([size == 0 for size in sizes]).to(device, non_blocking=True)
         keep = lambda t: torch.where(empty, zeros, t.to(f64))  # noqa: E731 - a tensor without groups: zeros
-        # The three sums from one scan of their three columns (a scan and its reads are seven kernels).
-        over, compared, counted = _per_tensor_sum(torch.stack([errors > bound, counts > 0, counts], dim=1),
-                                                  starts, ends).unbind(dim=1)
-        columns = [keep(errors[at]), keep(worst), over, compared, keep(counts[at]), counted]
+        columns = [keep(errors[at]), keep(worst), _per_tensor_sum(errors > bound, starts, ends),
+                   _per_tensor_sum(counts > 0, starts, ends), keep(counts[at]), _per_tensor_sum(counts, starts, ends)]
     masks = [c.nonfinite for _, c, _, _ in pairs]
     present = [m is not None and m.numel() > 0 for m in masks]
     if any(present):
