@@ -575,7 +575,9 @@ def _segments(sizes: list[int], device: torch.device) -> tuple[torch.Tensor, tor
 
 def _per_tensor_sum(values: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """Float64 sums of 0/1 or integer `values` per tensor laid end to end: exact (integers below 2**53),
-    and from a scan, not atomics (the same on every run)."""
+    and from a scan, not atomics (the same on every run). One dimension only: on CUDA a cumsum along the first
+    of two dimensions scans each column on one thread (three columns of qwen3_moe-1b's groups: 7.6 ms on an
+    H100, round 16), where a one-dimensional one takes microseconds."""
     running = torch.cat([torch.zeros(1, dtype=torch.float64, device=values.device), values.to(torch.float64).cumsum(0)])
     return running[ends] - running[starts]
 
