@@ -65,3 +65,28 @@ def test_a_plan_over_the_limit_leaves_everything_in_place(project, monkeypatch, 
     assert device_tree.main(["aside", "--for", "bench", "--root", str(project)]) == 2
     assert "DOES NOT FIT" in capsys.readouterr().out
     assert len(files(project)) == 3
+
+
+def test_a_base_tree_for_a_benchmark_holds_what_its_bench_reads_and_goes_only_where_git_ignores(project, capsys):
+    for path in ("veosnap/__init__.py", "tools/bench/bench_scale.py", "toy_configs/llama/config.json",
+                 "testdata/sequences.parquet", "pyproject.toml"):
+        (project / path).parent.mkdir(parents=True, exist_ok=True)
+        (project / path).write_text("v1\n")
+    (project / ".gitignore").write_text("/.whl/\n")
+    subprocess.run(["git", "-C", str(project), "add", "-A"], check=True)
+    subprocess.run(["git", "-C", str(project), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "base"],
+                   check=True)
+    (project / "veosnap/__init__.py").write_text("v2\n")  # the new tree, uncommitted
+
+    assert device_tree.main(["base", "HEAD", "--root", str(project)]) == 0
+    base = project / ".whl" / "base"
+    assert sorted(p.name for p in base.iterdir()) == ["pyproject.toml", "testdata", "tools", "toy_configs", "veosnap"]
+    assert (base / "veosnap/__init__.py").read_text() == "v1\n" and not (base / "goldens").exists()
+    assert "cd .whl/base && python tools/bench/bench_scale.py" in capsys.readouterr().out
+    status = subprocess.run(["git", "-C", str(project), "status", "--porcelain"], capture_output=True, text=True)
+    assert status.stdout.split() == ["M", "veosnap/__init__.py"]  # the base tree is not in git's view
+
+    assert device_tree.main(["base", "HEAD", "--root", str(project), "--into", "tools/base"]) == 2
+    assert "git does not ignore it" in capsys.readouterr().err
+    assert device_tree.main(["base", "no-such-rev", "--root", str(project)]) == 2
+    assert "no such commit here" in capsys.readouterr().err

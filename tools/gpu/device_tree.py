@@ -9,6 +9,12 @@ about 90 MiB). Each device call needs only some of them:
     ... the device calls ...
     python tools/gpu/device_tree.py restore
 
+A benchmark compares two trees in one device call (docs/scale.md: a base tree beside the new one, on one
+machine); `base REV` writes what `tools/bench/bench_scale.py` needs of commit REV (the package, the tools, the
+toy configs and test data: `BASE_PATHS`) into an ignored folder that a call carries:
+
+    python tools/gpu/device_tree.py base f896a92 --into .whl/base    # then --carry .whl (the wheels beside it)
+
 `aside` makes every golden folder (goldens/CLASS/MODEL) that no `--keep` pattern matches a path git leaves
 out of the working tree (`git sparse-checkout set --no-cone`: the files stay in the index and the repository,
 `git status` stays clean, nothing is stashed anywhere), after printing what travels (the tracked files left,
@@ -25,6 +31,7 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -37,6 +44,11 @@ PRESETS = {
     "bench": ["goldens/cpu/llama", "goldens/cpu/qwen3_moe", "goldens/cuda-sm90/*"],
 }
 EXCLUDE = {"suite": ["goldens/cuda-sm90/*-real*"], "bench": ["goldens/cuda-sm90/*-real*"]}  # kept by a broader pattern
+
+
+# What a benchmark run from a base tree reads of it: bench_scale records its goldens from the toy configs and
+# test data (round 16's first call sent a base tree without them, and its base rows did not run).
+BASE_PATHS = ("veosnap", "tools", "pyproject.toml", "toy_configs", "testdata")
 
 
 def git(root: Path, *args: str, stdin: str | None = None) -> str:
@@ -124,9 +136,39 @@ def do_restore(root: Path) -> int:
     return 1 if status else 0
 
 
+def do_base(root: Path, rev: str, into: Path) -> int:
+    """`BASE_PATHS` of commit `rev` into `into` (replaced), a folder inside `root` that git ignores."""
+    into = (root / into).resolve() if not into.is_absolute() else into.resolve()
+    if root not in into.parents:
+        print(f"device_tree: {into}: not inside {root}, so no device call could carry it", file=sys.stderr)
+        return 2
+    relative = str(into.relative_to(root))
+    if subprocess.run(["git", "-C", str(root), "check-ignore", "-q", relative]).returncode != 0:
+        print(f"device_tree: {relative}: git does not ignore it, so it would travel as untracked files and show in "
+              "`git status`; put it under an ignored folder (.whl/)", file=sys.stderr)
+        return 2
+    found = subprocess.run(["git", "-C", str(root), "rev-parse", "--verify", "-q", f"{rev}^{{commit}}"],
+                           capture_output=True, text=True)
+    if found.returncode != 0:
+        print(f"device_tree: {rev}: no such commit here", file=sys.stderr)
+        return 2
+    commit = found.stdout.strip()
+    paths = [p for p in BASE_PATHS if git(root, "ls-tree", "--name-only", commit, p).strip()]
+    if into.exists():
+        shutil.rmtree(into)
+    into.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(root), "archive", commit, *paths], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    print(f"{relative}: {commit[:12]}'s {', '.join(paths)} ({folder_bytes(into) / 2**20:.1f} MiB); its bench runs its own "
+          f"veosnap: cd {relative} && python tools/bench/bench_scale.py ...")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("action", choices=["plan", "aside", "restore"])
+    parser.add_argument("action", choices=["plan", "aside", "restore", "base"])
+    parser.add_argument("rev", nargs="?", help="base: the commit whose tree a benchmark compares against")
+    parser.add_argument("--into", type=Path, default=Path(".whl/base"), help="base: the ignored folder to write")
     parser.add_argument("--keep", action="append", default=[], help="golden folders to keep (glob; repeatable)")
     parser.add_argument("--for", dest="preset", choices=sorted(PRESETS), help="a preset set of --keep patterns")
     parser.add_argument("--carry", action="append", default=[], help="a carried folder, counted (repeatable)")
@@ -137,6 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.pop("GIT_DIR", None)  # a hook's environment would point git elsewhere
     if args.action == "restore":
         return do_restore(root)
+    if args.action == "base":
+        if not args.rev:
+            parser.error("base needs the commit: device_tree.py base REV [--into .whl/base]")
+        return do_base(root, args.rev, args.into)
     keep = args.keep + PRESETS.get(args.preset, [])
     aside = chosen_aside(root, keep, EXCLUDE.get(args.preset, []), args.keep)
     if args.action == "plan":
