@@ -40,10 +40,14 @@ THREADS = textwrap.dedent('''
     ENOUGH = os.path.join(os.path.dirname(__file__), "enough")  # the test's own way to end them
 
 
+    def _patched(x, inplace=False):
+        return _real(x) * 1.01
+
+
     def _patch_forever(swallow):
         while not os.path.exists(ENOUGH):
             try:
-                F.silu = lambda x, inplace=False: _real(x) * 1.01
+                F.silu = _patched
                 time.sleep(0.005)
             except BaseException:
                 if not swallow:
@@ -51,6 +55,9 @@ THREADS = textwrap.dedent('''
 
 
     def patcher(model):
+        # In place before the candidate runs, whenever its thread first gets the GIL (on a busy 2-core machine,
+        # after the step: the cell then passed); the thread puts it back after veosnap's restore.
+        F.silu = _patched
         threading.Thread(target=_patch_forever, args=(False,), daemon=True, name="patcher").start()
         return model
 
