@@ -83,8 +83,9 @@ def projections_later(items: Sequence[tuple[torch.Tensor, torch.Tensor]],
     products: list[torch.Tensor | None] = [None] * len(items)
     for batch in _batches(items, BATCH_CUDA if device.type == "cuda" else BATCH):
         c, g = ([items[i][side].detach().to(device, non_blocking=True).reshape(-1) for i in batch] for side in (0, 1))
-        same = all(t.dtype == c[0].dtype for t in c + g)
-        # Both sides in one buffer, [2, n]: row 0 the candidates' values, row 1 the goldens'.
+        # Both sides in one buffer, [2, n]: row 0 the candidates' values, row 1 the goldens' (a batch is of one
+        # candidate dtype and one golden dtype).
+        same = c[0].dtype == g[0].dtype
         both = (torch.cat(c + g) if same else torch.cat([t.to(torch.float64) for t in c + g])).to(torch.float64)
         both = both.view(2, -1)
         both[0].sub_(both[1])  # c - g, exact in float64 for the narrower dtypes a check compares

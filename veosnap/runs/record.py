@@ -434,18 +434,17 @@ def stored_bytes(project: Project, new: Golden) -> tuple[bytes, str]:
     # (another machine of the class measures them in other digits: 138.55 against 138.58 on two CPUs).
     same_canaries = bool(old.manifest.reference.sensitivity and new.manifest.reference.sensitivity
                          and set(old.manifest.reference.sensitivity) == set(new.manifest.reference.sensitivity))
+    fresh = new.manifest
+    if same_canaries:
+        certified = old.manifest.reference.sensitivity
+        new.manifest = replace(fresh, reference=replace(fresh.reference, sensitivity=certified))
     if not trail:
-        if same_canaries:  # the golden as stored, but for those figures: nothing to write
-            kept = replace(new, manifest=replace(new.manifest, reference=replace(
-                new.manifest.reference, sensitivity=old.manifest.reference.sensitivity)))
-            data = encode_checked(kept, path)
-            if data == store.read_file(path):
-                return data, ""
-        return encode_checked(new, path), ""
+        data = encode_checked(new, path)
+        if same_canaries and data != store.read_file(path):  # changed beyond those figures: its own ratios
+            new.manifest = fresh
+            data = encode_checked(new, path)
+        return data, ""
     new.manifest.approvals = list(trail)
-    if same_canaries:  # the ratios approved with the trail
-        new.manifest = replace(new.manifest, reference=replace(new.manifest.reference,
-                                                               sensitivity=old.manifest.reference.sensitivity))
     data = encode_checked(new, path)
     if data != store.read_file(path):
         count = f"{len(trail)} approval{'s' if len(trail) > 1 else ''}"
